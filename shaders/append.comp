@@ -1,0 +1,48 @@
+#version 450
+// append.comp -- write n_new new K/V rows into the persistent cache at the live length.
+//
+// Contract
+//   kc, vc : cache, [HKV, CAP, DK4|DV4] uvec4 (layout in common.glsl), written in place
+//   nk, nv : new rows, float32 [HKV, NNEW, DK4*CH|DV4*CH] vec4, zero padded
+//   params : [0] past (live length before the append), [1] n_new (<= NNEW)
+// numpy:  K[:, past:past+n_new] = k_new.astype(storage);  V[:, past:past+n_new] = v_new.astype(storage)
+// Only rows past .. past+n_new-1 are touched; the work is O(n_new), independent of CAP.
+// The caller has checked past + n_new <= CAP before dispatching (nothing here can overflow).
+#extension GL_GOOGLE_include_directive : require
+#include "common.glsl"
+
+layout(local_size_x_id = 0) in;
+layout(constant_id = 1) const uint DK4 = 16u;
+layout(constant_id = 2) const uint DV4 = 16u;
+layout(constant_id = 3) const uint CAP = 1u;
+layout(constant_id = 4) const uint HKV = 1u;
+layout(constant_id = 5) const uint NNEW = 1u;
+
+layout(std430, binding = 0) writeonly buffer KC { uvec4 kc[]; };
+layout(std430, binding = 1) writeonly buffer VC { uvec4 vc[]; };
+layout(std430, binding = 2) readonly buffer NK { vec4 nk[]; };
+layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
+layout(std430, binding = 4) readonly buffer PARAMS { uint params[]; };
+
+void main() {
+    const uint past = params[0];
+    const uint n_new = params[1];
+    const uint nk_words = HKV * n_new * DK4;
+    const uint total = nk_words + HKV * n_new * DV4;
+    const uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    for (uint i = gl_GlobalInvocationID.x; i < total; i += stride) {
+        vec4 x[CH];
+        if (i < nk_words) {
+            const uint c = i % DK4, r = (i / DK4) % n_new, h = i / (DK4 * n_new);
+            const uint src = ((h * NNEW + r) * DK4 + c) * CH;
+            for (uint e = 0u; e < CH; ++e) x[e] = nk[src + e];
+            kc[(h * CAP + past + r) * DK4 + c] = pack_chunk(x);
+        } else {
+            const uint iv = i - nk_words;
+            const uint c = iv % DV4, r = (iv / DV4) % n_new, h = iv / (DV4 * n_new);
+            const uint src = ((h * NNEW + r) * DV4 + c) * CH;
+            for (uint e = 0u; e < CH; ++e) x[e] = nv[src + e];
+            vc[(h * CAP + past + r) * DV4 + c] = pack_chunk(x);
+        }
+    }
+}

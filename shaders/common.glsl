@@ -1,0 +1,44 @@
+// common.glsl -- storage helpers shared by every vkattn kernel.
+//
+// Cache layout (both K and V, both dtypes):
+//   cache[h, j, :] for h in [0, HKV), j in [0, CAP) is row (h * CAP + j) of a flat array of
+//   uvec4 words.  A row holds one head's vector for one position, padded with zeros to a whole
+//   number of uvec4 (16 bytes): DK4 uvec4 per K row, DV4 per V row.  Positions of one head are
+//   contiguous, so a split-K workgroup streams one contiguous byte range per head.
+//
+//   KV_F16 = 1: a uvec4 holds 8 halves (packHalf2x16 pairs, low half first).
+//   KV_F16 = 0: a uvec4 holds 4 float32 bit patterns.
+//
+// Host-side float32 rows (new K/V, queries) are padded to the same width: CH vec4 per uvec4.
+#ifndef KV_F16
+#error "KV_F16 must be defined (0 or 1)"
+#endif
+
+#if KV_F16
+#define CH 2u
+#else
+#define CH 1u
+#endif
+
+#define NEG_INF uintBitsToFloat(0xff800000u)
+#define LOG2E 1.4426950408889634
+
+// uvec4 storage word -> CH float vec4
+void unpack_chunk(uvec4 w, out vec4 x[CH]) {
+#if KV_F16
+    x[0] = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+    x[1] = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+#else
+    x[0] = uintBitsToFloat(w);
+#endif
+}
+
+// CH float vec4 -> uvec4 storage word (fp16: round to nearest even)
+uvec4 pack_chunk(vec4 x[CH]) {
+#if KV_F16
+    return uvec4(packHalf2x16(x[0].xy), packHalf2x16(x[0].zw),
+                 packHalf2x16(x[1].xy), packHalf2x16(x[1].zw));
+#else
+    return floatBitsToUint(x[0]);
+#endif
+}

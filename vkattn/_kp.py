@@ -1,0 +1,168 @@
+"""The only module that talks to Kompute (``kp``).
+
+Everything device-side in vkattn is one of three things:
+
+* :class:`Buffer`   -- a flat uint32/float32 device buffer (``kp.Tensor``); host-visible ones have
+  a mapped staging copy exposed as a numpy view.
+* :class:`Program`  -- a compute pipeline bound to fixed buffers, workgroup grid and spec constants
+  (``kp.Algorithm``); built once.
+* :class:`Recording` -- an ordered list of uploads, dispatches and downloads recorded once into a
+  ``kp.Sequence`` and re-evaluated every step.
+
+Ordering. kp 0.9's Python API records a transfer->shader barrier before every dispatch and a
+shader->transfer barrier before every download, but nothing between two dispatches. So a recording
+is correct only if no dispatch touches a buffer that an earlier dispatch of the same recording wrote
+(read-after-write, write-after-write) or read and it now writes (write-after-read), unless a download
+of that buffer (whose shader->transfer barrier orders the two) sits in between; and no upload
+overwrites a buffer an earlier dispatch of the recording used. :class:`Recording` checks these
+rules while recording and raises :class:`SyncHazardError`, so every recorded sequence is race-free
+by construction on any Vulkan device, not only on lavapipe (which serialises everything).
+Separate evaluations are ordered by kp's fence wait plus the next submission.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import kp
+
+from .errors import SyncHazardError
+
+_DTYPES = {np.dtype(np.uint32), np.dtype(np.float32)}
+
+
+class Backend:
+    """One ``kp.Manager`` on one physical device."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self._mgr = kp.Manager(index)
+
+    def buffer(self, size: int, dtype=np.uint32, host_visible: bool = True, name: str = "") -> "Buffer":
+        return Buffer(self, size, dtype, host_visible, name)
+
+    def program(self, spirv: bytes, bindings, groups, spec, writes=(), name: str = "") -> "Program":
+        return Program(self, spirv, bindings, groups, spec, writes, name)
+
+    def recording(self) -> "Recording":
+        return Recording(self)
+
+    def close(self) -> None:
+        if self._mgr is not None:
+            self._mgr.destroy()
+            self._mgr = None
+
+
+class Buffer:
+    """A device buffer of ``size`` elements (uint32 or float32).
+
+    ``host_visible`` buffers (kp "device" tensors) carry a staging copy: :meth:`view` is a numpy
+    view of it, :meth:`Recording.upload` copies it to the device, :meth:`Recording.download` back.
+    Others (kp "storage" tensors) live on the device only and cost no host memory.
+    """
+
+    def __init__(self, backend: Backend, size: int, dtype, host_visible: bool, name: str):
+        dtype = np.dtype(dtype)
+        if dtype not in _DTYPES:
+            raise TypeError(f"buffer dtype must be uint32 or float32, got {dtype}")
+        self.size = int(max(size, 1))
+        self.dtype = dtype
+        self.nbytes = self.size * 4
+        self.host_visible = host_visible
+        self.name = name
+        kind = kp.TensorTypes.device if host_visible else kp.TensorTypes.storage
+        self._t = backend._mgr.tensor_t(np.zeros(self.size, dtype), tensor_type=kind)
+        self._view = self._t.data() if host_visible else None
+
+    def view(self) -> np.ndarray:
+        if self._view is None:
+            raise RuntimeError(f"buffer {self.name!r} is device-only")
+        return self._view
+
+    def destroy(self) -> None:
+        self._view = None
+        if self._t is not None:
+            self._t.destroy()
+            self._t = None
+
+    def __repr__(self) -> str:
+        return f"Buffer({self.name!r}, {self.size} x {self.dtype})"
+
+
+class Program:
+    """A compute pipeline: SPIR-V + bound buffers + fixed grid + uint32 spec constants."""
+
+    def __init__(self, backend, spirv, bindings, groups, spec, writes, name):
+        self.name = name
+        self.bindings = list(bindings)
+        self.writes = {self.bindings[i] for i in writes}
+        self.reads = set(self.bindings) - self.writes
+        self.groups = tuple(int(g) for g in groups)
+        spec = np.asarray(spec, dtype=np.uint32)
+        self._algo = backend._mgr.algorithm(
+            [b._t for b in self.bindings], spirv, list(self.groups), spec, np.zeros(0, np.uint32))
+
+    def destroy(self) -> None:
+        if self._algo is not None:
+            self._algo.destroy()
+            self._algo = None
+
+
+class Recording:
+    """Builder for a recorded sequence; see the module docstring for the ordering rules."""
+
+    def __init__(self, backend: Backend):
+        self._backend = backend
+        self._ops = []
+        self._written = set()   # written by a dispatch, no download since
+        self._used = set()      # touched by a dispatch, no download since
+        self._seq = None
+
+    def upload(self, *bufs: Buffer) -> "Recording":
+        for b in bufs:
+            if b in self._used:
+                raise SyncHazardError(f"upload of {b.name!r} after a dispatch used it in the same recording")
+        self._ops.append(kp.OpTensorSyncDevice([b._t for b in bufs]))
+        return self
+
+    def dispatch(self, prog: Program) -> "Recording":
+        for b in prog.reads | prog.writes:
+            if b in self._written:
+                raise SyncHazardError(
+                    f"{prog.name}: {b.name!r} was written by an earlier dispatch with no barrier between")
+        for b in prog.writes:
+            if b in self._used:
+                raise SyncHazardError(
+                    f"{prog.name}: writes {b.name!r} that an earlier dispatch used, with no barrier between")
+        self._written |= prog.writes
+        self._used |= prog.reads | prog.writes
+        self._ops.append(kp.OpAlgoDispatch(prog._algo))
+        return self
+
+    def download(self, *bufs: Buffer) -> "Recording":
+        for b in bufs:
+            if not b.host_visible:
+                raise RuntimeError(f"download of device-only buffer {b.name!r}")
+            self._written.discard(b)
+            self._used.discard(b)
+        self._ops.append(kp.OpTensorSyncLocal([b._t for b in bufs]))
+        return self
+
+    def build(self, timestamps: bool = False) -> "Recording":
+        seq = self._backend._mgr.sequence(0, len(self._ops) + 1 if timestamps else 0)
+        for op in self._ops:
+            seq.record(op)
+        self._seq = seq
+        return self
+
+    def run(self) -> None:
+        self._seq.eval()
+
+    def timestamps(self) -> list:
+        """Device ticks latched before the first op and after each op of the last run."""
+        return list(self._seq.get_timestamps())
+
+    def destroy(self) -> None:
+        if self._seq is not None:
+            self._seq.destroy()
+            self._seq = None
+        self._ops = []

@@ -1,0 +1,568 @@
+"""Query Vulkan physical-device properties directly through the Vulkan loader.
+
+Kompute 0.9's Python API (``kp.Manager.get_device_properties``) exposes only a
+handful of limits (name, workgroup count/size/invocations, timestamp period).
+Choosing tile sizes and checking buffer sizes for attention kernels also needs
+the subgroup size, shared-memory size, storage-buffer range, maximum
+allocation size and device-local memory. This module reads them with plain
+``ctypes`` so it depends on nothing but the standard library and the system
+Vulkan loader. Devices are listed in loader order, which matches the device
+index Kompute uses.
+
+Run ``python -m vkattn._vkinfo`` to print one line per device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from ctypes import (
+    CFUNCTYPE,
+    POINTER,
+    Structure,
+    byref,
+    c_char,
+    c_char_p,
+    c_float,
+    c_int32,
+    c_size_t,
+    c_uint8,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+__all__ = ["DeviceInfo", "VulkanUnavailableError", "query_devices", "main"]
+
+_INSTALL_HINT = (
+    "Install a Vulkan loader and driver, e.g. on Debian/Ubuntu "
+    "`apt-get install libvulkan1 mesa-vulkan-drivers` (Mesa's lavapipe is a "
+    "software fallback), or your GPU vendor's Vulkan driver."
+)
+
+
+class VulkanUnavailableError(RuntimeError):
+    """Raised when no usable Vulkan loader, instance or physical device exists."""
+
+
+# --- C types -----------------------------------------------------------------
+
+VkBool32 = c_uint32
+VkDeviceSize = c_uint64
+VkSampleCountFlags = c_uint32
+VkFlags = c_uint32
+VkStructureType = c_int32
+VkResult = c_int32
+VkInstance = c_void_p
+VkPhysicalDevice = c_void_p
+
+_STYPE_APPLICATION_INFO = 0
+_STYPE_INSTANCE_CREATE_INFO = 1
+_STYPE_PHYSICAL_DEVICE_PROPERTIES_2 = 1000059001
+_STYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES = 1000094000
+_STYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES = 1000168000
+_MEMORY_HEAP_DEVICE_LOCAL_BIT = 0x1
+_MAX_PHYSICAL_DEVICE_NAME_SIZE = 256
+_UUID_SIZE = 16
+_MAX_MEMORY_TYPES = 32
+_MAX_MEMORY_HEAPS = 16
+
+
+def _make_api_version(major: int, minor: int, patch: int = 0) -> int:
+    return (major << 22) | (minor << 12) | patch
+
+
+_API_VERSION_1_1 = _make_api_version(1, 1)
+
+
+class VkPhysicalDeviceLimits(Structure):
+    _fields_ = [
+        ("maxImageDimension1D", c_uint32),
+        ("maxImageDimension2D", c_uint32),
+        ("maxImageDimension3D", c_uint32),
+        ("maxImageDimensionCube", c_uint32),
+        ("maxImageArrayLayers", c_uint32),
+        ("maxTexelBufferElements", c_uint32),
+        ("maxUniformBufferRange", c_uint32),
+        ("maxStorageBufferRange", c_uint32),
+        ("maxPushConstantsSize", c_uint32),
+        ("maxMemoryAllocationCount", c_uint32),
+        ("maxSamplerAllocationCount", c_uint32),
+        ("bufferImageGranularity", VkDeviceSize),
+        ("sparseAddressSpaceSize", VkDeviceSize),
+        ("maxBoundDescriptorSets", c_uint32),
+        ("maxPerStageDescriptorSamplers", c_uint32),
+        ("maxPerStageDescriptorUniformBuffers", c_uint32),
+        ("maxPerStageDescriptorStorageBuffers", c_uint32),
+        ("maxPerStageDescriptorSampledImages", c_uint32),
+        ("maxPerStageDescriptorStorageImages", c_uint32),
+        ("maxPerStageDescriptorInputAttachments", c_uint32),
+        ("maxPerStageResources", c_uint32),
+        ("maxDescriptorSetSamplers", c_uint32),
+        ("maxDescriptorSetUniformBuffers", c_uint32),
+        ("maxDescriptorSetUniformBuffersDynamic", c_uint32),
+        ("maxDescriptorSetStorageBuffers", c_uint32),
+        ("maxDescriptorSetStorageBuffersDynamic", c_uint32),
+        ("maxDescriptorSetSampledImages", c_uint32),
+        ("maxDescriptorSetStorageImages", c_uint32),
+        ("maxDescriptorSetInputAttachments", c_uint32),
+        ("maxVertexInputAttributes", c_uint32),
+        ("maxVertexInputBindings", c_uint32),
+        ("maxVertexInputAttributeOffset", c_uint32),
+        ("maxVertexInputBindingStride", c_uint32),
+        ("maxVertexOutputComponents", c_uint32),
+        ("maxTessellationGenerationLevel", c_uint32),
+        ("maxTessellationPatchSize", c_uint32),
+        ("maxTessellationControlPerVertexInputComponents", c_uint32),
+        ("maxTessellationControlPerVertexOutputComponents", c_uint32),
+        ("maxTessellationControlPerPatchOutputComponents", c_uint32),
+        ("maxTessellationControlTotalOutputComponents", c_uint32),
+        ("maxTessellationEvaluationInputComponents", c_uint32),
+        ("maxTessellationEvaluationOutputComponents", c_uint32),
+        ("maxGeometryShaderInvocations", c_uint32),
+        ("maxGeometryInputComponents", c_uint32),
+        ("maxGeometryOutputComponents", c_uint32),
+        ("maxGeometryOutputVertices", c_uint32),
+        ("maxGeometryTotalOutputComponents", c_uint32),
+        ("maxFragmentInputComponents", c_uint32),
+        ("maxFragmentOutputAttachments", c_uint32),
+        ("maxFragmentDualSrcAttachments", c_uint32),
+        ("maxFragmentCombinedOutputResources", c_uint32),
+        ("maxComputeSharedMemorySize", c_uint32),
+        ("maxComputeWorkGroupCount", c_uint32 * 3),
+        ("maxComputeWorkGroupInvocations", c_uint32),
+        ("maxComputeWorkGroupSize", c_uint32 * 3),
+        ("subPixelPrecisionBits", c_uint32),
+        ("subTexelPrecisionBits", c_uint32),
+        ("mipmapPrecisionBits", c_uint32),
+        ("maxDrawIndexedIndexValue", c_uint32),
+        ("maxDrawIndirectCount", c_uint32),
+        ("maxSamplerLodBias", c_float),
+        ("maxSamplerAnisotropy", c_float),
+        ("maxViewports", c_uint32),
+        ("maxViewportDimensions", c_uint32 * 2),
+        ("viewportBoundsRange", c_float * 2),
+        ("viewportSubPixelBits", c_uint32),
+        ("minMemoryMapAlignment", c_size_t),
+        ("minTexelBufferOffsetAlignment", VkDeviceSize),
+        ("minUniformBufferOffsetAlignment", VkDeviceSize),
+        ("minStorageBufferOffsetAlignment", VkDeviceSize),
+        ("minTexelOffset", c_int32),
+        ("maxTexelOffset", c_uint32),
+        ("minTexelGatherOffset", c_int32),
+        ("maxTexelGatherOffset", c_uint32),
+        ("minInterpolationOffset", c_float),
+        ("maxInterpolationOffset", c_float),
+        ("subPixelInterpolationOffsetBits", c_uint32),
+        ("maxFramebufferWidth", c_uint32),
+        ("maxFramebufferHeight", c_uint32),
+        ("maxFramebufferLayers", c_uint32),
+        ("framebufferColorSampleCounts", VkSampleCountFlags),
+        ("framebufferDepthSampleCounts", VkSampleCountFlags),
+        ("framebufferStencilSampleCounts", VkSampleCountFlags),
+        ("framebufferNoAttachmentsSampleCounts", VkSampleCountFlags),
+        ("maxColorAttachments", c_uint32),
+        ("sampledImageColorSampleCounts", VkSampleCountFlags),
+        ("sampledImageIntegerSampleCounts", VkSampleCountFlags),
+        ("sampledImageDepthSampleCounts", VkSampleCountFlags),
+        ("sampledImageStencilSampleCounts", VkSampleCountFlags),
+        ("storageImageSampleCounts", VkSampleCountFlags),
+        ("maxSampleMaskWords", c_uint32),
+        ("timestampComputeAndGraphics", VkBool32),
+        ("timestampPeriod", c_float),
+        ("maxClipDistances", c_uint32),
+        ("maxCullDistances", c_uint32),
+        ("maxCombinedClipAndCullDistances", c_uint32),
+        ("discreteQueuePriorities", c_uint32),
+        ("pointSizeRange", c_float * 2),
+        ("lineWidthRange", c_float * 2),
+        ("pointSizeGranularity", c_float),
+        ("lineWidthGranularity", c_float),
+        ("strictLines", VkBool32),
+        ("standardSampleLocations", VkBool32),
+        ("optimalBufferCopyOffsetAlignment", VkDeviceSize),
+        ("optimalBufferCopyRowPitchAlignment", VkDeviceSize),
+        ("nonCoherentAtomSize", VkDeviceSize),
+    ]
+
+
+class VkPhysicalDeviceSparseProperties(Structure):
+    _fields_ = [
+        ("residencyStandard2DBlockShape", VkBool32),
+        ("residencyStandard2DMultisampleBlockShape", VkBool32),
+        ("residencyStandard3DBlockShape", VkBool32),
+        ("residencyAlignedMipSize", VkBool32),
+        ("residencyNonResidentStrict", VkBool32),
+    ]
+
+
+class VkPhysicalDeviceProperties(Structure):
+    _fields_ = [
+        ("apiVersion", c_uint32),
+        ("driverVersion", c_uint32),
+        ("vendorID", c_uint32),
+        ("deviceID", c_uint32),
+        ("deviceType", c_int32),
+        ("deviceName", c_char * _MAX_PHYSICAL_DEVICE_NAME_SIZE),
+        ("pipelineCacheUUID", c_uint8 * _UUID_SIZE),
+        ("limits", VkPhysicalDeviceLimits),
+        ("sparseProperties", VkPhysicalDeviceSparseProperties),
+    ]
+
+
+class VkPhysicalDeviceProperties2(Structure):
+    _fields_ = [
+        ("sType", VkStructureType),
+        ("pNext", c_void_p),
+        ("properties", VkPhysicalDeviceProperties),
+    ]
+
+
+class VkPhysicalDeviceSubgroupProperties(Structure):
+    _fields_ = [
+        ("sType", VkStructureType),
+        ("pNext", c_void_p),
+        ("subgroupSize", c_uint32),
+        ("supportedStages", VkFlags),
+        ("supportedOperations", VkFlags),
+        ("quadOperationsInAllStages", VkBool32),
+    ]
+
+
+class VkPhysicalDeviceMaintenance3Properties(Structure):
+    _fields_ = [
+        ("sType", VkStructureType),
+        ("pNext", c_void_p),
+        ("maxPerSetDescriptors", c_uint32),
+        ("maxMemoryAllocationSize", VkDeviceSize),
+    ]
+
+
+class VkApplicationInfo(Structure):
+    _fields_ = [
+        ("sType", VkStructureType),
+        ("pNext", c_void_p),
+        ("pApplicationName", c_char_p),
+        ("applicationVersion", c_uint32),
+        ("pEngineName", c_char_p),
+        ("engineVersion", c_uint32),
+        ("apiVersion", c_uint32),
+    ]
+
+
+class VkInstanceCreateInfo(Structure):
+    _fields_ = [
+        ("sType", VkStructureType),
+        ("pNext", c_void_p),
+        ("flags", VkFlags),
+        ("pApplicationInfo", POINTER(VkApplicationInfo)),
+        ("enabledLayerCount", c_uint32),
+        ("ppEnabledLayerNames", POINTER(c_char_p)),
+        ("enabledExtensionCount", c_uint32),
+        ("ppEnabledExtensionNames", POINTER(c_char_p)),
+    ]
+
+
+class VkMemoryType(Structure):
+    _fields_ = [("propertyFlags", VkFlags), ("heapIndex", c_uint32)]
+
+
+class VkMemoryHeap(Structure):
+    _fields_ = [("size", VkDeviceSize), ("flags", VkFlags)]
+
+
+class VkPhysicalDeviceMemoryProperties(Structure):
+    _fields_ = [
+        ("memoryTypeCount", c_uint32),
+        ("memoryTypes", VkMemoryType * _MAX_MEMORY_TYPES),
+        ("memoryHeapCount", c_uint32),
+        ("memoryHeaps", VkMemoryHeap * _MAX_MEMORY_HEAPS),
+    ]
+
+
+_PFN_GetPhysicalDeviceProperties2 = CFUNCTYPE(
+    None, VkPhysicalDevice, POINTER(VkPhysicalDeviceProperties2)
+)
+
+_VK_RESULT_NAMES = {
+    0: "VK_SUCCESS",
+    1: "VK_NOT_READY",
+    5: "VK_INCOMPLETE",
+    -1: "VK_ERROR_OUT_OF_HOST_MEMORY",
+    -2: "VK_ERROR_OUT_OF_DEVICE_MEMORY",
+    -3: "VK_ERROR_INITIALIZATION_FAILED",
+    -4: "VK_ERROR_DEVICE_LOST",
+    -6: "VK_ERROR_LAYER_NOT_PRESENT",
+    -7: "VK_ERROR_EXTENSION_NOT_PRESENT",
+    -8: "VK_ERROR_FEATURE_NOT_PRESENT",
+    -9: "VK_ERROR_INCOMPATIBLE_DRIVER",
+}
+
+_DEVICE_TYPES = {
+    0: "other",
+    1: "integrated_gpu",
+    2: "discrete_gpu",
+    3: "virtual_gpu",
+    4: "cpu",
+}
+
+_SOFTWARE_NAME_MARKERS = ("llvmpipe", "lavapipe", "swiftshader")
+
+
+def _result_name(result: int) -> str:
+    return _VK_RESULT_NAMES.get(result, f"VkResult({result})")
+
+
+def _triple(values: ctypes.Array) -> tuple[int, int, int]:
+    return (int(values[0]), int(values[1]), int(values[2]))
+
+
+def _format_version(version: int) -> str:
+    return f"{(version >> 22) & 0x7F}.{(version >> 12) & 0x3FF}.{version & 0xFFF}"
+
+
+# --- public API --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Compute-relevant properties of one Vulkan physical device."""
+
+    index: int
+    name: str
+    device_type: str
+    vendor_id: int
+    device_id: int
+    api_version: str
+    driver_version: int
+    max_storage_buffer_range: int
+    max_memory_allocation_size: int
+    max_compute_shared_memory_size: int
+    max_compute_workgroup_invocations: int
+    max_compute_workgroup_size: tuple[int, int, int]
+    max_compute_workgroup_count: tuple[int, int, int]
+    subgroup_size: int
+    subgroup_supported_stages: int
+    subgroup_supported_operations: int
+    timestamp_period: float
+    timestamp_compute_and_graphics: bool
+    device_local_bytes: int
+
+    @property
+    def is_software(self) -> bool:
+        """True for CPU implementations such as lavapipe/llvmpipe or SwiftShader."""
+        lowered = self.name.lower()
+        return self.device_type == "cpu" or any(m in lowered for m in _SOFTWARE_NAME_MARKERS)
+
+
+def _load_loader() -> ctypes.CDLL:
+    errors = []
+    for name in ("libvulkan.so.1", "libvulkan.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError as exc:
+            errors.append(f"{name}: {exc}")
+    raise VulkanUnavailableError(
+        "Could not load the Vulkan loader (" + "; ".join(errors) + "). " + _INSTALL_HINT
+    )
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    lib.vkCreateInstance.argtypes = [
+        POINTER(VkInstanceCreateInfo),
+        c_void_p,
+        POINTER(VkInstance),
+    ]
+    lib.vkCreateInstance.restype = VkResult
+    lib.vkDestroyInstance.argtypes = [VkInstance, c_void_p]
+    lib.vkDestroyInstance.restype = None
+    lib.vkEnumeratePhysicalDevices.argtypes = [
+        VkInstance,
+        POINTER(c_uint32),
+        POINTER(VkPhysicalDevice),
+    ]
+    lib.vkEnumeratePhysicalDevices.restype = VkResult
+    lib.vkGetInstanceProcAddr.argtypes = [VkInstance, c_char_p]
+    lib.vkGetInstanceProcAddr.restype = c_void_p
+    lib.vkGetPhysicalDeviceProperties.argtypes = [
+        VkPhysicalDevice,
+        POINTER(VkPhysicalDeviceProperties),
+    ]
+    lib.vkGetPhysicalDeviceProperties.restype = None
+    lib.vkGetPhysicalDeviceMemoryProperties.argtypes = [
+        VkPhysicalDevice,
+        POINTER(VkPhysicalDeviceMemoryProperties),
+    ]
+    lib.vkGetPhysicalDeviceMemoryProperties.restype = None
+
+
+def _create_instance(lib: ctypes.CDLL) -> c_void_p:
+    app = VkApplicationInfo(
+        sType=_STYPE_APPLICATION_INFO,
+        pApplicationName=b"vkattn",
+        applicationVersion=1,
+        pEngineName=b"vkattn",
+        engineVersion=1,
+        apiVersion=_API_VERSION_1_1,
+    )
+    info = VkInstanceCreateInfo(
+        sType=_STYPE_INSTANCE_CREATE_INFO, pApplicationInfo=ctypes.pointer(app)
+    )
+    instance = VkInstance()
+    result = lib.vkCreateInstance(byref(info), None, byref(instance))
+    if result != 0:
+        raise VulkanUnavailableError(
+            f"vkCreateInstance failed with {_result_name(result)}; no usable Vulkan driver "
+            "was found. Install `mesa-vulkan-drivers` (lavapipe, a CPU fallback) or a "
+            "GPU Vulkan driver."
+        )
+    return instance
+
+
+def _enumerate_physical_devices(lib: ctypes.CDLL, instance: c_void_p) -> list[c_void_p]:
+    count = c_uint32(0)
+    result = lib.vkEnumeratePhysicalDevices(instance, byref(count), None)
+    if result == 0 and count.value:
+        handles = (VkPhysicalDevice * count.value)()
+        result = lib.vkEnumeratePhysicalDevices(instance, byref(count), handles)
+        if result in (0, 5):
+            return [VkPhysicalDevice(handles[i]) for i in range(count.value)]
+    reason = _result_name(result) if result != 0 else "0 devices"
+    raise VulkanUnavailableError(
+        f"vkEnumeratePhysicalDevices found no Vulkan devices ({reason}). Install "
+        "`mesa-vulkan-drivers` (lavapipe, a CPU fallback) or a GPU Vulkan driver."
+    )
+
+
+def _properties2_fn(lib: ctypes.CDLL, instance: c_void_p) -> Optional[Callable[..., None]]:
+    for name in (b"vkGetPhysicalDeviceProperties2", b"vkGetPhysicalDeviceProperties2KHR"):
+        address = lib.vkGetInstanceProcAddr(instance, name)
+        if address:
+            return _PFN_GetPhysicalDeviceProperties2(address)
+    return None
+
+
+class _RawProperties:
+    """Properties and chained extension structs for one device, as returned by the driver."""
+
+    def __init__(self) -> None:
+        self.maintenance3 = VkPhysicalDeviceMaintenance3Properties(
+            sType=_STYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES
+        )
+        self.subgroup = VkPhysicalDeviceSubgroupProperties(
+            sType=_STYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES,
+            pNext=ctypes.cast(byref(self.maintenance3), c_void_p),
+        )
+        self.props2 = VkPhysicalDeviceProperties2(
+            sType=_STYPE_PHYSICAL_DEVICE_PROPERTIES_2,
+            pNext=ctypes.cast(byref(self.subgroup), c_void_p),
+        )
+        self.memory = VkPhysicalDeviceMemoryProperties()
+
+    @property
+    def properties(self) -> VkPhysicalDeviceProperties:
+        return self.props2.properties
+
+
+def _query_raw() -> list[_RawProperties]:
+    lib = _load_loader()
+    try:
+        _bind(lib)
+    except AttributeError as exc:
+        raise VulkanUnavailableError(
+            f"The Vulkan loader is incomplete ({exc}). {_INSTALL_HINT}"
+        ) from exc
+    instance = _create_instance(lib)
+    try:
+        get_props2 = _properties2_fn(lib, instance)
+        raws = []
+        for device in _enumerate_physical_devices(lib, instance):
+            raw = _RawProperties()
+            lib.vkGetPhysicalDeviceProperties(device, byref(raw.props2.properties))
+            if get_props2 is not None and raw.properties.apiVersion >= _API_VERSION_1_1:
+                get_props2(device, byref(raw.props2))
+            lib.vkGetPhysicalDeviceMemoryProperties(device, byref(raw.memory))
+            raws.append(raw)
+        return raws
+    finally:
+        lib.vkDestroyInstance(instance, None)
+
+
+def _device_info(index: int, raw: _RawProperties) -> DeviceInfo:
+    props = raw.properties
+    limits = props.limits
+    heaps = raw.memory.memoryHeaps[: raw.memory.memoryHeapCount]
+    return DeviceInfo(
+        index=index,
+        name=props.deviceName.decode("utf-8", errors="replace"),
+        device_type=_DEVICE_TYPES.get(props.deviceType, "other"),
+        vendor_id=props.vendorID,
+        device_id=props.deviceID,
+        api_version=_format_version(props.apiVersion),
+        driver_version=props.driverVersion,
+        max_storage_buffer_range=limits.maxStorageBufferRange,
+        max_memory_allocation_size=raw.maintenance3.maxMemoryAllocationSize,
+        max_compute_shared_memory_size=limits.maxComputeSharedMemorySize,
+        max_compute_workgroup_invocations=limits.maxComputeWorkGroupInvocations,
+        max_compute_workgroup_size=_triple(limits.maxComputeWorkGroupSize),
+        max_compute_workgroup_count=_triple(limits.maxComputeWorkGroupCount),
+        subgroup_size=raw.subgroup.subgroupSize,
+        subgroup_supported_stages=raw.subgroup.supportedStages,
+        subgroup_supported_operations=raw.subgroup.supportedOperations,
+        timestamp_period=float(limits.timestampPeriod),
+        timestamp_compute_and_graphics=bool(limits.timestampComputeAndGraphics),
+        device_local_bytes=sum(h.size for h in heaps if h.flags & _MEMORY_HEAP_DEVICE_LOCAL_BIT),
+    )
+
+
+def _raw_limits() -> list[VkPhysicalDeviceLimits]:
+    """Full VkPhysicalDeviceLimits per device (uncached; for diagnostics and tests)."""
+    return [raw.properties.limits for raw in _query_raw()]
+
+
+_cache: Optional[list[DeviceInfo]] = None
+_cache_lock = threading.Lock()
+
+
+def query_devices(refresh: bool = False) -> list[DeviceInfo]:
+    """Return one DeviceInfo per Vulkan physical device, in loader (Kompute index) order.
+
+    The result is computed once per process; pass ``refresh=True`` to query again.
+    Raises VulkanUnavailableError when no loader, instance or device is available.
+    """
+    global _cache
+    with _cache_lock:
+        if _cache is None or refresh:
+            _cache = [_device_info(i, raw) for i, raw in enumerate(_query_raw())]
+        return list(_cache)
+
+
+def _describe(info: DeviceInfo) -> str:
+    wg = "x".join(map(str, info.max_compute_workgroup_size))
+    return (
+        f"[{info.index}] {info.name} ({info.device_type}"
+        f"{', software' if info.is_software else ''}) "
+        f"Vulkan {info.api_version} subgroup={info.subgroup_size} "
+        f"shared={info.max_compute_shared_memory_size}B "
+        f"wg_invocations={info.max_compute_workgroup_invocations} "
+        f"wg_size={wg} storage_range={info.max_storage_buffer_range} "
+        f"max_alloc={info.max_memory_allocation_size} device_local={info.device_local_bytes} "
+        f"timestamp_period={info.timestamp_period:g}ns"
+    )
+
+
+def main() -> int:
+    try:
+        devices = query_devices()
+    except VulkanUnavailableError as exc:
+        print(f"Vulkan unavailable: {exc}")
+        return 1
+    for info in devices:
+        print(_describe(info))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,405 @@
+"""The persistent K/V cache and its plans (plan once, run cheaply)."""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from . import reference
+from .checks import check_array, check_int, check_scale
+from .compiler import compile_shader
+from .device import Device, default_device
+from .errors import CacheClosedError, CacheFullError, DeviceLimitError, VerificationError
+from .tuning import WORKGROUP, attention_config
+
+_DTYPES = {"float16": "float16", "float32": "float32"}
+_MAX_PLANS = 8
+_LOG2E = 1.4426950408889634
+_READ_BYTES = 1 << 20   # readback buffer size per K/V for read()
+
+
+def _groups(total: int, device) -> int:
+    return max(1, min(-(-total // WORKGROUP), device.max_workgroup_count[0]))
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.float32(x).view(np.uint32))
+
+
+class KVCache:
+    """A K/V cache allocated once at ``capacity`` on a Vulkan device; the live length is a number.
+
+    Shapes use fixed symbols: ``num_kv_heads``, ``head_dim``, ``v_head_dim``, ``capacity``, and for
+    queries ``num_qo_heads`` (a multiple of ``num_kv_heads``: q head i reads kv head
+    ``i // (num_qo_heads // num_kv_heads)``).
+
+    Device layout: K is ``[num_kv_heads, capacity, head_dim]``, V ``[num_kv_heads, capacity,
+    v_head_dim]``, each row padded with zeros to 16 bytes (8 halves or 4 floats). float16 is packed
+    two per uint32 word. Allocation happens here and never again; appends write rows in place.
+    """
+
+    def __init__(self, capacity: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
+                 dtype="float16", device: Device | None = None, verify: bool | None = None):
+        self.capacity = check_int("capacity", capacity, 1)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
+        self.head_dim = check_int("head_dim", head_dim, 1)
+        self.v_head_dim = self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
+        key = dtype if isinstance(dtype, str) else getattr(np.dtype(dtype) if _is_dtype(dtype) else None, "name", None)
+        if key not in _DTYPES:
+            raise TypeError(f"dtype: expected 'float16' or 'float32', got {dtype!r}")
+        self.dtype = _DTYPES[key]
+        if device is not None and not isinstance(device, Device):
+            raise TypeError(f"device: expected a vkattn.Device or None, got {type(device).__name__}")
+        self.device = device or default_device()
+        self.verify = (os.environ.get("VKATTN_VERIFY", "0") not in ("", "0")) if verify is None else bool(verify)
+
+        self._f16 = self.dtype == "float16"
+        self._ch = 2 if self._f16 else 1             # float vec4 per storage uvec4
+        epv = 4 * self._ch                           # elements per uvec4
+        self._dk4 = -(-self.head_dim // epv)
+        self._dv4 = -(-self.v_head_dim // epv)
+        self._preflight()
+        be = self.device.backend
+        words = self.num_kv_heads * self.capacity * 4
+        self._k = be.buffer(words * self._dk4, np.uint32, host_visible=False, name="k_cache")
+        self._v = be.buffer(words * self._dv4, np.uint32, host_visible=False, name="v_cache")
+        self._length = 0
+        self._plans: OrderedDict = OrderedDict()
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def length(self) -> int:
+        """Live length: rows 0 .. length-1 of every head hold data."""
+        return self._length
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held by K and V (fixed at construction)."""
+        return self._k.nbytes + self._v.nbytes
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ public API
+    def append(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Write ``n`` new positions at the live length.
+
+        k: (num_kv_heads, n, head_dim), v: (num_kv_heads, n, v_head_dim), float32 or float16.
+        Raises CacheFullError if ``length + n > capacity``; on any error nothing is written.
+        """
+        with self._lock:
+            self._check_open()
+            k, v = self._check_kv(k, v)
+            n = k.shape[1]
+            self._check_fits(n)
+            plan = self._plan(("append", n), lambda: _AppendPlan(self, n))
+            plan.run(k, v, self._length)
+            self._length += n
+
+    def attend(self, q: np.ndarray, causal: bool = True, scale: float | None = None) -> np.ndarray:
+        """Attention of ``s`` query rows, the last ``s`` positions of the cache, over the cache.
+
+        q: (num_qo_heads, s, head_dim) -> (num_qo_heads, s, v_head_dim) float32.
+        With ``causal``, row i sees keys 0 .. length - s + i. ``scale`` defaults to 1/sqrt(head_dim).
+        """
+        with self._lock:
+            self._check_open()
+            q = self._check_q(q, self._length)
+            causal = _check_bool("causal", causal)
+            scale = check_scale(scale, self.head_dim)
+            hq, s = q.shape[0], q.shape[1]
+            plan = self._plan(("attn", hq, s, 0), lambda: _AttnPlan(self, hq, s, 0))
+            out = plan.run(q, None, None, self._length, causal, scale)
+            if self.verify:
+                self._verify(out, q, causal, scale)
+            return out
+
+    def forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = True,
+                scale: float | None = None) -> np.ndarray:
+        """Append ``k``/``v`` then attend ``q`` -- in one device submission (the append is fused
+        into the attention dispatch). Shapes as in :meth:`append` and :meth:`attend`; the ``s``
+        query rows are the last ``s`` positions after the append. All checks run first: on any
+        error the cache is unchanged."""
+        with self._lock:
+            self._check_open()
+            k, v = self._check_kv(k, v)
+            n = k.shape[1]
+            q = self._check_q(q, self._length + n)
+            causal = _check_bool("causal", causal)
+            scale = check_scale(scale, self.head_dim)
+            self._check_fits(n)
+            hq, s = q.shape[0], q.shape[1]
+            plan = self._plan(("attn", hq, s, n), lambda: _AttnPlan(self, hq, s, n))
+            out = plan.run(q, k, v, self._length, causal, scale)
+            self._length += n
+            if self.verify:
+                self._verify(out, q, causal, scale)
+            return out
+
+    def truncate(self, length: int) -> None:
+        """Roll back to ``length`` live positions (0 <= length <= self.length); no device work."""
+        with self._lock:
+            self._check_open()
+            self._length = check_int("length", length, 0, self._length)
+
+    def reset(self) -> None:
+        """Empty the cache (length 0). The device buffers stay allocated."""
+        self.truncate(0)
+
+    def read(self) -> tuple:
+        """The live part as float32 arrays: K (num_kv_heads, length, head_dim) and
+        V (num_kv_heads, length, v_head_dim), exactly as stored (float16-rounded for float16)."""
+        with self._lock:
+            self._check_open()
+            hkv, n = self.num_kv_heads, self._length
+            k = np.empty((hkv, n, self.head_dim), np.float32)
+            v = np.empty((hkv, n, self.v_head_dim), np.float32)
+            if n:
+                rows = max(1, min(self.capacity, _READ_BYTES // (hkv * 16 * max(self._dk4, self._dv4))))
+                plan = self._plan(("read", rows), lambda: _ReadPlan(self, rows))
+                for start in range(0, n, rows):
+                    count = min(rows, n - start)
+                    kk, vv = plan.run(start, count)
+                    k[:, start:start + count] = kk
+                    v[:, start:start + count] = vv
+            return k, v
+
+    def close(self) -> None:
+        """Free every device object of this cache. Further calls raise CacheClosedError."""
+        with self._lock:
+            if self._closed:
+                return
+            for plan in self._plans.values():
+                plan.destroy()
+            self._plans.clear()
+            self._k.destroy()
+            self._v.destroy()
+            self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"KVCache(length={self._length}, capacity={self.capacity}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, dtype={self.dtype!r}, "
+                f"device={self.device.name!r})")
+
+    # ------------------------------------------------------------------ internals
+    def _preflight(self) -> None:
+        dev = self.device
+        limit = min(dev.max_storage_buffer_range, dev.max_memory_allocation_size or dev.max_storage_buffer_range)
+        row_bytes = self.num_kv_heads * 16 * max(self._dk4, self._dv4)
+        need = row_bytes * self.capacity
+        if need > limit:
+            raise DeviceLimitError(
+                f"capacity: {self.capacity} needs a {need}-byte buffer; {dev.name} allows {limit} bytes "
+                f"per buffer, so the largest capacity for this shape is {limit // row_bytes}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError("this KVCache is closed")
+        if self.device.closed:
+            raise CacheClosedError(f"the device {self.device.name!r} of this KVCache is closed")
+
+    def _check_kv(self, k, v):
+        k = check_array("k", k, (self.num_kv_heads, None, self.head_dim), fp16_range=self._f16)
+        v = check_array("v", v, (self.num_kv_heads, None, self.v_head_dim), fp16_range=self._f16)
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"v: expected {k.shape[1]} positions like k, got {v.shape[1]}")
+        return k, v
+
+    def _check_q(self, q, total: int):
+        q = check_array("q", q, (None, None, self.head_dim))
+        if q.shape[0] % self.num_kv_heads:
+            raise ValueError(f"q: expected num_qo_heads a multiple of num_kv_heads={self.num_kv_heads}, "
+                             f"got {q.shape[0]}")
+        if q.shape[1] > total:
+            raise ValueError(f"q: {q.shape[1]} query rows but the cache would hold only {total} positions")
+        return q
+
+    def _check_fits(self, n: int) -> None:
+        if self._length + n > self.capacity:
+            raise CacheFullError(f"cannot add {n} positions: length {self._length} + {n} > capacity "
+                                 f"{self.capacity} ({self.capacity - self._length} free)")
+
+    def _plan(self, key, make):
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = make()
+            self._plans[key] = plan
+            while len(self._plans) > _MAX_PLANS:
+                self._plans.popitem(last=False)[1].destroy()
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def _verify(self, out, q, causal, scale) -> None:
+        k, v = self.read()
+        ref = reference.attention(q, k, v, causal=causal, scale=scale)
+        atol, rtol = reference.TOLERANCE[self.dtype]
+        err = np.abs(out - ref)
+        bad = err > atol + rtol * np.abs(ref)
+        if bad.any():
+            raise VerificationError(f"device result differs from the numpy reference: max abs error "
+                                    f"{float(err.max()):.3g} at {np.unravel_index(int(err.argmax()), err.shape)} "
+                                    f"(atol {atol}, rtol {rtol}, {int(bad.sum())} elements off)")
+
+
+def _is_dtype(x) -> bool:
+    try:
+        np.dtype(x)
+        return True
+    except TypeError:
+        return False
+
+
+def _check_bool(name, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+class _AppendPlan:
+    """append.comp for batches of exactly ``n`` rows: upload rows + params, one dispatch."""
+
+    def __init__(self, c: KVCache, n: int):
+        be, hkv = c.device.backend, c.num_kv_heads
+        self.n, self.c = n, c
+        self.nk = be.buffer(hkv * n * c._dk4 * c._ch * 4, np.float32, name="new_k")
+        self.nv = be.buffer(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
+        self.params = be.buffer(8, np.uint32, name="append_params")
+        spirv = compile_shader("append", {"KV_F16": int(c._f16)})
+        groups = _groups(hkv * n * (c._dk4 + c._dv4), c.device)
+        self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.params], (groups, 1, 1),
+                               [WORKGROUP, c._dk4, c._dv4, c.capacity, hkv, n], writes=(0, 1), name="append")
+        self.rec = be.recording().upload(self.nk, self.nv, self.params).dispatch(self.prog).build()
+
+    def run(self, k, v, past: int) -> None:
+        c = self.c
+        _put_rows(self.nk, k, c._dk4 * c._ch * 4)
+        _put_rows(self.nv, v, c._dv4 * c._ch * 4)
+        p = self.params.view()
+        p[0], p[1] = past, self.n
+        self.rec.run()
+
+    def destroy(self) -> None:
+        _destroy(self.rec, self.prog, self.nk, self.nv, self.params)
+
+
+class _AttnPlan:
+    """attn.comp (+ reduce.comp when split) for ``hq`` heads, ``s`` query rows, ``n_new`` fused
+    new rows. One recorded sequence: upload -> attn -> [download partials -> reduce] -> download."""
+
+    def __init__(self, c: KVCache, hq: int, s: int, n_new: int):
+        be, dev, hkv = c.device.backend, c.device, c.num_kv_heads
+        self.c, self.hq, self.s, self.n_new = c, hq, s, n_new
+        group = hq // hkv
+        cfg = attention_config(dev, group, s, c._dk4, c._dv4, c._ch, c.capacity)
+        self.cfg = cfg
+        pv4 = c._dv4 * c._ch * 4
+        rows = hq * s
+        nn = max(n_new, 1)
+        self.q = be.buffer(hq * s * c._dk4 * c._ch * 4, np.float32, name="q")
+        self.nk = be.buffer(hkv * nn * c._dk4 * c._ch * 4, np.float32, name="new_k")
+        self.nv = be.buffer(hkv * nn * c._dv4 * c._ch * 4, np.float32, name="new_v")
+        self.params = be.buffer(8, np.uint32, name="attn_params")
+        self.out = be.buffer(rows * c.v_head_dim, np.float32, name="out")
+        flags = {"KV_F16": int(c._f16)}
+        spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, c.capacity, hkv, cfg.splits,
+                cfg.tq, cfg.kg, s, nn]
+        grid = (cfg.splits, cfg.qtiles(s), hkv)
+        if grid[1] > dev.max_workgroup_count[1]:
+            raise DeviceLimitError(f"q: {s} rows need {grid[1]} workgroups in y; the device allows "
+                                   f"{dev.max_workgroup_count[1]}")
+        inputs = [self.q, self.nk, self.nv, self.params]
+        if cfg.splits == 1:
+            self.part = None
+            self.ml = be.buffer(2, np.float32, name="ml_unused")
+            self.attn = be.program(compile_shader("attn", flags), [c._k, c._v, self.nk, self.nv, self.q,
+                                   self.params, self.out, self.ml], grid, spec, writes=(0, 1, 6, 7), name="attn")
+            self.reduce = None
+            self.rec = be.recording().upload(*inputs).dispatch(self.attn).download(self.out).build()
+        else:
+            self.part = be.buffer(cfg.splits * rows * pv4, np.float32, name="partials")
+            self.ml = be.buffer(cfg.splits * rows * 2, np.float32, name="max_sum")
+            self.attn = be.program(compile_shader("attn", flags), [c._k, c._v, self.nk, self.nv, self.q,
+                                   self.params, self.part, self.ml], grid, spec, writes=(0, 1, 6, 7), name="attn")
+            self.reduce = be.program(compile_shader("reduce"), [self.part, self.ml, self.out],
+                                     (_groups(rows * c.v_head_dim, dev), 1, 1),
+                                     [WORKGROUP, cfg.splits, rows, c.v_head_dim, pv4], writes=(2,), name="reduce")
+            self.rec = (be.recording().upload(*inputs).dispatch(self.attn)
+                        .download(self.part, self.ml)          # the barrier between the two dispatches
+                        .dispatch(self.reduce).download(self.out).build())
+
+    def run(self, q, k, v, past: int, causal: bool, scale: float) -> np.ndarray:
+        c = self.c
+        _put_rows(self.q, q, c._dk4 * c._ch * 4)
+        n_new = 0
+        if k is not None:
+            n_new = k.shape[1]
+            _put_rows(self.nk, k, c._dk4 * c._ch * 4)
+            _put_rows(self.nv, v, c._dv4 * c._ch * 4)
+        total = past + n_new
+        wg = self.cfg.wg
+        chunk = -(-(-(-total // self.cfg.splits)) // wg) * wg
+        p = self.params.view()
+        p[:6] = (past, n_new, int(causal), _f32_bits(scale * _LOG2E), chunk, int(n_new > 0))
+        self.rec.run()
+        return self.out.view().reshape(self.hq, self.s, c.v_head_dim).copy()
+
+    def destroy(self) -> None:
+        _destroy(self.rec, self.attn, self.reduce, self.q, self.nk, self.nv, self.params, self.out,
+                 self.part, self.ml)
+
+
+class _ReadPlan:
+    """gather.comp: copy ``rows`` rows per head from the cache into readback buffers."""
+
+    def __init__(self, c: KVCache, rows: int):
+        be, hkv = c.device.backend, c.num_kv_heads
+        self.c, self.rows = c, rows
+        self.rk = be.buffer(hkv * rows * c._dk4 * 4, np.uint32, name="read_k")
+        self.rv = be.buffer(hkv * rows * c._dv4 * 4, np.uint32, name="read_v")
+        self.params = be.buffer(4, np.uint32, name="read_params")
+        groups = _groups(hkv * rows * (c._dk4 + c._dv4), c.device)
+        self.prog = be.program(compile_shader("gather"), [c._k, c._v, self.rk, self.rv, self.params],
+                               (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c.capacity, hkv, rows],
+                               writes=(2, 3), name="gather")
+        self.rec = be.recording().upload(self.params).dispatch(self.prog).download(self.rk, self.rv).build()
+
+    def run(self, start: int, count: int):
+        c = self.c
+        p = self.params.view()
+        p[0], p[1] = start, count
+        self.rec.run()
+        return (_unpack(self.rk.view(), c, c._dk4, self.rows, count, c.head_dim),
+                _unpack(self.rv.view(), c, c._dv4, self.rows, count, c.v_head_dim))
+
+    def destroy(self) -> None:
+        _destroy(self.rec, self.prog, self.rk, self.rv, self.params)
+
+
+def _put_rows(buf, x: np.ndarray, padded: int) -> None:
+    """Write x (h, n, d) float32 into buf viewed as (h, n, padded); padding stays zero."""
+    h, n, d = x.shape
+    buf.view()[: h * n * padded].reshape(h, n, padded)[:, :, :d] = x
+
+
+def _unpack(words: np.ndarray, c: KVCache, d4: int, rows: int, count: int, d: int) -> np.ndarray:
+    w = words.reshape(c.num_kv_heads, rows, d4 * 4)[:, :count]
+    vals = w.view(np.float16) if c._f16 else w.view(np.float32)
+    return vals[:, :, :d].astype(np.float32)
+
+
+def _destroy(*objs) -> None:
+    for o in objs:
+        if o is not None:
+            o.destroy()

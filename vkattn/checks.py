@@ -1,0 +1,58 @@
+"""One checker for every array argument: typed errors that name the argument."""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+FP16_MAX = 65504.0
+
+
+def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: bool = False) -> np.ndarray:
+    """Validate ``x`` and return it as a C-contiguous float32 array.
+
+    ``shape`` holds an int (that exact size) or ``None`` (any size >= 1) per axis. Raises TypeError for a non-numpy or non-float input, ValueError for a wrong
+    rank, a wrong size, a non-finite value (if ``finite``) or, with ``fp16_range``, a value a
+    float16 cache cannot hold.
+    """
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected dtype float32 or float16, got {x.dtype}")
+    if x.ndim != len(shape):
+        raise ValueError(f"{name}: expected {len(shape)} dims {_fmt(shape)}, got shape {x.shape}")
+    for i, (want, got) in enumerate(zip(shape, x.shape)):
+        if (want is None and got < 1) or (want is not None and got != want):
+            raise ValueError(f"{name}: expected shape {_fmt(shape)}, got {x.shape} (axis {i})")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if finite and not np.isfinite(x).all():
+        raise ValueError(f"{name}: contains NaN or Inf")
+    if fp16_range and x.size and float(np.abs(x).max()) > FP16_MAX:
+        raise ValueError(f"{name}: values exceed the float16 range (|x| > {FP16_MAX}) of this float16 cache")
+    return x
+
+
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name}: expected an int {rng}, got {value}")
+    return value
+
+
+def check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / float(np.sqrt(head_dim))
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a finite float > 0, got {scale}")
+    return scale
+
+
+def _fmt(shape) -> str:
+    return "(" + ", ".join("n" if s is None else str(s) for s in shape) + ")"

@@ -1,0 +1,95 @@
+"""GLSL -> SPIR-V with glslangValidator, cached on disk.
+
+``compile_shader("attn", {"KV_F16": 1})`` runs ``glslangValidator -V --target-env vulkan1.1`` on the
+package-data source ``shaders/attn.comp`` and returns the SPIR-V bytes. The result is cached in
+memory and on disk under ``$VKATTN_CACHE_DIR`` (default ``~/.cache/vkattn``), keyed by the source,
+every ``.glsl`` include, the defines and the compiler's version, so editing any of them recompiles.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+from .errors import ShaderCompileError
+
+TARGET_ENV = "vulkan1.1"
+_memo: dict = {}
+
+
+def shader_dir():
+    """The directory (a Traversable) holding the GLSL sources, found as package data."""
+    return resources.files("vkattn.shaders")
+
+
+def _glslang() -> str:
+    exe = os.environ.get("VKATTN_GLSLANG") or shutil.which("glslangValidator")
+    if not exe:
+        raise ShaderCompileError(
+            "glslangValidator not found: install it (Debian/Ubuntu: apt-get install glslang-tools) "
+            "or point VKATTN_GLSLANG at it")
+    return exe
+
+
+@lru_cache(maxsize=None)
+def compiler_version() -> str:
+    out = subprocess.run([_glslang(), "--version"], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VKATTN_CACHE_DIR") or Path.home() / ".cache" / "vkattn")
+
+
+def compile_shader(name: str, defines: dict | None = None) -> bytes:
+    """SPIR-V for ``shaders/<name>.comp`` with the given ``-D`` defines."""
+    defines = dict(sorted((defines or {}).items()))
+    src_dir = shader_dir()
+    source = src_dir.joinpath(f"{name}.comp")
+    if not source.is_file():
+        raise ShaderCompileError(f"no shader named {name!r} in {src_dir}")
+    h = hashlib.sha256()
+    h.update(compiler_version().encode())
+    h.update(TARGET_ENV.encode())
+    h.update(repr(defines).encode())
+    h.update(source.read_bytes())
+    for inc in sorted(src_dir.iterdir(), key=lambda p: p.name):
+        if inc.name.endswith(".glsl"):
+            h.update(inc.name.encode())
+            h.update(inc.read_bytes())
+    key = h.hexdigest()[:32]
+    if key in _memo:
+        return _memo[key]
+    cached = cache_dir() / f"{name}-{key}.spv"
+    if cached.is_file():
+        spirv = cached.read_bytes()
+    else:
+        spirv = _run_glslang(name, src_dir, defines)
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(spirv)
+            os.replace(tmp, cached)
+        except OSError:
+            pass  # a read-only home still works, just without the disk cache
+    _memo[key] = spirv
+    return spirv
+
+
+def _run_glslang(name: str, src_dir, defines: dict) -> bytes:
+    with resources.as_file(src_dir) as d, tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / f"{name}.spv"
+        cmd = [_glslang(), "-V", "--target-env", TARGET_ENV, f"-I{d}", "-o", str(out)]
+        cmd += [f"-D{k}={v}" for k, v in defines.items()]
+        cmd.append(str(Path(d) / f"{name}.comp"))
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0 or not out.is_file():
+            msg = (res.stdout + res.stderr).strip()
+            raise ShaderCompileError(f"shader {name!r} (defines {defines}) failed to compile:\n{msg}")
+        return out.read_bytes()

@@ -46,10 +46,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VKATTN_CACHE_DIR") or Path.home() / ".cache" / "vkattn")
 
 
-def compile_shader(name: str, defines: dict | None = None) -> bytes:
-    """SPIR-V for ``shaders/<name>.comp`` with the given ``-D`` defines."""
+def compile_shader(name: str, defines: dict | None = None, src_dir=None) -> bytes:
+    """SPIR-V for ``<src_dir>/<name>.comp`` (default: the package's shaders) with ``-D`` defines."""
     defines = dict(sorted((defines or {}).items()))
-    src_dir = shader_dir()
+    src_dir = shader_dir() if src_dir is None else Path(src_dir)
     source = src_dir.joinpath(f"{name}.comp")
     if not source.is_file():
         raise ShaderCompileError(f"no shader named {name!r} in {src_dir}")

@@ -1,0 +1,20 @@
+# make demo  -- set up everything (system packages, .venv, kp, vkattn), then run the main job
+# make test  -- the same set-up, then the whole pytest suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test perf clean
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(PY) -m vkattn demo
+
+test: setup
+	$(PY) -m pytest -q
+
+perf: setup
+	$(PY) -m perf
+
+clean:
+	rm -rf $(VENV) build *.egg-info perf/out

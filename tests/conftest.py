@@ -1,0 +1,66 @@
+import zlib
+
+import numpy as np
+import pytest
+
+import vkattn
+from vkattn.reference import TOLERANCE, attention, round_to
+
+
+@pytest.fixture(scope="session")
+def device():
+    return vkattn.default_device()
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def assert_close(got, ref, dtype):
+    """Parity against the numpy reference at the stated per-dtype tolerance."""
+    atol, rtol = TOLERANCE[dtype]
+    assert got.shape == ref.shape and got.dtype == np.float32
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, atol=atol, rtol=rtol)
+
+
+class Mirror:
+    """Host copy of what a cache must hold: every appended row, rounded like the cache rounds."""
+
+    def __init__(self, cache):
+        self.dtype = cache.dtype
+        self.k = np.zeros((cache.num_kv_heads, 0, cache.head_dim), np.float32)
+        self.v = np.zeros((cache.num_kv_heads, 0, cache.v_head_dim), np.float32)
+
+    def append(self, k, v):
+        self.k = np.concatenate([self.k, round_to(k, self.dtype)], axis=1)
+        self.v = np.concatenate([self.v, round_to(v, self.dtype)], axis=1)
+
+    def truncate(self, n):
+        self.k, self.v = self.k[:, :n], self.v[:, :n]
+
+    def ref(self, q, causal=True, scale=None):
+        return attention(q, self.k, self.v, causal=causal, scale=scale)
+
+
+def rand_kv(rng, cache, n, dtype=np.float32):
+    k = rng.standard_normal((cache.num_kv_heads, n, cache.head_dim)).astype(dtype)
+    v = rng.standard_normal((cache.num_kv_heads, n, cache.v_head_dim)).astype(dtype)
+    return k, v
+
+
+def rand_q(rng, cache, group, s, dtype=np.float32):
+    return rng.standard_normal((cache.num_kv_heads * group, s, cache.head_dim)).astype(dtype)
+
+
+def snapshot(cache):
+    k, v = cache.read()
+    return cache.length, k.copy(), v.copy()
+
+
+def assert_unchanged(cache, snap):
+    n, k, v = snap
+    assert cache.length == n
+    k2, v2 = cache.read()
+    assert np.array_equal(k, k2) and np.array_equal(v, v2)

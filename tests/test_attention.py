@@ -1,0 +1,178 @@
+"""Parity of append / decode / prefill / forward against the numpy reference."""
+import numpy as np
+import pytest
+
+import vkattn
+from conftest import Mirror, assert_close, rand_kv, rand_q
+
+# (num_kv_heads, group, head_dim, v_head_dim, capacity): GQA 1/4/8, head dims 64/128 and odd ones,
+# v_head_dim != head_dim (MLA-like 192/128), capacities that are not powers of two.
+SHAPES = [
+    (2, 1, 64, 64, 300),
+    (2, 4, 128, 128, 777),
+    (1, 8, 128, 128, 515),
+    (3, 4, 37, 37, 203),
+    (2, 2, 192, 128, 333),
+    (1, 4, 72, 40, 160),
+    (4, 1, 5, 3, 97),
+]
+DTYPES = ["float16", "float32"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hkv%d-g%d-d%d-dv%d-cap%d" % s)
+def test_decode_prefill_forward(device, rng, shape, dtype):
+    hkv, group, d, dv, cap = shape
+    cache = vkattn.KVCache(cap, hkv, d, dv, dtype=dtype, device=device)
+    mirror = Mirror(cache)
+    # append in odd-sized chunks, mixing float16 and float32 inputs
+    for i, n in enumerate([7, 1, 13, 30]):
+        k, v = rand_kv(rng, cache, n, np.float16 if i % 2 else np.float32)
+        cache.append(k, v)
+        mirror.append(k, v)
+    kk, vv = cache.read()
+    assert kk.shape == (hkv, 51, d) and vv.shape == (hkv, 51, dv)
+    assert np.array_equal(kk, mirror.k) and np.array_equal(vv, mirror.v)
+
+    for causal in (True, False):
+        q = rand_q(rng, cache, group, 1)                      # decode
+        assert_close(cache.attend(q, causal=causal), mirror.ref(q, causal), dtype)
+        q = rand_q(rng, cache, group, 9)                      # prefill rows over a past of 42
+        assert_close(cache.attend(q, causal=causal, scale=0.3), mirror.ref(q, causal, 0.3), dtype)
+
+    k, v = rand_kv(rng, cache, 11)                            # prefill forward (fused append)
+    q = rand_q(rng, cache, group, 11)
+    out = cache.forward(q, k, v)
+    mirror.append(k, v)
+    assert_close(out, mirror.ref(q), dtype)
+    for _ in range(3):                                        # decode steps with forward
+        k, v = rand_kv(rng, cache, 1)
+        q = rand_q(rng, cache, group, 1)
+        out = cache.forward(q, k, v)
+        mirror.append(k, v)
+        assert_close(out, mirror.ref(q), dtype)
+    assert cache.length == 65
+    kk, vv = cache.read()
+    assert np.array_equal(kk, mirror.k) and np.array_equal(vv, mirror.v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_from_empty_and_long_decode(device, rng, dtype):
+    cache = vkattn.KVCache(1100, 2, 128, dtype=dtype, device=device)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, 257)
+    q = rand_q(rng, cache, 4, 257)
+    out = cache.forward(q, k, v)                              # causal prefill, empty cache
+    mirror.append(k, v)
+    assert_close(out, mirror.ref(q), dtype)
+    k, v = rand_kv(rng, cache, 800)
+    cache.append(k, v)
+    mirror.append(k, v)
+    q = rand_q(rng, cache, 4, 1)
+    assert_close(cache.attend(q), mirror.ref(q), dtype)      # split-K decode over 1057 keys
+
+
+def test_fill_exactly_to_capacity_then_overflow(device, rng):
+    cache = vkattn.KVCache(37, 2, 16, device=device)
+    mirror = Mirror(cache)
+    for n in (30, 7):
+        k, v = rand_kv(rng, cache, n)
+        cache.append(k, v)
+        mirror.append(k, v)
+    assert cache.length == cache.capacity == 37
+    q = rand_q(rng, cache, 2, 3)
+    assert_close(cache.attend(q), mirror.ref(q), cache.dtype)
+    k, v = rand_kv(rng, cache, 1)
+    with pytest.raises(vkattn.CacheFullError):
+        cache.append(k, v)
+    with pytest.raises(vkattn.CacheFullError):
+        cache.forward(rand_q(rng, cache, 2, 1), k, v)
+    assert cache.length == 37
+    kk, vv = cache.read()
+    assert np.array_equal(kk, mirror.k) and np.array_equal(vv, mirror.v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_truncate_then_continue(device, rng, dtype):
+    cache = vkattn.KVCache(90, 2, 64, dtype=dtype, device=device)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, 40)
+    cache.append(k, v)
+    mirror.append(k, v)
+    cache.truncate(23)                      # reject 17 speculative tokens
+    mirror.truncate(23)
+    assert cache.length == 23
+    k, v = rand_kv(rng, cache, 5)
+    q = rand_q(rng, cache, 3, 5)
+    out = cache.forward(q, k, v)
+    mirror.append(k, v)
+    assert_close(out, mirror.ref(q), dtype)
+    kk, vv = cache.read()
+    assert np.array_equal(kk, mirror.k) and np.array_equal(vv, mirror.v)
+    cache.reset()
+    assert cache.length == 0 and cache.read()[0].shape == (2, 0, 64)
+    k, v = rand_kv(rng, cache, 3)
+    cache.append(k, v)
+    q = rand_q(rng, cache, 1, 1)
+    assert_close(cache.attend(q), vkattn.reference.attention(q, *cache.read()), dtype)
+
+
+def test_decode_equals_prefill_rows(device, rng):
+    cache = vkattn.KVCache(200, 2, 64, device=device)
+    k, v = rand_kv(rng, cache, 150)
+    cache.append(k, v)
+    q = rand_q(rng, cache, 4, 20)
+    rows = cache.attend(q)
+    for i in (0, 7, 19):
+        cache.truncate(150 - 19 + i)
+        one = cache.attend(q[:, i:i + 1])
+        np.testing.assert_allclose(one, rows[:, i:i + 1], atol=2e-6, rtol=1e-5)
+        if cache.length < 150:
+            cache.append(k[:, cache.length:], v[:, cache.length:])
+
+
+def test_capacity_and_split_count_do_not_change_results(device, rng, monkeypatch):
+    k = rng.standard_normal((2, 300, 64)).astype(np.float32)
+    v = rng.standard_normal((2, 300, 64)).astype(np.float32)
+    q = rng.standard_normal((8, 1, 64)).astype(np.float32)
+    ref = vkattn.reference.attention(q, k, v)
+    for splits in ("1", "3", "16"):
+        monkeypatch.setenv("VKATTN_DECODE_SPLITS", splits)
+        for cap in (300, 4001):
+            cache = vkattn.KVCache(cap, 2, 64, dtype="float32", device=device)
+            cache.append(k, v)
+            assert_close(cache.attend(q), ref, "float32")
+            cache.close()
+
+
+def test_large_logits_stay_finite_fp16(device, rng):
+    cache = vkattn.KVCache(64, 1, 32, device=device)
+    k = (rng.standard_normal((1, 50, 32)) * 100).astype(np.float32)   # |logits| up to ~1e4
+    v = rng.standard_normal((1, 50, 32)).astype(np.float32)
+    cache.append(k, v)
+    q = (rng.standard_normal((2, 4, 32)) * 10).astype(np.float32)
+    out = cache.attend(q, causal=False, scale=1.0)
+    kk, vv = cache.read()
+    assert_close(out, vkattn.reference.attention(q, kk, vv, causal=False, scale=1.0), "float16")
+
+
+def test_non_contiguous_and_float16_inputs(device, rng):
+    cache = vkattn.KVCache(40, 2, 16, dtype="float32", device=device)
+    k = rng.standard_normal((2, 16, 10)).astype(np.float32).transpose(0, 2, 1)   # strided view
+    v = rng.standard_normal((2, 10, 16)).astype(np.float16)
+    cache.append(k, v)
+    q = rng.standard_normal((4, 16, 3)).astype(np.float32).transpose(0, 2, 1)
+    assert_close(cache.attend(q), vkattn.reference.attention(q, k, v), "float32")
+
+
+def test_verify_mode(device, rng, monkeypatch):
+    cache = vkattn.KVCache(20, 1, 8, device=device, verify=True)
+    k, v = rand_kv(rng, cache, 5)
+    cache.forward(rand_q(rng, cache, 2, 5), k, v)          # passes the reference check
+    monkeypatch.setitem(vkattn.reference.TOLERANCE, "float16", (-1.0, 0.0))   # any result fails now
+    with pytest.raises(vkattn.VerificationError, match="max abs error"):
+        cache.attend(rand_q(rng, cache, 2, 1))
+    monkeypatch.setenv("VKATTN_VERIFY", "1")
+    assert vkattn.KVCache(4, 1, 8, device=device).verify
+    monkeypatch.setenv("VKATTN_VERIFY", "0")
+    assert not vkattn.KVCache(4, 1, 8, device=device).verify

@@ -1,0 +1,90 @@
+"""Device selection, limits, the shader compiler and the recording hazard checker."""
+import numpy as np
+import pytest
+
+import vkattn
+from vkattn import _kp, compiler
+from vkattn.device import Device
+
+
+def test_device_limits(device):
+    assert isinstance(device.name, str) and device.name
+    assert device.subgroup_size >= 1
+    assert device.max_shared_memory >= 16384
+    assert device.max_storage_buffer_range >= 1 << 20
+    assert device.max_workgroup_size >= 64
+    assert isinstance(device.is_software, bool)
+    assert vkattn.default_device() is vkattn.default_device()
+    assert [d.index for d in vkattn.list_devices()] == list(range(len(vkattn.list_devices())))
+
+
+def test_device_selection(monkeypatch):
+    first = vkattn.list_devices()[0]
+    monkeypatch.setenv("VKATTN_DEVICE", first.name[:6].upper())
+    dev = Device()
+    assert dev.index == first.index
+    dev.close()
+    monkeypatch.setenv("VKATTN_DEVICE", "no-such-gpu-xyz")
+    with pytest.raises(ValueError, match="matches no Vulkan device"):
+        Device()
+    with pytest.raises(ValueError, match="index"):
+        Device(len(vkattn.list_devices()))
+
+
+def test_closed_device_closes_its_caches(rng):
+    dev = Device(vkattn.default_device().index)
+    c = vkattn.KVCache(8, 1, 8, device=dev)
+    dev.close()
+    with pytest.raises(vkattn.CacheClosedError, match="device"):
+        c.attend(np.ones((1, 1, 8), np.float32))
+
+
+def test_compile_error_names_shader(tmp_path):
+    (tmp_path / "broken.comp").write_text("#version 450\nvoid main() { undefined_thing = 1; }\n")
+    with pytest.raises(vkattn.ShaderCompileError, match="broken") as e:
+        compiler.compile_shader("broken", {}, src_dir=tmp_path)
+    assert "undefined_thing" in str(e.value)
+    with pytest.raises(vkattn.ShaderCompileError, match="no shader named"):
+        compiler.compile_shader("missing")
+
+
+def test_spirv_disk_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiler, "_memo", {})
+    calls = []
+    real = compiler._run_glslang
+    monkeypatch.setattr(compiler, "_run_glslang", lambda *a: calls.append(a) or real(*a))
+    a = compiler.compile_shader("reduce")
+    assert a[:4] == b"\x03\x02\x23\x07" and len(calls) == 1
+    assert len(list(tmp_path.glob("reduce-*.spv"))) == 1
+    monkeypatch.setattr(compiler, "_memo", {})
+    assert compiler.compile_shader("reduce") == a and len(calls) == 1     # from disk
+    compiler.compile_shader("append", {"KV_F16": 0})
+    compiler.compile_shader("append", {"KV_F16": 1})
+    assert len(calls) == 3                                                # defines are in the key
+
+
+def test_recording_rejects_unordered_dispatches(device):
+    be = device.backend
+    spirv = compiler.compile_shader("reduce")
+    part, ml, out = be.buffer(64, np.float32), be.buffer(2, np.float32), be.buffer(64, np.float32)
+    out2 = be.buffer(64, np.float32)
+    spec = [64, 1, 1, 64, 64]
+    writer = be.program(spirv, [part, ml, out], (1, 1, 1), spec, writes=(2,), name="writer")
+    reader = be.program(spirv, [out, ml, out2], (1, 1, 1), spec, writes=(2,), name="reader")
+    with pytest.raises(vkattn.SyncHazardError, match="written by an earlier dispatch"):
+        be.recording().dispatch(writer).dispatch(reader)          # read-after-write
+    with pytest.raises(vkattn.SyncHazardError, match="an earlier dispatch used"):
+        be.recording().dispatch(reader).dispatch(writer)          # write-after-read
+    with pytest.raises(vkattn.SyncHazardError, match="upload"):
+        be.recording().dispatch(writer).upload(part)              # upload over a buffer in use
+    # a download of the intermediate buffer orders the pair: accepted, and it computes
+    part.view()[:] = 2.0
+    ml.view()[:] = (0.0, 1.0)
+    rec = be.recording().upload(part, ml).dispatch(writer).download(out).dispatch(reader).download(out2).build()
+    rec.run()
+    np.testing.assert_allclose(out.view(), 2.0)
+    np.testing.assert_allclose(out2.view(), 2.0)
+    rec.destroy()
+    for o in (writer, reader, part, ml, out, out2):
+        o.destroy()

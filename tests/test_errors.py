@@ -1,0 +1,142 @@
+"""Every bad input raises a typed error naming the argument and leaves the cache byte-identical."""
+import numpy as np
+import pytest
+
+import vkattn
+from conftest import assert_unchanged, rand_kv, snapshot
+
+H, D, DV = 2, 16, 12
+
+
+@pytest.fixture
+def cache(device, rng):
+    c = vkattn.KVCache(30, H, D, DV, device=device)
+    c.append(*rand_kv(rng, c, 20))
+    return c
+
+
+def f32(*shape):
+    return np.ones(shape, np.float32)
+
+
+BAD_KV = [
+    ("list", lambda: ([[0.0]], f32(H, 1, DV)), TypeError, "k: expected a numpy.ndarray"),
+    ("int dtype", lambda: (np.ones((H, 1, D), np.int32), f32(H, 1, DV)), TypeError, "k: expected dtype"),
+    ("float64", lambda: (f32(H, 1, D), np.ones((H, 1, DV))), TypeError, "v: expected dtype"),
+    ("rank", lambda: (f32(1, D), f32(H, 1, DV)), ValueError, "k: expected 3 dims"),
+    ("kv heads", lambda: (f32(H + 1, 1, D), f32(H + 1, 1, DV)), ValueError, "k: expected shape"),
+    ("head dim", lambda: (f32(H, 1, D + 1), f32(H, 1, DV)), ValueError, "k: expected shape"),
+    ("v head dim", lambda: (f32(H, 1, D), f32(H, 1, D)), ValueError, "v: expected shape"),
+    ("length mismatch", lambda: (f32(H, 2, D), f32(H, 3, DV)), ValueError, "v: expected 2 positions"),
+    ("empty", lambda: (f32(H, 0, D), f32(H, 0, DV)), ValueError, "k: expected shape"),
+    ("nan", lambda: (f32(H, 1, D) * np.nan, f32(H, 1, DV)), ValueError, "k: contains NaN"),
+    ("inf", lambda: (f32(H, 1, D), f32(H, 1, DV) * np.inf), ValueError, "v: contains NaN or Inf"),
+    ("fp16 overflow", lambda: (f32(H, 1, D) * 7e4, f32(H, 1, DV)), ValueError, "float16 range"),
+    ("overflow capacity", lambda: (f32(H, 11, D), f32(H, 11, DV)), vkattn.CacheFullError, "capacity 30"),
+]
+
+
+@pytest.mark.parametrize("make,exc,msg", [b[1:] for b in BAD_KV], ids=[b[0] for b in BAD_KV])
+def test_bad_append_and_forward(cache, make, exc, msg):
+    snap = snapshot(cache)
+    k, v = make()
+    with pytest.raises(exc, match=msg):
+        cache.append(k, v)
+    assert_unchanged(cache, snap)
+    with pytest.raises(exc, match=msg):
+        cache.forward(f32(H, 1, D), k, v)
+    assert_unchanged(cache, snap)
+
+
+BAD_Q = [
+    ("tuple", lambda: (1, 2), {}, TypeError, "q: expected a numpy.ndarray"),
+    ("rank", lambda: f32(H, D), {}, ValueError, "q: expected 3 dims"),
+    ("heads not multiple", lambda: f32(3, 1, D), {}, ValueError, "multiple of num_kv_heads=2"),
+    ("head dim", lambda: f32(H, 1, D - 1), {}, ValueError, "q: expected shape"),
+    ("too many rows", lambda: f32(H, 21, D), {}, ValueError, "21 query rows"),
+    ("nan", lambda: f32(H, 1, D) * np.nan, {}, ValueError, "q: contains NaN"),
+    ("causal", lambda: f32(H, 1, D), {"causal": "yes"}, TypeError, "causal: expected a bool"),
+    ("scale type", lambda: f32(H, 1, D), {"scale": "0.1"}, TypeError, "scale: expected a float"),
+    ("scale value", lambda: f32(H, 1, D), {"scale": -1.0}, ValueError, "scale: expected a finite float > 0"),
+    ("scale nan", lambda: f32(H, 1, D), {"scale": float("nan")}, ValueError, "scale"),
+]
+
+
+@pytest.mark.parametrize("make,kw,exc,msg", [b[1:] for b in BAD_Q], ids=[b[0] for b in BAD_Q])
+def test_bad_query(cache, make, kw, exc, msg):
+    snap = snapshot(cache)
+    with pytest.raises(exc, match=msg):
+        cache.attend(make(), **kw)
+    assert_unchanged(cache, snap)
+    if "rows" not in msg:   # forward appends one row first, so 21 rows would fit there
+        with pytest.raises(exc, match=msg):
+            cache.forward(make(), f32(H, 1, D), f32(H, 1, DV), **kw)
+        assert_unchanged(cache, snap)
+
+
+def test_attend_on_empty_cache(device):
+    c = vkattn.KVCache(8, 1, 4, device=device)
+    with pytest.raises(ValueError, match="cache would hold only 0"):
+        c.attend(f32(1, 1, 4))
+
+
+@pytest.mark.parametrize("length,exc", [(-1, ValueError), (21, ValueError), (1.5, TypeError), (None, TypeError)])
+def test_bad_truncate(cache, length, exc):
+    snap = snapshot(cache)
+    with pytest.raises(exc, match="length"):
+        cache.truncate(length)
+    assert_unchanged(cache, snap)
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", [
+    (dict(capacity=0), ValueError, "capacity"),
+    (dict(capacity=2.5), TypeError, "capacity"),
+    (dict(num_kv_heads=0), ValueError, "num_kv_heads"),
+    (dict(head_dim="64"), TypeError, "head_dim"),
+    (dict(v_head_dim=-3), ValueError, "v_head_dim"),
+    (dict(dtype="int8"), TypeError, "dtype"),
+    (dict(dtype=np.float64), TypeError, "dtype"),
+    (dict(device="gpu"), TypeError, "device"),
+])
+def test_bad_construction(device, kwargs, exc, msg):
+    args = dict(capacity=16, num_kv_heads=2, head_dim=8)
+    args.update(kwargs)
+    with pytest.raises(exc, match=msg):
+        vkattn.KVCache(**args)
+
+
+def test_dtype_spellings(device):
+    assert vkattn.KVCache(4, 1, 8, dtype=np.float32, device=device).dtype == "float32"
+    assert vkattn.KVCache(4, 1, 8, dtype=np.dtype("float16"), device=device).dtype == "float16"
+
+
+def test_capacity_over_device_limit(device):
+    limit = min(device.max_storage_buffer_range, device.max_memory_allocation_size)
+    row = 8 * 128 * 2   # 8 kv heads x 128 halves
+    too_big = limit // row + 1
+    with pytest.raises(vkattn.DeviceLimitError, match=f"largest capacity for this shape is {limit // row}"):
+        vkattn.KVCache(too_big, 8, 128, device=device)
+
+
+def test_closed_cache(device, rng):
+    c = vkattn.KVCache(10, 1, 8, device=device)
+    c.append(*rand_kv(rng, c, 2))
+    c.close()
+    assert c.closed
+    c.close()   # idempotent
+    for call in (lambda: c.append(f32(1, 1, 8), f32(1, 1, 8)), lambda: c.attend(f32(1, 1, 8)),
+                 lambda: c.forward(f32(1, 1, 8), f32(1, 1, 8), f32(1, 1, 8)), lambda: c.truncate(0),
+                 c.reset, c.read):
+        with pytest.raises(vkattn.CacheClosedError):
+            call()
+
+
+def test_context_manager_closes(device):
+    with vkattn.KVCache(10, 1, 8, device=device) as c:
+        c.append(f32(1, 2, 8), f32(1, 2, 8))
+    assert c.closed
+
+
+def test_error_types_are_value_errors():
+    assert issubclass(vkattn.CacheFullError, ValueError)
+    assert issubclass(vkattn.DeviceLimitError, ValueError)

@@ -141,6 +141,19 @@ class KVCache:
                 self._verify(out, q, causal, scale)
             return out
 
+    def plan(self, num_qo_heads: int, s: int = 1, n_new: int = 0) -> None:
+        """Build (or fetch) everything a call shape needs -- pipelines, buffers, the recorded
+        sequence -- so the first :meth:`attend` (``n_new == 0``) or :meth:`forward` (``n_new`` new
+        rows) with ``num_qo_heads`` heads and ``s`` query rows only writes inputs and evaluates."""
+        with self._lock:
+            self._check_open()
+            hq = check_int("num_qo_heads", num_qo_heads, 1)
+            if hq % self.num_kv_heads:
+                raise ValueError(f"num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {hq}")
+            s = check_int("s", s, 1, self.capacity)
+            n_new = check_int("n_new", n_new, 0, self.capacity)
+            self._plan(("attn", hq, s, n_new), lambda: _AttnPlan(self, hq, s, n_new))
+
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` live positions (0 <= length <= self.length); no device work."""
         with self._lock:

@@ -21,18 +21,18 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None) -> np.nd
     if scale is None:
         scale = 1.0 / np.sqrt(d)
     group = hq // hkv
-    kk = np.repeat(k, group, axis=0)
-    vv = np.repeat(v, group, axis=0)
-    logits = np.matmul(q, kk.transpose(0, 2, 1)) * np.float32(scale)
-    if causal:
-        rows = np.arange(s)[:, None] + (n - s)
-        logits = np.where(np.arange(n)[None, :] <= rows, logits, -np.inf)
+    # GQA without copying K/V: the group's query heads become extra rows of one matmul per kv head
+    qg = q.reshape(hkv, group * s, d) * np.float32(scale)
+    logits = np.matmul(qg, k.transpose(0, 2, 1)).reshape(hkv, group, s, n)
+    if causal and s > 1:   # with one row every key is visible
+        visible = np.arange(n)[None, :] <= np.arange(s)[:, None] + (n - s)
+        logits = np.where(visible, logits, -np.inf)
     m = logits.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(logits - m)
+    p = np.exp(logits - np.where(np.isfinite(m), m, 0.0))
     denom = p.sum(axis=-1, keepdims=True)
-    out = np.matmul(p, vv) / np.where(denom > 0, denom, 1.0)
-    return out.astype(np.float32)
+    p /= np.where(denom > 0, denom, 1.0)
+    out = np.matmul(p.reshape(hkv, group * s, n), v)
+    return out.reshape(hq, s, v.shape[2]).astype(np.float32, copy=False)
 
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:

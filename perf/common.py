@@ -1,0 +1,154 @@
+"""Shared perf helpers: shapes from environment variables, timing, the result table.
+
+Environment (a bad value is an error, never a silent default):
+  VKATTN_PERF_HEADS (32)        query heads          VKATTN_PERF_KV_HEADS (8)   kv heads
+  VKATTN_PERF_HEAD_DIM (128)    head_dim             VKATTN_PERF_V_HEAD_DIM     v_head_dim (= head_dim)
+  VKATTN_PERF_CONTEXT (per script, comma list)       context lengths L
+  VKATTN_PERF_CAPACITY          cache capacity (default: the largest context + query length)
+  VKATTN_PERF_QLEN (512)        prefill query rows   VKATTN_PERF_DTYPE (float16) cache dtype
+  VKATTN_PERF_ITERS (20)        timed iterations     VKATTN_PERF_WARMUP (3) untimed iterations
+  VKATTN_PERF_CASE              run only cases whose name contains this substring
+  VKATTN_PERF_OUT (perf/out)    where results.json / results.csv go
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+class PerfConfigError(SystemExit):
+    pass
+
+
+def env_int(name: str, default: int | None, minimum: int = 1) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise PerfConfigError(f"{name}={raw!r}: expected an integer >= {minimum}")
+    if value < minimum:
+        raise PerfConfigError(f"{name}={raw!r}: expected an integer >= {minimum}")
+    return value
+
+
+def env_int_list(name: str, default: list) -> list:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return list(default)
+    out = []
+    for part in raw.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            raise PerfConfigError(f"{name}={raw!r}: expected a comma list of positive integers")
+        if value < 1:
+            raise PerfConfigError(f"{name}={raw!r}: expected a comma list of positive integers")
+        out.append(value)
+    return out
+
+
+def env_choice(name: str, default: str, choices: tuple) -> str:
+    raw = os.environ.get(name, "").strip() or default
+    if raw not in choices:
+        raise PerfConfigError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return raw
+
+
+@dataclass
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: str
+    qlen: int
+    capacity: int | None
+    iters: int
+    warmup: int
+
+    @classmethod
+    def from_env(cls) -> "Shape":
+        heads = env_int("VKATTN_PERF_HEADS", 32)
+        kv = env_int("VKATTN_PERF_KV_HEADS", 8)
+        if heads % kv:
+            raise PerfConfigError(f"VKATTN_PERF_HEADS={heads} must be a multiple of VKATTN_PERF_KV_HEADS={kv}")
+        d = env_int("VKATTN_PERF_HEAD_DIM", 128)
+        return cls(heads=heads, kv_heads=kv, head_dim=d, v_head_dim=env_int("VKATTN_PERF_V_HEAD_DIM", d),
+                   dtype=env_choice("VKATTN_PERF_DTYPE", "float16", ("float16", "float32")),
+                   qlen=env_int("VKATTN_PERF_QLEN", 512), capacity=env_int("VKATTN_PERF_CAPACITY", None),
+                   iters=env_int("VKATTN_PERF_ITERS", 20), warmup=env_int("VKATTN_PERF_WARMUP", 3, minimum=0))
+
+    def capacity_for(self, needed: int) -> int:
+        cap = self.capacity or needed
+        if cap < needed:
+            raise PerfConfigError(f"VKATTN_PERF_CAPACITY={cap} is smaller than the {needed} positions a case needs")
+        return cap
+
+
+def selected(name: str) -> bool:
+    want = os.environ.get("VKATTN_PERF_CASE", "")
+    return want in name
+
+
+def time_calls(fn, iters: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median_ms": float(np.median(times)) * 1e3, "min_ms": float(np.min(times)) * 1e3}
+
+
+@dataclass
+class Row:
+    case: str
+    kernel: str
+    shape: str
+    vkattn_ms: float
+    vkattn_min_ms: float
+    numpy_ms: float
+    speedup_vs_numpy: float
+    metric: str = ""
+    value: float = 0.0
+    verified: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def print_table(rows: list, device_name: str) -> None:
+    print(f"\ndevice: {device_name}")
+    head = f"{'case':34} {'vkattn ms':>10} {'(min)':>8} {'numpy ms':>9} {'x numpy':>8} {'metric':>16}  ok"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        metric = f"{r.value:.2f} {r.metric}" if r.metric else ""
+        print(f"{r.case:34} {r.vkattn_ms:10.3f} {r.vkattn_min_ms:8.3f} {r.numpy_ms:9.3f} "
+              f"{r.speedup_vs_numpy:8.2f} {metric:>16}  {'yes' if r.verified else 'NO'}")
+
+
+def write_results(rows: list, device_name: str) -> Path:
+    out = Path(os.environ.get("VKATTN_PERF_OUT") or Path(__file__).parent / "out")
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"device": device_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": [asdict(r) for r in rows]}
+    (out / "results.json").write_text(json.dumps(data, indent=2))
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["device"] + list(asdict(rows[0]).keys()) if rows else ["device"])
+        for r in rows:
+            w.writerow([device_name] + list(asdict(r).values()))
+    return out
+
+
+def check(out, ref, dtype: str) -> bool:
+    from vkattn.reference import TOLERANCE
+    atol, rtol = TOLERANCE[dtype]
+    return bool(np.all(np.abs(out - ref) <= atol + rtol * np.abs(ref)))

@@ -17,11 +17,14 @@ SHAPES = [
     (4, 1, 5, 3, 97),
 ]
 DTYPES = ["float16", "float32"]
+KERNELS = ["lane", "tile"]   # both decode kernels run on every device (tuning picks one per device)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hkv%d-g%d-d%d-dv%d-cap%d" % s)
-def test_decode_prefill_forward(device, rng, shape, dtype):
+def test_decode_prefill_forward(device, rng, shape, dtype, kernel, monkeypatch):
+    monkeypatch.setenv("VKATTN_DECODE_KERNEL", kernel)
     hkv, group, d, dv, cap = shape
     cache = vkattn.KVCache(cap, hkv, d, dv, dtype=dtype, device=device)
     mirror = Mirror(cache)
@@ -131,7 +134,9 @@ def test_decode_equals_prefill_rows(device, rng):
             cache.append(k[:, cache.length:], v[:, cache.length:])
 
 
-def test_capacity_and_split_count_do_not_change_results(device, rng, monkeypatch):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_capacity_and_split_count_do_not_change_results(device, rng, monkeypatch, kernel):
+    monkeypatch.setenv("VKATTN_DECODE_KERNEL", kernel)
     k = rng.standard_normal((2, 300, 64)).astype(np.float32)
     v = rng.standard_normal((2, 300, 64)).astype(np.float32)
     q = rng.standard_normal((8, 1, 64)).astype(np.float32)

@@ -315,7 +315,7 @@ class _AttnPlan:
         be, dev, hkv = c.device.backend, c.device, c.num_kv_heads
         self.c, self.hq, self.s, self.n_new = c, hq, s, n_new
         group = hq // hkv
-        cfg = attention_config(dev, group, s, c._dk4, c._dv4, c._ch, c.capacity)
+        cfg = attention_config(dev, group, s, c._dk4, c._dv4, c._ch, c.capacity, hkv)
         self.cfg = cfg
         pv4 = c._dv4 * c._ch * 4
         rows = hq * s
@@ -324,6 +324,7 @@ class _AttnPlan:
         self.nk = be.buffer(hkv * nn * c._dk4 * c._ch * 4, np.float32, name="new_k")
         self.nv = be.buffer(hkv * nn * c._dv4 * c._ch * 4, np.float32, name="new_v")
         self.params = be.buffer(8, np.uint32, name="attn_params")
+        self._nn = nn
         self.out = be.buffer(rows * c.v_head_dim, np.float32, name="out")
         flags = {"KV_F16": int(c._f16)}
         spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, c.capacity, hkv, cfg.splits,
@@ -333,7 +334,7 @@ class _AttnPlan:
             raise DeviceLimitError(f"q: {s} rows need {grid[1]} workgroups in y; the device allows "
                                    f"{dev.max_workgroup_count[1]}")
         inputs = [self.q, self.nk, self.nv, self.params]
-        if cfg.splits == 1:
+        if cfg.splits == 1 and cfg.kernel == "tile":     # normalised output straight from attn.comp
             self.part = None
             self.ml = be.buffer(2, np.float32, name="ml_unused")
             self.attn = be.program(compile_shader("attn", flags), [c._k, c._v, self.nk, self.nv, self.q,
@@ -343,8 +344,15 @@ class _AttnPlan:
         else:
             self.part = be.buffer(cfg.splits * rows * pv4, np.float32, name="partials")
             self.ml = be.buffer(cfg.splits * rows * 2, np.float32, name="max_sum")
-            self.attn = be.program(compile_shader("attn", flags), [c._k, c._v, self.nk, self.nv, self.q,
-                                   self.params, self.part, self.ml], grid, spec, writes=(0, 1, 6, 7), name="attn")
+            bindings = [c._k, c._v, self.nk, self.nv, self.q, self.params, self.part, self.ml]
+            if cfg.kernel == "lane":
+                spec = [cfg.wg, group, c._dk4, c._dv4]
+                grid = (cfg.splits, 1, hkv)
+                self.attn = be.program(compile_shader("attn_lane", flags), bindings, grid, spec,
+                                       writes=(0, 1, 6, 7), name="attn_lane")
+            else:
+                self.attn = be.program(compile_shader("attn", flags), bindings, grid, spec,
+                                       writes=(0, 1, 6, 7), name="attn")
             self.reduce = be.program(compile_shader("reduce"), [self.part, self.ml, self.out],
                                      (_groups(rows * c.v_head_dim, dev), 1, 1),
                                      [WORKGROUP, cfg.splits, rows, c.v_head_dim, pv4], writes=(2,), name="reduce")
@@ -361,10 +369,11 @@ class _AttnPlan:
             _put_rows(self.nk, k, c._dk4 * c._ch * 4)
             _put_rows(self.nv, v, c._dv4 * c._ch * 4)
         total = past + n_new
-        wg = self.cfg.wg
-        chunk = -(-(-(-total // self.cfg.splits)) // wg) * wg
+        per_split = -(-total // self.cfg.splits)
+        # the tile kernel walks whole tiles of wg keys; the lane kernel any number of keys
+        chunk = per_split if self.cfg.kernel == "lane" else -(-per_split // self.cfg.wg) * self.cfg.wg
         p = self.params.view()
-        p[:6] = (past, n_new, int(causal), _f32_bits(scale * _LOG2E), chunk, int(n_new > 0))
+        p[:] = (past, n_new, int(causal), _f32_bits(scale * _LOG2E), chunk, int(n_new > 0), c.capacity, self._nn)
         self.rec.run()
         return self.out.view().reshape(self.hq, self.s, c.v_head_dim).copy()
 

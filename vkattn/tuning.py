@@ -17,6 +17,7 @@ PREFILL_NQ = 32         # query vectors (heads x rows) per prefill workgroup, be
 
 @dataclass(frozen=True)
 class AttnConfig:
+    kernel: str    # "tile" (attn.comp) or "lane" (attn_lane.comp, decode on CPU-like devices)
     wg: int
     bq: int        # query rows per workgroup
     splits: int    # key splits (split-K); 1 = no reduce pass
@@ -26,6 +27,25 @@ class AttnConfig:
 
     def qtiles(self, s: int) -> int:
         return -(-s // self.bq)
+
+
+def decode_kernel(device) -> str:
+    """attn_lane.comp where memory ops are dear and private memory cheap (CPU drivers), else attn.comp."""
+    env = os.environ.get("VKATTN_DECODE_KERNEL", "")
+    if env:
+        if env not in ("tile", "lane"):
+            raise ValueError(f"VKATTN_DECODE_KERNEL={env!r}: expected 'tile' or 'lane'")
+        return env
+    return "lane" if device.is_software else "tile"
+
+
+def lane_config(device, num_kv_heads: int, capacity: int) -> AttnConfig:
+    """attn_lane.comp: one subgroup per workgroup; enough key splits to give every core a few."""
+    wg = max(1, min(device.subgroup_size or 8, device.max_workgroup_size))
+    env = os.environ.get("VKATTN_DECODE_SPLITS")
+    splits = int(env) if env else -(-4 * (os.cpu_count() or 1) // num_kv_heads)
+    splits = max(1, min(splits, -(-capacity // 16)))
+    return AttnConfig(kernel="lane", wg=wg, bq=1, splits=splits, tq=1, kg=1, shared_bytes=4 * wg * 64)
 
 
 def decode_splits(device, capacity: int) -> int:
@@ -42,9 +62,13 @@ def shared_bytes(wg, nq, pk, ch, qpt, kg) -> int:
     return 16 * nq * pk + 4 * nq * wg + 12 * nq + 16 * red
 
 
-def attention_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int) -> AttnConfig:
-    """Tile sizes for attn.comp; raises DeviceLimitError if even the smallest tile does not fit."""
+def attention_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,
+                     num_kv_heads: int) -> AttnConfig:
+    """Kernel and tile sizes; raises DeviceLimitError if even the smallest tile does not fit."""
     from .errors import DeviceLimitError
+
+    if s == 1 and decode_kernel(device) == "lane":
+        return lane_config(device, num_kv_heads, capacity)
 
     wg = WORKGROUP
     while wg < dv4:
@@ -71,4 +95,4 @@ def attention_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, ca
                 f"attention tile needs {need} bytes of shared memory; the device has {limit}")
         bq = max(1, bq // 2)
     splits = decode_splits(device, capacity) if s == 1 else 1
-    return AttnConfig(wg=wg, bq=bq, splits=splits, tq=tq, kg=kg, shared_bytes=need)
+    return AttnConfig(kernel="tile", wg=wg, bq=bq, splits=splits, tq=tq, kg=kg, shared_bytes=need)

@@ -24,7 +24,7 @@ KERNELS = ["lane", "tile"]   # both decode kernels run on every device (tuning p
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hkv%d-g%d-d%d-dv%d-cap%d" % s)
 def test_decode_prefill_forward(device, rng, shape, dtype, kernel, monkeypatch):
-    monkeypatch.setenv("VKATTN_DECODE_KERNEL", kernel)
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
     hkv, group, d, dv, cap = shape
     cache = vkattn.KVCache(cap, hkv, d, dv, dtype=dtype, device=device)
     mirror = Mirror(cache)
@@ -136,7 +136,7 @@ def test_decode_equals_prefill_rows(device, rng):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_capacity_and_split_count_do_not_change_results(device, rng, monkeypatch, kernel):
-    monkeypatch.setenv("VKATTN_DECODE_KERNEL", kernel)
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
     k = rng.standard_normal((2, 300, 64)).astype(np.float32)
     v = rng.standard_normal((2, 300, 64)).astype(np.float32)
     q = rng.standard_normal((8, 1, 64)).astype(np.float32)
@@ -181,3 +181,19 @@ def test_verify_mode(device, rng, monkeypatch):
     assert vkattn.KVCache(4, 1, 8, device=device).verify
     monkeypatch.setenv("VKATTN_VERIFY", "0")
     assert not vkattn.KVCache(4, 1, 8, device=device).verify
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_long_context_beyond_per_invocation_loop_cap(device, rng, monkeypatch, kernel):
+    # lavapipe ends any loop after 65535 iterations per invocation: the planner must split the keys
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "1")      # ask for one split; the cap must win
+    cache = vkattn.KVCache(70001, 1, 16, dtype="float32", device=device)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, 70000)
+    cache.append(k, v)
+    mirror.append(k, v)
+    q = rand_q(rng, cache, 2, 1)
+    assert_close(cache.attend(q), mirror.ref(q), "float32")
+    q = rand_q(rng, cache, 2, 5)
+    assert_close(cache.attend(q), mirror.ref(q), "float32")

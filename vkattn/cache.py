@@ -308,7 +308,7 @@ class _AppendPlan:
 
 
 class _AttnPlan:
-    """attn.comp (+ reduce.comp when split) for ``hq`` heads, ``s`` query rows, ``n_new`` fused
+    """attn.comp or attn_lane.comp (+ reduce.comp when split) for ``hq`` heads, ``s`` query rows, ``n_new`` fused
     new rows. One recorded sequence: upload -> attn -> [download partials -> reduce] -> download."""
 
     def __init__(self, c: KVCache, hq: int, s: int, n_new: int):
@@ -323,7 +323,7 @@ class _AttnPlan:
         self.q = be.buffer(hq * s * c._dk4 * c._ch * 4, np.float32, name="q")
         self.nk = be.buffer(hkv * nn * c._dk4 * c._ch * 4, np.float32, name="new_k")
         self.nv = be.buffer(hkv * nn * c._dv4 * c._ch * 4, np.float32, name="new_v")
-        self.params = be.buffer(8, np.uint32, name="attn_params")
+        self.params = be.buffer(16, np.uint32, name="attn_params")
         self._nn = nn
         self.out = be.buffer(rows * c.v_head_dim, np.float32, name="out")
         flags = {"KV_F16": int(c._f16)}
@@ -334,31 +334,29 @@ class _AttnPlan:
             raise DeviceLimitError(f"q: {s} rows need {grid[1]} workgroups in y; the device allows "
                                    f"{dev.max_workgroup_count[1]}")
         inputs = [self.q, self.nk, self.nv, self.params]
-        if cfg.splits == 1 and cfg.kernel == "tile":     # normalised output straight from attn.comp
+        direct = cfg.splits == 1                      # normalised output straight from the kernel
+        if direct:
             self.part = None
             self.ml = be.buffer(2, np.float32, name="ml_unused")
-            self.attn = be.program(compile_shader("attn", flags), [c._k, c._v, self.nk, self.nv, self.q,
-                                   self.params, self.out, self.ml], grid, spec, writes=(0, 1, 6, 7), name="attn")
-            self.reduce = None
-            self.rec = be.recording().upload(*inputs).dispatch(self.attn).download(self.out).build()
         else:
             self.part = be.buffer(cfg.splits * rows * pv4, np.float32, name="partials")
             self.ml = be.buffer(cfg.splits * rows * 2, np.float32, name="max_sum")
-            bindings = [c._k, c._v, self.nk, self.nv, self.q, self.params, self.part, self.ml]
-            if cfg.kernel == "lane":
-                spec = [cfg.wg, group, c._dk4, c._dv4]
-                grid = (cfg.splits, 1, hkv)
-                self.attn = be.program(compile_shader("attn_lane", flags), bindings, grid, spec,
-                                       writes=(0, 1, 6, 7), name="attn_lane")
-            else:
-                self.attn = be.program(compile_shader("attn", flags), bindings, grid, spec,
-                                       writes=(0, 1, 6, 7), name="attn")
+        bindings = [c._k, c._v, self.nk, self.nv, self.q, self.params, self.out if direct else self.part, self.ml]
+        if cfg.kernel == "lane":
+            spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, cfg.splits]
+            self.attn = be.program(compile_shader("attn_lane", flags), bindings, grid, spec,
+                                   writes=(0, 1, 6, 7), name="attn_lane")
+        else:
+            self.attn = be.program(compile_shader("attn", flags), bindings, grid, spec,
+                                   writes=(0, 1, 6, 7), name="attn")
+        rec = be.recording().upload(*inputs).dispatch(self.attn)
+        self.reduce = None
+        if not direct:
             self.reduce = be.program(compile_shader("reduce"), [self.part, self.ml, self.out],
                                      (_groups(rows * c.v_head_dim, dev), 1, 1),
                                      [WORKGROUP, cfg.splits, rows, c.v_head_dim, pv4], writes=(2,), name="reduce")
-            self.rec = (be.recording().upload(*inputs).dispatch(self.attn)
-                        .download(self.part, self.ml)          # the barrier between the two dispatches
-                        .dispatch(self.reduce).download(self.out).build())
+            rec.download(self.part, self.ml).dispatch(self.reduce)   # the download orders the pair
+        self.rec = rec.download(self.out).build()
 
     def run(self, q, k, v, past: int, causal: bool, scale: float) -> np.ndarray:
         c = self.c
@@ -373,7 +371,8 @@ class _AttnPlan:
         # the tile kernel walks whole tiles of wg keys; the lane kernel any number of keys
         chunk = per_split if self.cfg.kernel == "lane" else -(-per_split // self.cfg.wg) * self.cfg.wg
         p = self.params.view()
-        p[:] = (past, n_new, int(causal), _f32_bits(scale * _LOG2E), chunk, int(n_new > 0), c.capacity, self._nn)
+        p[:9] = (past, n_new, int(causal), _f32_bits(scale * _LOG2E), chunk, int(n_new > 0), c.capacity,
+                 self._nn, self.s)
         self.rec.run()
         return self.out.view().reshape(self.hq, self.s, c.v_head_dim).copy()
 

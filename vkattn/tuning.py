@@ -13,6 +13,11 @@ from dataclasses import dataclass
 WORKGROUP = 64          # threads per attention workgroup; also the key tile (one key per thread)
 ACC_FLOATS = 64         # accumulator floats per thread in the V phase (register budget)
 PREFILL_NQ = 32         # query vectors (heads x rows) per prefill workgroup, before shrinking
+LANE_NQ = 16            # query vectors per attn_lane.comp workgroup (loads amortised vs registers)
+TILE_MAX_KEYS = 8192    # keys per attn.comp workgroup on a software device (~200 loop iterations per
+                        # 64-key tile; measured wrong from ~20000 keys on lavapipe, which ends a loop
+                        # after 65535 iterations per invocation). GPUs have no such cap.
+LANE_MAX_KEYS = 32768   # keys one attn_lane.comp invocation may walk (lavapipe stops loops at 65535)
 
 
 @dataclass(frozen=True)
@@ -29,23 +34,37 @@ class AttnConfig:
         return -(-s // self.bq)
 
 
-def decode_kernel(device) -> str:
-    """attn_lane.comp where memory ops are dear and private memory cheap (CPU drivers), else attn.comp."""
-    env = os.environ.get("VKATTN_DECODE_KERNEL", "")
+SUBGROUP_SHUFFLE = 0x10       # VkSubgroupFeatureFlagBits: SHUFFLE
+COMPUTE_STAGE = 0x20          # VkShaderStageFlagBits: COMPUTE
+
+
+def kernel_for(device) -> str:
+    """attn_lane.comp where memory ops are dear, private memory cheap and subgroup shuffles are
+    available in compute (CPU drivers: lavapipe), else attn.comp. VKATTN_KERNEL overrides."""
+    env = os.environ.get("VKATTN_KERNEL", "")
     if env:
         if env not in ("tile", "lane"):
-            raise ValueError(f"VKATTN_DECODE_KERNEL={env!r}: expected 'tile' or 'lane'")
+            raise ValueError(f"VKATTN_KERNEL={env!r}: expected 'tile' or 'lane'")
         return env
-    return "lane" if device.is_software else "tile"
+    info = device.info
+    lane_ok = (info.subgroup_supported_operations & SUBGROUP_SHUFFLE and
+               info.subgroup_supported_stages & COMPUTE_STAGE and device.subgroup_size >= 1)
+    return "lane" if device.is_software and lane_ok else "tile"
 
 
-def lane_config(device, num_kv_heads: int, capacity: int) -> AttnConfig:
-    """attn_lane.comp: one subgroup per workgroup; enough key splits to give every core a few."""
+def lane_config(device, group: int, s: int, num_kv_heads: int, capacity: int) -> AttnConfig:
+    """attn_lane.comp: one subgroup per workgroup owning LANE_NQ query vectors (heads x rows)."""
     wg = max(1, min(device.subgroup_size or 8, device.max_workgroup_size))
-    env = os.environ.get("VKATTN_DECODE_SPLITS")
-    splits = int(env) if env else -(-4 * (os.cpu_count() or 1) // num_kv_heads)
+    bq = max(1, min(s, LANE_NQ // group))
+    if s == 1:
+        env = os.environ.get("VKATTN_DECODE_SPLITS")
+        splits = int(env) if env else -(-4 * (os.cpu_count() or 1) // num_kv_heads)
+    else:
+        splits = 1
+    # one loop iteration per key and invocation: stay far below lavapipe's per-invocation cap
+    splits = max(splits, -(-capacity // LANE_MAX_KEYS))
     splits = max(1, min(splits, -(-capacity // 16)))
-    return AttnConfig(kernel="lane", wg=wg, bq=1, splits=splits, tq=1, kg=1, shared_bytes=4 * wg * 64)
+    return AttnConfig(kernel="lane", wg=wg, bq=bq, splits=splits, tq=1, kg=1, shared_bytes=0)
 
 
 def decode_splits(device, capacity: int) -> int:
@@ -67,8 +86,8 @@ def attention_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, ca
     """Kernel and tile sizes; raises DeviceLimitError if even the smallest tile does not fit."""
     from .errors import DeviceLimitError
 
-    if s == 1 and decode_kernel(device) == "lane":
-        return lane_config(device, num_kv_heads, capacity)
+    if kernel_for(device) == "lane":
+        return lane_config(device, group, s, num_kv_heads, capacity)
 
     wg = WORKGROUP
     while wg < dv4:
@@ -95,4 +114,6 @@ def attention_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, ca
                 f"attention tile needs {need} bytes of shared memory; the device has {limit}")
         bq = max(1, bq // 2)
     splits = decode_splits(device, capacity) if s == 1 else 1
+    if device.is_software:
+        splits = max(splits, -(-capacity // TILE_MAX_KEYS))
     return AttnConfig(kernel="tile", wg=wg, bq=bq, splits=splits, tq=tq, kg=kg, shared_bytes=need)

@@ -4,9 +4,11 @@
 // A workgroup is one subgroup of WG lanes and owns NQ = G*BQ query vectors: the G query heads of
 // kv head h for BQ consecutive query rows. It streams its key range one key at a time: lane l
 // holds uvec4 chunks l, l+WG, ... of every K/V row (one key costs ceil(DK4/WG) + ceil(DV4/WG)
-// loads per lane, none repeated), partial dot products are summed over the lanes with an xor
-// butterfly, and every lane keeps the online-softmax state and its slice of the NQ accumulators in
-// private memory. No shared memory and no barrier. This suits drivers where a memory instruction
+// loads per lane, none repeated). Keys go in blocks of WG: the lanes' partial dot products for the
+// block are reduce-scattered with xor shuffles so that lane b holds the scores of key b, the
+// softmax update (one exp2 per query vector and block, SIMD across the block's keys) runs on those,
+// and the weights are broadcast back for the V accumulation. Every lane keeps the softmax state and
+// its slice of the NQ accumulators in private memory. No shared memory and no barrier. This suits drivers where a memory instruction
 // costs a per-lane loop while arithmetic and shuffles run SIMD-wide (lavapipe: subgroup 8);
 // GPUs use attn.comp. WG is the device's subgroup size, read at plan time (a power of two).
 //
@@ -60,17 +62,33 @@ uvec4 new_chunk(bool is_k, uint h, uint r, uint c) {
     return pack_chunk(y);
 }
 
-// sum over the WG lanes with an xor butterfly (CPU drivers make these in-register shuffles),
-// written out rather than looped: lavapipe caps the loop iterations of one invocation
+// xor butterflies over the WG lanes (CPU drivers make these in-register shuffles), written out
+// rather than looped: lavapipe caps the loop iterations of one invocation
 float lanes_sum(float x) {
     if (WG > 1u) x += subgroupShuffleXor(x, 1u);
     if (WG > 2u) x += subgroupShuffleXor(x, 2u);
     if (WG > 4u) x += subgroupShuffleXor(x, 4u);
     if (WG > 8u) x += subgroupShuffleXor(x, 8u);
-    if (WG > 16u) x += subgroupShuffleXor(x, 16u);
-    if (WG > 32u) x += subgroupShuffleXor(x, 32u);
-    if (WG > 64u) x += subgroupShuffleXor(x, 64u);
     return x;
+}
+
+float lanes_max(float x) {
+    if (WG > 1u) x = max(x, subgroupShuffleXor(x, 1u));
+    if (WG > 2u) x = max(x, subgroupShuffleXor(x, 2u));
+    if (WG > 4u) x = max(x, subgroupShuffleXor(x, 4u));
+    if (WG > 8u) x = max(x, subgroupShuffleXor(x, 8u));
+    return x;
+}
+
+// one reduce-scatter step: values a[0 .. 2w) -> a[0 .. w), this lane keeping the half its bit w
+// selects and adding the partner lane's copy of it
+void scatter_step(inout float a[WG], uint w) {
+    const bool hi = (gl_SubgroupInvocationID & w) != 0u;
+    [[unroll]] for (uint k = 0u; k < w; ++k) {
+        const float keep = hi ? a[w + k] : a[k];
+        const float send = hi ? a[k] : a[w + k];
+        a[k] = keep + subgroupShuffleXor(send, w);
+    }
 }
 
 // per-invocation state: its slice of the NQ scaled queries and accumulators, softmax state
@@ -79,35 +97,61 @@ vec4 acc[NQ * VPL * CH];
 float m[NQ], l[NQ];
 uint vis_end[NQ];   // key j is visible to query vector qv iff j < vis_end[qv]
 
-// one key j: NQ scores, online softmax update, V accumulation
-void consume(uint j, uvec4 kw[KPL], uvec4 vw[VPL]) {
+// chunk (lane + i*WG) of key j's K or V row: from the cache or (fresh) from this call's new rows.
+// fresh is a constant at every call site, so each inlined copy keeps one path: a branch around
+// loads costs both paths on SIMD CPU drivers
+uvec4 k_chunk(uint h, uint j, uint past, uint i, bool fresh) {
+    const uint c = gl_LocalInvocationID.x + i * WG;
+    if (fresh) return new_chunk(true, h, j - past, c);
+    return kc[(h * params[6] + j) * DK4 + min(c, DK4 - 1u)];
+}
+
+uvec4 v_chunk(uint h, uint j, uint past, uint i, bool fresh) {
+    const uint c = gl_LocalInvocationID.x + i * WG;
+    if (fresh) return new_chunk(false, h, j - past, c);
+    return vc[(h * params[6] + j) * DV4 + min(c, DV4 - 1u)];
+}
+
+// keys j0 .. j0+WG-1 (those >= k1 masked): scores, online softmax update, V accumulation
+void consume_block(uint h, uint j0, uint k1, uint past, bool fresh) {
     const uint lane = gl_LocalInvocationID.x;
-    float d[NQ];
-    [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) d[qv] = 0.0;
-    [[unroll]] for (uint i = 0u; i < KPL; ++i) {
-        vec4 kx[CH];
-        unpack_chunk(kw[i], kx);
-        const float on = lane + i * WG < DK4 ? 1.0 : 0.0;   // lanes past the row's end add nothing
-        [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
-            [[unroll]] for (uint e = 0u; e < CH; ++e) d[qv] += on * dot(q[(qv * KPL + i) * CH + e], kx[e]);
+    float d[NQ][WG];
+    [[unroll]] for (uint b = 0u; b < WG; ++b) {
+        const uint j = min(j0 + b, k1 - 1u);
+        [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) d[qv][b] = 0.0;
+        [[unroll]] for (uint i = 0u; i < KPL; ++i) {
+            vec4 kx[CH];
+            unpack_chunk(k_chunk(h, j, past, i, fresh), kx);
+            const float on = (DK4 % WG == 0u || lane + i * WG < DK4) ? 1.0 : 0.0;  // past the row's end
+            [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
+                [[unroll]] for (uint e = 0u; e < CH; ++e) d[qv][b] += on * dot(q[(qv * KPL + i) * CH + e], kx[e]);
+        }
     }
-    float alpha[NQ], p[NQ];
+    const uint jl = j0 + lane;          // the key whose scores this lane ends up with
+    float pl[NQ];
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
-        const float s = j < vis_end[qv] ? lanes_sum(d[qv]) : NEG_INF;
-        const float mn = max(m[qv], s);
-        alpha[qv] = mn == NEG_INF ? 1.0 : exp2(m[qv] - mn);
-        p[qv] = mn == NEG_INF ? 0.0 : exp2(s - mn);
-        l[qv] = l[qv] * alpha[qv] + p[qv];
+        if (WG > 8u) scatter_step(d[qv], 8u);
+        if (WG > 4u) scatter_step(d[qv], 4u);
+        if (WG > 2u) scatter_step(d[qv], 2u);
+        if (WG > 1u) scatter_step(d[qv], 1u);
+        const float sc = (jl < k1 && jl < vis_end[qv]) ? d[qv][0] : NEG_INF;
+        const float mn = max(m[qv], lanes_max(sc));
+        const float alpha = mn == NEG_INF ? 1.0 : exp2(m[qv] - mn);
+        pl[qv] = mn == NEG_INF ? 0.0 : exp2(sc - mn);
+        l[qv] = l[qv] * alpha + lanes_sum(pl[qv]);
         m[qv] = mn;
+        [[unroll]] for (uint i = 0u; i < VPL * CH; ++i) acc[qv * VPL * CH + i] *= alpha;
     }
-    [[unroll]] for (uint i = 0u; i < VPL; ++i) {
-        vec4 vx[CH];
-        unpack_chunk(vw[i], vx);
-        [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
-            [[unroll]] for (uint e = 0u; e < CH; ++e) {
-                const uint a = (qv * VPL + i) * CH + e;
-                acc[a] = acc[a] * alpha[qv] + p[qv] * vx[e];
+    [[unroll]] for (uint b = 0u; b < WG; ++b) {
+        if (j0 + b >= k1) break;
+        [[unroll]] for (uint i = 0u; i < VPL; ++i) {
+            vec4 vx[CH];
+            unpack_chunk(v_chunk(h, j0 + b, past, i, fresh), vx);
+            [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
+                const float p = subgroupShuffle(pl[qv], b);
+                [[unroll]] for (uint e = 0u; e < CH; ++e) acc[(qv * VPL + i) * CH + e] += p * vx[e];
             }
+        }
     }
 }
 
@@ -150,18 +194,9 @@ void main() {
     }
 
     const uint k0 = min(T, sp * chunk), k1 = min(kend, k0 + chunk);
-    for (uint j = k0; j < min(k1, past); ++j) {            // keys in the cache
-        uvec4 kw[KPL], vw[VPL];
-        [[unroll]] for (uint i = 0u; i < KPL; ++i) kw[i] = kc[(h * cap + j) * DK4 + min(lane + i * WG, DK4 - 1u)];
-        [[unroll]] for (uint i = 0u; i < VPL; ++i) vw[i] = vc[(h * cap + j) * DV4 + min(lane + i * WG, DV4 - 1u)];
-        consume(j, kw, vw);
-    }
-    for (uint j = max(k0, past); j < k1; ++j) {             // keys this call appends (forward)
-        uvec4 kw[KPL], vw[VPL];
-        [[unroll]] for (uint i = 0u; i < KPL; ++i) kw[i] = new_chunk(true, h, j - past, lane + i * WG);
-        [[unroll]] for (uint i = 0u; i < VPL; ++i) vw[i] = new_chunk(false, h, j - past, lane + i * WG);
-        consume(j, kw, vw);
-    }
+    const uint kc1 = min(k1, past);
+    for (uint j0 = k0; j0 < kc1; j0 += WG) consume_block(h, j0, kc1, past, false);   // keys in the cache
+    for (uint j0 = max(k0, past); j0 < k1; j0 += WG) consume_block(h, j0, k1, past, true);  // appended now
 
     const uint nrows = gl_NumWorkGroups.z * G * S;
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {

@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test perf clean
+.PHONY: setup demo test test-validation perf clean
 setup:
 	@bash scripts/setup.sh
 
@@ -12,6 +12,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+test-validation: setup
+	bash scripts/validation.sh
 
 perf: setup
 	$(PY) -m perf

@@ -6,10 +6,10 @@ import sys
 
 import vkattn
 
-from . import append, decode, prefill
-from .common import PerfConfigError, Shape, print_table, write_results
+from . import append, decode, overhead, prefill
+from .common import PerfConfigError, Shape, copy_bandwidth, print_table, write_results
 
-SCRIPTS = {"decode": decode, "prefill": prefill, "append": append}
+SCRIPTS = {"decode": decode, "prefill": prefill, "append": append, "overhead": overhead}
 
 
 def main(argv=None) -> int:
@@ -29,8 +29,17 @@ def main(argv=None) -> int:
         print(f"perf: {e}", file=sys.stderr)
         return 2
     print_table(rows, device.name)
-    out = write_results(rows, device.name)
+    print(f"\nmachine copy bandwidth (read + write): {copy_bandwidth():.1f} GB/s")
+    for r in rows:
+        if r.kernel == "decode":
+            print(f"  {r.case}: {r.value:.2f} GB/s = {100 * r.value / copy_bandwidth():.1f}% of copy bandwidth")
+    out = write_results(rows, device.name, copy_bandwidth())
     print(f"\nresults: {out}/results.json, {out}/results.csv")
+    if any(r.kernel == "decode" for r in rows):
+        from .plot import plot_decode
+        png = plot_decode(rows, out / "decode_latency.png", device.name)
+        if png:
+            print(f"plot: {png}")
     return 0 if all(r.verified for r in rows) else 1
 
 

@@ -98,15 +98,66 @@ def selected(name: str) -> bool:
     return want in name
 
 
-def time_calls(fn, iters: int, warmup: int) -> dict:
+def time_calls(fn, iters: int, warmup: int, device_of=None) -> dict:
+    """Wall time per call (median, min); with ``device_of`` (a KVCache built with timestamps=True)
+    also the median device time of the call's whole submission."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, dev = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return {"median_ms": float(np.median(times)) * 1e3, "min_ms": float(np.min(times)) * 1e3}
+        if device_of is not None and device_of.last_timings():
+            dev.append(sum(ms for _, ms in device_of.last_timings()))
+    return {"median_ms": float(np.median(times)) * 1e3, "min_ms": float(np.min(times)) * 1e3,
+            "device_ms": float(np.median(dev)) if dev else None}
+
+
+def torch_sdpa():
+    """torch's CPU scaled_dot_product_attention as f(q, k, v, causal) on numpy arrays, or None."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+
+    def run(q, k, v, causal):
+        qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(x))[None] for x in (q, k, v))
+        s, n = q.shape[1], k.shape[1]
+        # vkattn's causal rows are the last s positions (bottom-right aligned), as an explicit mask
+        mask = torch.from_numpy(np.arange(n)[None, :] <= np.arange(s)[:, None] + (n - s)) if causal else None
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask,
+                                                  enable_gqa=qt.shape[1] != kt.shape[1])
+    return run
+
+
+def torch_inputs(q, k, v):
+    """The arrays torch is timed on: the same (storage-rounded) values, as torch tensors once."""
+    import torch
+    return tuple(torch.from_numpy(np.ascontiguousarray(x))[None] for x in (q, k, v))
+
+
+_COPY_GBS = None
+
+
+def copy_bandwidth() -> float:
+    """This machine's memory copy bandwidth in GB/s: bytes read + bytes written per second of a
+    256 MiB numpy copy (best of 5), the limit a memory-bound kernel is compared against."""
+    global _COPY_GBS
+    if _COPY_GBS is None:
+        src = np.ones(64 << 20, np.float32)
+        dst = np.empty_like(src)
+        best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
+        _COPY_GBS = 2 * src.nbytes / best / 1e9
+    return _COPY_GBS
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 @dataclass
@@ -121,24 +172,31 @@ class Row:
     metric: str = ""
     value: float = 0.0
     verified: bool = False
+    device_ms: float | None = None      # Vulkan timestamp queries: the whole submission, median
+    torch_ms: float | None = None       # torch CPU scaled_dot_product_attention, median
     extra: dict = field(default_factory=dict)
 
 
 def print_table(rows: list, device_name: str) -> None:
     print(f"\ndevice: {device_name}")
-    head = f"{'case':34} {'vkattn ms':>10} {'(min)':>8} {'numpy ms':>9} {'x numpy':>8} {'metric':>16}  ok"
+    head = (f"{'case':34} {'vkattn ms':>10} {'(min)':>8} {'device ms':>9} {'numpy ms':>9} {'x numpy':>8} "
+            f"{'torch ms':>9} {'x torch':>8} {'metric':>16}  ok")
     print(head)
     print("-" * len(head))
     for r in rows:
         metric = f"{r.value:.2f} {r.metric}" if r.metric else ""
-        print(f"{r.case:34} {r.vkattn_ms:10.3f} {r.vkattn_min_ms:8.3f} {r.numpy_ms:9.3f} "
-              f"{r.speedup_vs_numpy:8.2f} {metric:>16}  {'yes' if r.verified else 'NO'}")
+        dev = f"{r.device_ms:9.3f}" if r.device_ms is not None else f"{'-':>9}"
+        tt = (f"{r.torch_ms:9.3f} {r.torch_ms / r.vkattn_ms:8.2f}" if r.torch_ms is not None
+              else f"{'-':>9} {'-':>8}")
+        print(f"{r.case:34} {r.vkattn_ms:10.3f} {r.vkattn_min_ms:8.3f} {dev} {r.numpy_ms:9.3f} "
+              f"{r.speedup_vs_numpy:8.2f} {tt} {metric:>16}  {'yes' if r.verified else 'NO'}")
 
 
-def write_results(rows: list, device_name: str) -> Path:
+def write_results(rows: list, device_name: str, copy_gbs: float | None = None) -> Path:
     out = Path(os.environ.get("VKATTN_PERF_OUT") or Path(__file__).parent / "out")
     out.mkdir(parents=True, exist_ok=True)
-    data = {"device": device_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": [asdict(r) for r in rows]}
+    data = {"device": device_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "copy_bandwidth_gbs": copy_gbs,
+            "rows": [asdict(r) for r in rows]}
     (out / "results.json").write_text(json.dumps(data, indent=2))
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)

@@ -1,39 +1,69 @@
-"""Decode: one query token per q head over a cache of L positions (``attend``), per context."""
+"""Decode: one query token per q head over a cache of L positions (``attend``), per context and
+capacity. Reports effective K/V bandwidth (K/V bytes of the live length read per call / time)."""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
 import vkattn
 from vkattn.reference import attention, round_to
 
-from .common import Row, Shape, check, env_int_list, selected, time_calls
+from .common import (PerfConfigError, Row, Shape, check, env_int_list, selected, time_calls, torch_inputs,
+                     torch_sdpa)
 
 DEFAULT_CONTEXT = [512, 4096]
+
+
+def capacities(shape: Shape, L: int) -> list:
+    """VKATTN_PERF_CAPACITY if set, else L and 8 x L (capacity must cost nothing)."""
+    if shape.capacity:
+        return [shape.capacity_for(L)]
+    mult = os.environ.get("VKATTN_PERF_CAPACITY_MULT", "8")
+    try:
+        m = int(mult)
+    except ValueError:
+        raise PerfConfigError(f"VKATTN_PERF_CAPACITY_MULT={mult!r}: expected a positive integer")
+    return [L] if m <= 1 else [L, m * L]
 
 
 def run(shape: Shape, device) -> list:
     rows = []
     contexts = env_int_list("VKATTN_PERF_CONTEXT", DEFAULT_CONTEXT)
+    sdpa = torch_sdpa()
     rng = np.random.default_rng(0)
     for L in contexts:
-        name = f"decode L={L}"
-        if not selected(name):
-            continue
-        cap = shape.capacity_for(L)
-        cache = vkattn.KVCache(cap, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype, device=device)
-        k = rng.standard_normal((shape.kv_heads, L, shape.head_dim), dtype=np.float32)
-        v = rng.standard_normal((shape.kv_heads, L, shape.v_head_dim), dtype=np.float32)
-        cache.append(k, v)
-        k, v = round_to(k, shape.dtype), round_to(v, shape.dtype)
-        q = rng.standard_normal((shape.heads, 1, shape.head_dim), dtype=np.float32)
-        ok = check(cache.attend(q), attention(q, k, v), shape.dtype)
-        t = time_calls(lambda: cache.attend(q), shape.iters, shape.warmup)
-        tr = time_calls(lambda: attention(q, k, v), shape.iters, shape.warmup)
-        kv_bytes = cache.nbytes * L / cap
-        rows.append(Row(case=f"{name} cap={cap}", kernel="decode",
-                        shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim} dv={shape.v_head_dim} {shape.dtype}",
-                        vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr["median_ms"],
-                        speedup_vs_numpy=tr["median_ms"] / t["median_ms"], metric="GB/s",
-                        value=kv_bytes / (t["median_ms"] * 1e-3) / 1e9, verified=ok))
-        cache.close()
+        for cap in capacities(shape, L):
+            name = f"decode L={L} cap={cap}"
+            if not selected(name):
+                continue
+            try:
+                cache = vkattn.KVCache(cap, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype,
+                                       device=device, timestamps=True)
+            except vkattn.DeviceLimitError as e:
+                print(f"skip {name}: {e}")
+                continue
+            k = rng.standard_normal((shape.kv_heads, L, shape.head_dim), dtype=np.float32)
+            v = rng.standard_normal((shape.kv_heads, L, shape.v_head_dim), dtype=np.float32)
+            cache.append(k, v)
+            k, v = round_to(k, shape.dtype), round_to(v, shape.dtype)
+            q = rng.standard_normal((shape.heads, 1, shape.head_dim), dtype=np.float32)
+            ok = check(cache.attend(q), attention(q, k, v), shape.dtype)
+            t = time_calls(lambda: cache.attend(q), shape.iters, shape.warmup, device_of=cache)
+            tr = time_calls(lambda: attention(q, k, v), shape.iters, shape.warmup)
+            tt = None
+            if sdpa is not None:
+                ok = ok and check(sdpa(q, k, v, False)[0].numpy(), attention(q, k, v), shape.dtype)
+                qt, kt, vt = torch_inputs(q, k, v)
+                import torch.nn.functional as F
+                tt = time_calls(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=shape.heads != shape.kv_heads),
+                                shape.iters, shape.warmup)["median_ms"]
+            kv_bytes = cache.nbytes * L / cap
+            rows.append(Row(case=name, kernel="decode",
+                            shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim} dv={shape.v_head_dim} {shape.dtype}",
+                            vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr["median_ms"],
+                            speedup_vs_numpy=tr["median_ms"] / t["median_ms"], metric="GB/s",
+                            value=kv_bytes / (t["median_ms"] * 1e-3) / 1e9, verified=ok, device_ms=t["device_ms"],
+                            torch_ms=tt, extra={"L": L, "capacity": cap, "kv_bytes": kv_bytes}))
+            cache.close()
     return rows

@@ -6,7 +6,7 @@ import numpy as np
 import vkattn
 from vkattn.reference import attention, round_to
 
-from .common import Row, Shape, check, env_int_list, selected, time_calls
+from .common import Row, Shape, check, env_int_list, selected, time_calls, torch_inputs, torch_sdpa
 
 DEFAULT_PAST = [0, 1536]
 
@@ -28,7 +28,8 @@ def run(shape: Shape, device) -> list:
         if past < 0 or not selected(name):
             continue
         cap = shape.capacity_for(ctx)
-        cache = vkattn.KVCache(cap, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype, device=device)
+        cache = vkattn.KVCache(cap, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype,
+                               device=device, timestamps=True)
         kp_ = rng.standard_normal((shape.kv_heads, past, shape.head_dim), dtype=np.float32)
         vp = rng.standard_normal((shape.kv_heads, past, shape.v_head_dim), dtype=np.float32)
         if past:
@@ -43,14 +44,29 @@ def run(shape: Shape, device) -> list:
             cache.truncate(past)
             return cache.forward(q, k, v)
 
-        ok = check(step(), attention(q, kall, vall), shape.dtype)
-        t = time_calls(step, shape.iters, shape.warmup)
+        ref = attention(q, kall, vall)
+        ok = check(step(), ref, shape.dtype)
+        t = time_calls(step, shape.iters, shape.warmup, device_of=cache)
         tr = time_calls(lambda: attention(q, kall, vall), max(1, shape.iters // 4), min(1, shape.warmup))
+        tt = None
+        sdpa = torch_sdpa()
+        if sdpa is not None:
+            import torch
+            import torch.nn.functional as F
+            ok = ok and check(sdpa(q, kall, vall, True)[0].numpy(), ref, shape.dtype)
+            qt, kt, vt = torch_inputs(q, kall, vall)
+            # torch's is_causal aligns the mask top-left; with a past the rows sit bottom-right
+            mask = None if past == 0 else torch.from_numpy(
+                np.arange(ctx)[None, :] <= np.arange(s)[:, None] + past)
+            tt = time_calls(lambda: F.scaled_dot_product_attention(
+                qt, kt, vt, attn_mask=mask, is_causal=mask is None, enable_gqa=shape.heads != shape.kv_heads),
+                shape.iters, shape.warmup)["median_ms"]
         flops = causal_flops(shape.heads, s, past, shape.head_dim, shape.v_head_dim)
         rows.append(Row(case=name, kernel="prefill",
                         shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim} {shape.dtype}",
                         vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr["median_ms"],
                         speedup_vs_numpy=tr["median_ms"] / t["median_ms"], metric="GFLOP/s",
-                        value=flops / (t["median_ms"] * 1e-3) / 1e9, verified=ok))
+                        value=flops / (t["median_ms"] * 1e-3) / 1e9, verified=ok, device_ms=t["device_ms"],
+                        torch_ms=tt, extra={"S": s, "past": past, "flops": flops}))
         cache.close()
     return rows

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import vkattn
-from vkattn import _kp, compiler
+from vkattn import compiler, tuning
 from vkattn.device import Device
 
 
@@ -88,3 +88,11 @@ def test_recording_rejects_unordered_dispatches(device):
     rec.destroy()
     for o in (writer, reader, part, ml, out, out2):
         o.destroy()
+
+
+def test_lane_subgroup_probe(device):
+    # attn_lane.comp needs one workgroup = one subgroup with working shuffles; probed, not assumed
+    sg = device.lane_subgroup()
+    assert sg in (0, device.subgroup_size)
+    if device.is_software and sg:
+        assert tuning.kernel_for(device) == "lane"

@@ -113,6 +113,7 @@ class Recording:
     def __init__(self, backend: Backend):
         self._backend = backend
         self._ops = []
+        self._names = []
         self._written = set()   # written by a dispatch, no download since
         self._used = set()      # touched by a dispatch, no download since
         self._seq = None
@@ -122,6 +123,7 @@ class Recording:
             if b in self._used:
                 raise SyncHazardError(f"upload of {b.name!r} after a dispatch used it in the same recording")
         self._ops.append(kp.OpTensorSyncDevice([b._t for b in bufs]))
+        self._names.append("upload")
         return self
 
     def dispatch(self, prog: Program) -> "Recording":
@@ -136,6 +138,7 @@ class Recording:
         self._written |= prog.writes
         self._used |= prog.reads | prog.writes
         self._ops.append(kp.OpAlgoDispatch(prog._algo))
+        self._names.append(prog.name)
         return self
 
     def download(self, *bufs: Buffer) -> "Recording":
@@ -145,6 +148,7 @@ class Recording:
             self._written.discard(b)
             self._used.discard(b)
         self._ops.append(kp.OpTensorSyncLocal([b._t for b in bufs]))
+        self._names.append("download")
         return self
 
     def build(self, timestamps: bool = False) -> "Recording":
@@ -157,9 +161,10 @@ class Recording:
     def run(self) -> None:
         self._seq.eval()
 
-    def timestamps(self) -> list:
-        """Device ticks latched before the first op and after each op of the last run."""
-        return list(self._seq.get_timestamps())
+    def timings(self, tick_ns: float) -> list:
+        """(op name, device ms) for each op of the last run; needs ``build(timestamps=True)``."""
+        ticks = self._seq.get_timestamps()
+        return [(n, (b - a) * tick_ns * 1e-6) for n, a, b in zip(self._names, ticks[:-1], ticks[1:])]
 
     def destroy(self) -> None:
         if self._seq is not None:

@@ -41,7 +41,8 @@ class KVCache:
     """
 
     def __init__(self, capacity: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
-                 dtype="float16", device: Device | None = None, verify: bool | None = None):
+                 dtype="float16", device: Device | None = None, verify: bool | None = None,
+                 timestamps: bool = False):
         self.capacity = check_int("capacity", capacity, 1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
         self.head_dim = check_int("head_dim", head_dim, 1)
@@ -65,6 +66,8 @@ class KVCache:
         words = self.num_kv_heads * self.capacity * 4
         self._k = be.buffer(words * self._dk4, np.uint32, host_visible=False, name="k_cache")
         self._v = be.buffer(words * self._dv4, np.uint32, host_visible=False, name="v_cache")
+        self.timestamps = bool(timestamps) and self.device.info.timestamp_compute_and_graphics
+        self._last_rec = None
         self._length = 0
         self._plans: OrderedDict = OrderedDict()
         self._lock = threading.RLock()
@@ -153,6 +156,14 @@ class KVCache:
             s = check_int("s", s, 1, self.capacity)
             n_new = check_int("n_new", n_new, 0, self.capacity)
             self._plan(("attn", hq, s, n_new), lambda: _AttnPlan(self, hq, s, n_new))
+
+    def last_timings(self) -> list:
+        """Device time of each op of the last append/attend/forward/read submission, as
+        ``[(op, ms), ...]`` from Vulkan timestamp queries (``KVCache(..., timestamps=True)`` on a
+        device that supports them; otherwise an empty list)."""
+        if not self.timestamps or self._last_rec is None:
+            return []
+        return self._last_rec.timings(self.device.info.timestamp_period)
 
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` live positions (0 <= length <= self.length); no device work."""
@@ -293,7 +304,7 @@ class _AppendPlan:
         groups = _groups(hkv * n * (c._dk4 + c._dv4), c.device)
         self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.params], (groups, 1, 1),
                                [WORKGROUP, c._dk4, c._dv4, c.capacity, hkv, n], writes=(0, 1), name="append")
-        self.rec = be.recording().upload(self.nk, self.nv, self.params).dispatch(self.prog).build()
+        self.rec = be.recording().upload(self.nk, self.nv, self.params).dispatch(self.prog).build(c.timestamps)
 
     def run(self, k, v, past: int) -> None:
         c = self.c
@@ -302,6 +313,7 @@ class _AppendPlan:
         p = self.params.view()
         p[0], p[1] = past, self.n
         self.rec.run()
+        c._last_rec = self.rec
 
     def destroy(self) -> None:
         _destroy(self.rec, self.prog, self.nk, self.nv, self.params)
@@ -356,7 +368,7 @@ class _AttnPlan:
                                      (_groups(rows * c.v_head_dim, dev), 1, 1),
                                      [WORKGROUP, cfg.splits, rows, c.v_head_dim, pv4], writes=(2,), name="reduce")
             rec.download(self.part, self.ml).dispatch(self.reduce)   # the download orders the pair
-        self.rec = rec.download(self.out).build()
+        self.rec = rec.download(self.out).build(c.timestamps)
 
     def run(self, q, k, v, past: int, causal: bool, scale: float) -> np.ndarray:
         c = self.c
@@ -374,6 +386,7 @@ class _AttnPlan:
         p[:9] = (past, n_new, int(causal), _f32_bits(scale * _LOG2E), chunk, int(n_new > 0), c.capacity,
                  self._nn, self.s)
         self.rec.run()
+        c._last_rec = self.rec
         return self.out.view().reshape(self.hq, self.s, c.v_head_dim).copy()
 
     def destroy(self) -> None:
@@ -394,13 +407,14 @@ class _ReadPlan:
         self.prog = be.program(compile_shader("gather"), [c._k, c._v, self.rk, self.rv, self.params],
                                (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c.capacity, hkv, rows],
                                writes=(2, 3), name="gather")
-        self.rec = be.recording().upload(self.params).dispatch(self.prog).download(self.rk, self.rv).build()
+        self.rec = be.recording().upload(self.params).dispatch(self.prog).download(self.rk, self.rv).build(c.timestamps)
 
     def run(self, start: int, count: int):
         c = self.c
         p = self.params.view()
         p[0], p[1] = start, count
         self.rec.run()
+        c._last_rec = self.rec
         return (_unpack(self.rk.view(), c, c._dk4, self.rows, count, c.head_dim),
                 _unpack(self.rv.view(), c, c._dv4, self.rows, count, c.v_head_dim))
 

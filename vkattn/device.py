@@ -27,6 +27,7 @@ class Device:
         self.index = index
         self._backend = _kp.Backend(index)
         self._lock = threading.Lock()
+        self._lane_subgroup = None
 
     # --- what callers and the planner read -------------------------------------------------
     @property
@@ -60,6 +61,29 @@ class Device:
     @property
     def max_workgroup_count(self) -> tuple:
         return self.info.max_compute_workgroup_count
+
+    def lane_subgroup(self) -> int:
+        """The workgroup size attn_lane.comp may use here: the reported subgroup size if a probe
+        dispatch confirms that a workgroup of that many invocations is exactly one subgroup with
+        working xor shuffles (power of two, at most 16), else 0. Probed once per device."""
+        if self._lane_subgroup is None:
+            self._lane_subgroup = 0
+            sg = self.subgroup_size
+            if 1 <= sg <= 16 and sg & (sg - 1) == 0:
+                import numpy as np
+
+                from .compiler import compile_shader
+                be = self.backend
+                out = be.buffer(4, np.uint32, name="probe")
+                prog = be.program(compile_shader("subgroup_probe"), [out], (1, 1, 1), [sg], writes=(0,), name="probe")
+                rec = be.recording().dispatch(prog).download(out).build()
+                rec.run()
+                size, count, ok = (int(x) for x in out.view()[:3])
+                if size == sg and count == 1 and ok == 1:
+                    self._lane_subgroup = sg
+                for o in (rec, prog, out):
+                    o.destroy()
+        return self._lane_subgroup
 
     @property
     def backend(self) -> "_kp.Backend":

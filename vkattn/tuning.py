@@ -42,19 +42,24 @@ def kernel_for(device) -> str:
     """attn_lane.comp where memory ops are dear, private memory cheap and subgroup shuffles are
     available in compute (CPU drivers: lavapipe), else attn.comp. VKATTN_KERNEL overrides."""
     env = os.environ.get("VKATTN_KERNEL", "")
-    if env:
-        if env not in ("tile", "lane"):
-            raise ValueError(f"VKATTN_KERNEL={env!r}: expected 'tile' or 'lane'")
-        return env
+    if env not in ("", "tile", "lane"):
+        raise ValueError(f"VKATTN_KERNEL={env!r}: expected 'tile' or 'lane'")
+    if env == "tile":
+        return "tile"
     info = device.info
-    lane_ok = (info.subgroup_supported_operations & SUBGROUP_SHUFFLE and
-               info.subgroup_supported_stages & COMPUTE_STAGE and device.subgroup_size >= 1)
-    return "lane" if device.is_software and lane_ok else "tile"
+    lane_ok = bool(info.subgroup_supported_operations & SUBGROUP_SHUFFLE and
+                   info.subgroup_supported_stages & COMPUTE_STAGE)
+    if env == "lane" or (device.is_software and lane_ok):
+        if lane_ok and device.lane_subgroup():
+            return "lane"
+        if env == "lane":
+            raise ValueError("VKATTN_KERNEL=lane: this device has no usable subgroup for attn_lane.comp")
+    return "tile"
 
 
 def lane_config(device, group: int, s: int, num_kv_heads: int, capacity: int) -> AttnConfig:
     """attn_lane.comp: one subgroup per workgroup owning LANE_NQ query vectors (heads x rows)."""
-    wg = max(1, min(device.subgroup_size or 8, device.max_workgroup_size))
+    wg = device.lane_subgroup()          # probed: one subgroup, shuffles work
     bq = max(1, min(s, LANE_NQ // group))
     if s == 1:
         env = os.environ.get("VKATTN_DECODE_SPLITS")

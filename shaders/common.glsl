@@ -24,10 +24,20 @@
 #define LOG2E 1.4426950408889634
 
 // uvec4 storage word -> CH float vec4
+#if KV_F16
+// IEEE half -> float for finite values with integer ops: move exponent and mantissa into place
+// and rescale by 2^112 (this also turns half subnormals into the right floats). The cache holds no
+// Inf/NaN (rejected at the door).
+vec4 halves_to_float(uvec4 h) {
+    const vec4 mag = uintBitsToFloat((h & 0x7fffu) << 13) * 5.192296858534828e33;   // 2^112
+    return uintBitsToFloat(floatBitsToUint(mag) | ((h & 0x8000u) << 16));
+}
+#endif
+
 void unpack_chunk(uvec4 w, out vec4 x[CH]) {
 #if KV_F16
-    x[0] = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
-    x[1] = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+    x[0] = halves_to_float(uvec4(w.x & 0xffffu, w.x >> 16, w.y & 0xffffu, w.y >> 16));
+    x[1] = halves_to_float(uvec4(w.z & 0xffffu, w.z >> 16, w.w & 0xffffu, w.w >> 16));
 #else
     x[0] = uintBitsToFloat(w);
 #endif

@@ -197,3 +197,22 @@ def test_long_context_beyond_per_invocation_loop_cap(device, rng, monkeypatch, k
     assert_close(cache.attend(q), mirror.ref(q), "float32")
     q = rand_q(rng, cache, 2, 5)
     assert_close(cache.attend(q), mirror.ref(q), "float32")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_float16_extremes_subnormal_and_large(device, rng, monkeypatch, kernel):
+    # the kernels convert stored halves themselves: subnormals, signed zeros and values near
+    # 65504 must come back exactly as numpy's float16 holds them
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    tiny = np.array([0.0, -0.0, 6e-8, -3e-7, 2.4e-6, -6.1e-5, 6.2e-5], np.float32)   # subnormals and around
+    big = np.array([1.0, -2.5, 1000.0, 6.0e4, -65504.0], np.float32)
+    for mags, atol in ((tiny, 1e-12), (big, 1e-2)):
+        cache = vkattn.KVCache(50, 1, 24, device=device)
+        v = rng.choice(mags, size=(1, 40, 24)).astype(np.float32)
+        cache.append(np.zeros((1, 40, 24), np.float32), v)   # zero keys: every weight is 1/n
+        kk, vv = cache.read()
+        assert np.array_equal(vv, v.astype(np.float16).astype(np.float32))
+        q = rng.standard_normal((2, 3, 24)).astype(np.float32)
+        out = cache.attend(q, causal=False)
+        ref = np.broadcast_to(vv.astype(np.float64).mean(axis=1, keepdims=True), out.shape)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=atol)

@@ -339,8 +339,6 @@ class _AttnPlan:
         self._nn = nn
         self.out = be.buffer(rows * c.v_head_dim, np.float32, name="out")
         flags = {"KV_F16": int(c._f16)}
-        spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, c.capacity, hkv, cfg.splits,
-                cfg.tq, cfg.kg, s, nn]
         grid = (cfg.splits, cfg.qtiles(s), hkv)
         if grid[1] > dev.max_workgroup_count[1]:
             raise DeviceLimitError(f"q: {s} rows need {grid[1]} workgroups in y; the device allows "
@@ -356,11 +354,11 @@ class _AttnPlan:
         bindings = [c._k, c._v, self.nk, self.nv, self.q, self.params, self.out if direct else self.part, self.ml]
         if cfg.kernel == "lane":
             spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, cfg.splits]
-            self.attn = be.program(compile_shader("attn_lane", flags), bindings, grid, spec,
-                                   writes=(0, 1, 6, 7), name="attn_lane")
         else:
-            self.attn = be.program(compile_shader("attn", flags), bindings, grid, spec,
-                                   writes=(0, 1, 6, 7), name="attn")
+            spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, c.capacity, hkv, cfg.splits,
+                    cfg.tq, cfg.kg, s, nn]
+        shader = "attn_lane" if cfg.kernel == "lane" else "attn"
+        self.attn = be.program(compile_shader(shader, flags), bindings, grid, spec, writes=(0, 1, 6, 7), name=shader)
         rec = be.recording().upload(*inputs).dispatch(self.attn)
         self.reduce = None
         if not direct:

@@ -14,6 +14,7 @@ WORKGROUP = 64          # threads per attention workgroup; also the key tile (on
 ACC_FLOATS = 64         # accumulator floats per thread in the V phase (register budget)
 PREFILL_NQ = 32         # query vectors (heads x rows) per prefill workgroup, before shrinking
 LANE_NQ = 16            # query vectors per attn_lane.comp workgroup (loads amortised vs registers)
+LANE_STATE_VEC4 = 128   # private vec4 (queries + accumulators) per lane in attn_lane.comp
 TILE_MAX_KEYS = 8192    # keys per attn.comp workgroup on a software device (~200 loop iterations per
                         # 64-key tile; measured wrong from ~20000 keys on lavapipe, which ends a loop
                         # after 65535 iterations per invocation). GPUs have no such cap.
@@ -57,10 +58,16 @@ def kernel_for(device) -> str:
     return "tile"
 
 
-def lane_config(device, group: int, s: int, num_kv_heads: int, capacity: int) -> AttnConfig:
-    """attn_lane.comp: one subgroup per workgroup owning LANE_NQ query vectors (heads x rows)."""
+def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_heads: int,
+                capacity: int) -> AttnConfig:
+    """attn_lane.comp: one subgroup per workgroup owning up to LANE_NQ query vectors (heads x
+    rows), fewer when the head dims are large: a lane keeps (KPL + VPL) * CH vec4 of query and
+    accumulator per query vector, and past LANE_STATE_VEC4 in all the driver's compile time and
+    register spills explode (head_dim 256 with 16 query vectors took 75 s to build on lavapipe)."""
     wg = device.lane_subgroup()          # probed: one subgroup, shuffles work
-    bq = max(1, min(s, LANE_NQ // group))
+    per_qv = (-(-dk4 // wg) + -(-dv4 // wg)) * ch
+    nq = max(1, min(LANE_NQ, LANE_STATE_VEC4 // per_qv))
+    bq = max(1, min(s, nq // group))
     if s == 1:
         env = os.environ.get("VKATTN_DECODE_SPLITS")
         splits = int(env) if env else -(-4 * (os.cpu_count() or 1) // num_kv_heads)
@@ -92,7 +99,7 @@ def attention_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, ca
     from .errors import DeviceLimitError
 
     if kernel_for(device) == "lane":
-        return lane_config(device, group, s, num_kv_heads, capacity)
+        return lane_config(device, group, s, dk4, dv4, ch, num_kv_heads, capacity)
 
     wg = WORKGROUP
     while wg < dv4:

@@ -43,7 +43,7 @@ def demo() -> int:
         raise SystemExit(f"prompt {prompt} + steps {steps} exceed VKATTN_DEMO_CAPACITY={cap}")
 
     dev = default_device()
-    print(f"device   : {dev.name} ({'software rasteriser' if dev.is_software else dev.info.device_type}),"
+    print(f"device   : {dev.name} ({'software Vulkan device' if dev.is_software else dev.info.device_type}),"
           f" subgroup {dev.subgroup_size}, shared memory {dev.max_shared_memory} B")
     print(f"shape    : {hq} q heads / {hkv} kv heads, head_dim {d}, {dtype} cache, capacity {cap}")
     rng = np.random.default_rng(0)

@@ -76,8 +76,8 @@ def demo() -> int:
     ok, err = check(out, q, "prefill")
     t_prefill_ref = time.perf_counter() - t0
     all_ok, worst = ok, err
-    print(f"prefill  : {prompt} tokens causal  {t_prefill * 1e3:8.2f} ms  (numpy reference {t_prefill_ref * 1e3:.2f} ms,"
-          f")  max|err| {err:.2e}  {'verified' if ok else 'FAILED'}")
+    print(f"prefill  : {prompt} tokens causal  {t_prefill * 1e3:8.2f} ms  (numpy reference {t_prefill_ref * 1e3:.2f} ms)"
+          f"  max|err| {err:.2e}  {'verified' if ok else 'FAILED'}")
 
     lat, ref_lat = [], []
     for step in range(steps):

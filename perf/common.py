@@ -114,29 +114,29 @@ def time_calls(fn, iters: int, warmup: int, device_of=None) -> dict:
             "device_ms": float(np.median(dev)) if dev else None}
 
 
-def torch_sdpa():
-    """torch's CPU scaled_dot_product_attention as f(q, k, v, causal) on numpy arrays, or None."""
+def torch_case(q, k, v, causal: bool, ref, dtype: str, iters: int, warmup: int):
+    """torch's CPU scaled_dot_product_attention on the same values (float32 tensors made once):
+    (its result matches ``ref``, median ms), or (True, None) when torch is not installed.
+    vkattn's causal rows are the last s positions (bottom-right aligned): with a past that is an
+    explicit mask, since torch's ``is_causal`` aligns top-left."""
     try:
         import torch
         import torch.nn.functional as F
     except ImportError:
-        return None
+        return True, None
+    qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(x))[None] for x in (q, k, v))
+    s, n = q.shape[1], k.shape[1]
+    mask = None
+    if causal and s > 1 and s < n:
+        mask = torch.from_numpy(np.arange(n)[None, :] <= np.arange(s)[:, None] + (n - s))
+    kw = dict(attn_mask=mask, is_causal=causal and s > 1 and s == n, enable_gqa=q.shape[0] != k.shape[0])
 
-    def run(q, k, v, causal):
-        qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(x))[None] for x in (q, k, v))
-        s, n = q.shape[1], k.shape[1]
-        # vkattn's causal rows are the last s positions (bottom-right aligned), as an explicit mask
-        mask = torch.from_numpy(np.arange(n)[None, :] <= np.arange(s)[:, None] + (n - s)) if causal else None
+    def run():
         with torch.no_grad():
-            return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask,
-                                                  enable_gqa=qt.shape[1] != kt.shape[1])
-    return run
+            return F.scaled_dot_product_attention(qt, kt, vt, **kw)
 
-
-def torch_inputs(q, k, v):
-    """The arrays torch is timed on: the same (storage-rounded) values, as torch tensors once."""
-    import torch
-    return tuple(torch.from_numpy(np.ascontiguousarray(x))[None] for x in (q, k, v))
+    ok = check(run()[0].numpy(), ref, dtype)
+    return ok, time_calls(run, iters, warmup)["median_ms"]
 
 
 _COPY_GBS = None

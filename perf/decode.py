@@ -9,8 +9,7 @@ import numpy as np
 import vkattn
 from vkattn.reference import attention, round_to
 
-from .common import (PerfConfigError, Row, Shape, check, env_int_list, selected, time_calls, torch_inputs,
-                     torch_sdpa)
+from .common import PerfConfigError, Row, Shape, check, env_int_list, selected, time_calls, torch_case
 
 DEFAULT_CONTEXT = [512, 4096]
 
@@ -30,7 +29,6 @@ def capacities(shape: Shape, L: int) -> list:
 def run(shape: Shape, device) -> list:
     rows = []
     contexts = env_int_list("VKATTN_PERF_CONTEXT", DEFAULT_CONTEXT)
-    sdpa = torch_sdpa()
     rng = np.random.default_rng(0)
     for L in contexts:
         for cap in capacities(shape, L):
@@ -48,16 +46,12 @@ def run(shape: Shape, device) -> list:
             cache.append(k, v)
             k, v = round_to(k, shape.dtype), round_to(v, shape.dtype)
             q = rng.standard_normal((shape.heads, 1, shape.head_dim), dtype=np.float32)
-            ok = check(cache.attend(q), attention(q, k, v), shape.dtype)
+            ref = attention(q, k, v)
+            ok = check(cache.attend(q), ref, shape.dtype)
             t = time_calls(lambda: cache.attend(q), shape.iters, shape.warmup, device_of=cache)
             tr = time_calls(lambda: attention(q, k, v), shape.iters, shape.warmup)
-            tt = None
-            if sdpa is not None:
-                ok = ok and check(sdpa(q, k, v, False)[0].numpy(), attention(q, k, v), shape.dtype)
-                qt, kt, vt = torch_inputs(q, k, v)
-                import torch.nn.functional as F
-                tt = time_calls(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=shape.heads != shape.kv_heads),
-                                shape.iters, shape.warmup)["median_ms"]
+            torch_ok, tt = torch_case(q, k, v, True, ref, shape.dtype, shape.iters, shape.warmup)
+            ok = ok and torch_ok
             kv_bytes = cache.nbytes * L / cap
             rows.append(Row(case=name, kernel="decode",
                             shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim} dv={shape.v_head_dim} {shape.dtype}",

@@ -6,7 +6,7 @@ import numpy as np
 import vkattn
 from vkattn.reference import attention, round_to
 
-from .common import Row, Shape, check, env_int_list, selected, time_calls, torch_inputs, torch_sdpa
+from .common import Row, Shape, check, env_int_list, selected, time_calls, torch_case
 
 DEFAULT_PAST = [0, 1536]
 
@@ -48,19 +48,8 @@ def run(shape: Shape, device) -> list:
         ok = check(step(), ref, shape.dtype)
         t = time_calls(step, shape.iters, shape.warmup, device_of=cache)
         tr = time_calls(lambda: attention(q, kall, vall), max(1, shape.iters // 4), min(1, shape.warmup))
-        tt = None
-        sdpa = torch_sdpa()
-        if sdpa is not None:
-            import torch
-            import torch.nn.functional as F
-            ok = ok and check(sdpa(q, kall, vall, True)[0].numpy(), ref, shape.dtype)
-            qt, kt, vt = torch_inputs(q, kall, vall)
-            # torch's is_causal aligns the mask top-left; with a past the rows sit bottom-right
-            mask = None if past == 0 else torch.from_numpy(
-                np.arange(ctx)[None, :] <= np.arange(s)[:, None] + past)
-            tt = time_calls(lambda: F.scaled_dot_product_attention(
-                qt, kt, vt, attn_mask=mask, is_causal=mask is None, enable_gqa=shape.heads != shape.kv_heads),
-                shape.iters, shape.warmup)["median_ms"]
+        torch_ok, tt = torch_case(q, kall, vall, True, ref, shape.dtype, shape.iters, shape.warmup)
+        ok = ok and torch_ok
         flops = causal_flops(shape.heads, s, past, shape.head_dim, shape.v_head_dim)
         rows.append(Row(case=name, kernel="prefill",
                         shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim} {shape.dtype}",

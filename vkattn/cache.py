@@ -343,7 +343,7 @@ class _AttnPlan:
         if grid[1] > dev.max_workgroup_count[1]:
             raise DeviceLimitError(f"q: {s} rows need {grid[1]} workgroups in y; the device allows "
                                    f"{dev.max_workgroup_count[1]}")
-        inputs = [self.q, self.nk, self.nv, self.params]
+        inputs = [self.q, self.params] + ([self.nk, self.nv] if n_new else [])   # attend uploads no rows
         direct = cfg.splits == 1                      # normalised output straight from the kernel
         if direct:
             self.part = None

@@ -2,15 +2,15 @@
 // attn_lane.comp -- flash attention (decode and prefill) for CPU-like Vulkan devices.
 //
 // A workgroup is one subgroup of WG lanes and owns NQ = G*BQ query vectors: the G query heads of
-// kv head h for BQ consecutive query rows. It streams its key range one key at a time: lane l
-// holds uvec4 chunks l, l+WG, ... of every K/V row (one key costs ceil(DK4/WG) + ceil(DV4/WG)
-// loads per lane, none repeated). Keys go in blocks of WG: the lanes' partial dot products for the
-// block are reduce-scattered with xor shuffles so that lane b holds the scores of key b, the
-// softmax update (one exp2 per query vector and block, SIMD across the block's keys) runs on those,
-// and the weights are broadcast back for the V accumulation. Every lane keeps the softmax state and
-// its slice of the NQ accumulators in private memory. No shared memory and no barrier. This suits drivers where a memory instruction
-// costs a per-lane loop while arithmetic and shuffles run SIMD-wide (lavapipe: subgroup 8);
-// GPUs use attn.comp. WG is the device's subgroup size, read at plan time (a power of two).
+// kv head h for BQ consecutive query rows. Lane l holds uvec4 chunks l, l+WG, ... of every K/V row
+// (one key costs ceil(DK4/WG) + ceil(DV4/WG) loads per lane, none repeated). Keys go in blocks of
+// WG: the lanes' partial dot products for the block are reduce-scattered with xor shuffles so that
+// lane b holds the scores of key b, the softmax update (one exp2 per query vector and block, SIMD
+// across the block's keys) runs on those, and the weights are broadcast back for the V
+// accumulation. Every lane keeps the softmax state and its slice of the NQ accumulators in private
+// memory. No shared memory and no barrier. This suits drivers where a memory instruction costs a
+// per-lane loop while arithmetic and shuffles run SIMD-wide (lavapipe: subgroup 8); GPUs use
+// attn.comp. WG is the device's subgroup size, probed at plan time (a power of two, <= 16).
 //
 // Contract (kc, vc, nk, nv, q as in attn.comp)
 //   grid (SPLITS, ceil(S / BQ), HKV); workgroup (sp, qt, h): rows qt*BQ .., keys sp*chunk ..

@@ -14,7 +14,7 @@ from .device import Device, default_device
 from .errors import CacheClosedError, CacheFullError, DeviceLimitError, VerificationError
 from .tuning import WORKGROUP, attention_config
 
-_DTYPES = {"float16": "float16", "float32": "float32"}
+_DTYPES = ("float16", "float32")
 _MAX_PLANS = 8
 _LOG2E = 1.4426950408889634
 _READ_BYTES = 1 << 20   # readback buffer size per K/V for read()
@@ -47,10 +47,10 @@ class KVCache:
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
         self.head_dim = check_int("head_dim", head_dim, 1)
         self.v_head_dim = self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
-        key = dtype if isinstance(dtype, str) else getattr(np.dtype(dtype) if _is_dtype(dtype) else None, "name", None)
+        key = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or getattr(dtype, "name", None)
         if key not in _DTYPES:
             raise TypeError(f"dtype: expected 'float16' or 'float32', got {dtype!r}")
-        self.dtype = _DTYPES[key]
+        self.dtype = key
         if device is not None and not isinstance(device, Device):
             raise TypeError(f"device: expected a vkattn.Device or None, got {type(device).__name__}")
         self.device = device or default_device()
@@ -275,14 +275,6 @@ class KVCache:
             raise VerificationError(f"device result differs from the numpy reference: max abs error "
                                     f"{float(err.max()):.3g} at {np.unravel_index(int(err.argmax()), err.shape)} "
                                     f"(atol {atol}, rtol {rtol}, {int(bad.sum())} elements off)")
-
-
-def _is_dtype(x) -> bool:
-    try:
-        np.dtype(x)
-        return True
-    except TypeError:
-        return False
 
 
 def _check_bool(name, value) -> bool:

@@ -26,7 +26,6 @@ class Device:
         self.info: DeviceInfo = devices[index]
         self.index = index
         self._backend = _kp.Backend(index)
-        self._lock = threading.Lock()
         self._lane_subgroup = None
 
     # --- what callers and the planner read -------------------------------------------------

@@ -33,7 +33,6 @@ class AttnConfig:
     splits: int    # key splits (split-K); 1 = no reduce pass
     tq: int        # query groups in the V phase
     kg: int        # key groups in the V phase
-    shared_bytes: int
 
     def qtiles(self, s: int) -> int:
         return -(-s // self.bq)
@@ -72,22 +71,24 @@ def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_
     per_qv = (-(-dk4 // wg) + -(-dv4 // wg)) * ch
     nq = max(1, min(LANE_NQ, LANE_STATE_VEC4 // per_qv))
     bq = max(1, min(s, nq // group))
-    if s == 1:
-        env = os.environ.get("VKATTN_DECODE_SPLITS")
-        splits = int(env) if env else -(-4 * (os.cpu_count() or 1) // num_kv_heads)
-    else:
-        splits = 1
+    splits = decode_splits(device, "lane", num_kv_heads, capacity) if s == 1 else 1
     # one loop iteration per key and invocation: stay far below lavapipe's per-invocation cap
     splits = max(splits, -(-capacity // LANE_MAX_KEYS))
     splits = max(1, min(splits, -(-capacity // 16)))
-    return AttnConfig(kernel="lane", wg=wg, bq=bq, splits=splits, tq=1, kg=1, shared_bytes=0)
+    return AttnConfig(kernel="lane", wg=wg, bq=bq, splits=splits, tq=1, kg=1)
 
 
-def decode_splits(device, capacity: int) -> int:
+def decode_splits(device, kernel: str, num_kv_heads: int, capacity: int) -> int:
+    """Key splits for decode (VKATTN_DECODE_SPLITS overrides). The lane kernel wants a few
+    workgroups per CPU core in all (they are fat); attn.comp on a GPU wants many in flight."""
     env = os.environ.get("VKATTN_DECODE_SPLITS")
     if env:
-        return max(1, int(env))
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"VKATTN_DECODE_SPLITS={env!r}: expected a positive integer")
+        return int(env)
     cores = os.cpu_count() or 1
+    if kernel == "lane":
+        return -(-4 * cores // num_kv_heads)
     want = 2 * cores if device.is_software else 32
     return max(1, min(want, -(-capacity // WORKGROUP)))
 
@@ -129,7 +130,7 @@ def attention_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, ca
             raise DeviceLimitError(
                 f"attention tile needs {need} bytes of shared memory; the device has {limit}")
         bq = max(1, bq // 2)
-    splits = decode_splits(device, capacity) if s == 1 else 1
+    splits = decode_splits(device, "tile", num_kv_heads, capacity) if s == 1 else 1
     if device.is_software:
         splits = max(splits, -(-capacity // TILE_MAX_KEYS))
-    return AttnConfig(kernel="tile", wg=wg, bq=bq, splits=splits, tq=tq, kg=kg, shared_bytes=need)
+    return AttnConfig(kernel="tile", wg=wg, bq=bq, splits=splits, tq=tq, kg=kg)

@@ -13,7 +13,7 @@
 //              in this dispatch, so the fused append cannot race with the attention.
 //   q        : float32 [HKV*G, S, DK4*CH] vec4, zero padded
 //   params   : [0] past, [1] n_new, [2] causal, [3] float bits of scale*log2(e), [4] chunk,
-//              [5] write new rows
+//              [5] write new rows, [6] CAP, [7] NNEW (rows per head of nk/nv), [8] S
 //   out      : SPLITS == 1: float32 [HKV*G, S, DV], normalised
 //              SPLITS  > 1: float32 [SPLITS, HKV*G*S, DV4*CH*4] un-normalised partial sums
 //   ml       : SPLITS  > 1: vec2 [SPLITS, HKV*G*S] running (max, sum), max in log2 units
@@ -35,13 +35,9 @@ layout(constant_id = 2) const uint BQ = 1u;      // query rows per workgroup
 layout(constant_id = 3) const uint DK4 = 16u;    // uvec4 per K row
 layout(constant_id = 4) const uint DV4 = 16u;    // uvec4 per V row
 layout(constant_id = 5) const uint DV = 128u;    // v_head_dim (unpadded)
-layout(constant_id = 6) const uint CAP = 1u;     // cache capacity (rows per head)
-layout(constant_id = 7) const uint HKV = 1u;     // kv heads
-layout(constant_id = 8) const uint SPLITS = 1u;  // key splits (grid x)
-layout(constant_id = 9) const uint TQ = 1u;      // query groups in the V phase
-layout(constant_id = 10) const uint KG = 1u;     // key groups in the V phase
-layout(constant_id = 11) const uint S = 1u;      // query rows
-layout(constant_id = 12) const uint NNEW = 1u;   // rows of nk/nv (>= n_new)
+layout(constant_id = 6) const uint SPLITS = 1u;  // key splits (grid x)
+layout(constant_id = 7) const uint TQ = 1u;      // query groups in the V phase
+layout(constant_id = 8) const uint KG = 1u;      // key groups in the V phase
 
 layout(std430, binding = 0) buffer KC { uvec4 kc[]; };
 layout(std430, binding = 1) buffer VC { uvec4 vc[]; };
@@ -58,7 +54,6 @@ const uint NQ = G * BQ;
 const uint QPT = (NQ + TQ - 1u) / TQ;
 const uint PK = DK4 * CH;
 const uint PV = DV4 * CH;
-const uint NROWS = HKV * G * S;
 const uint RED = (KG > 1u) ? WG * QPT * CH : 1u;
 
 shared vec4 sq[NQ * PK];
@@ -67,6 +62,10 @@ shared float sm[NQ];
 shared float sl[NQ];
 shared float salpha[NQ];
 shared vec4 sred[RED];
+
+// per-call sizes from params (not spec constants, so one pipeline serves every capacity and
+// chunk length): cache rows per head, rows per head of nk/nv, query rows
+uint CAP, NNEW, S;
 
 void load_k(uint h, uint j, uint past, uint c, out vec4 x[CH]) {
     if (j < past) {
@@ -117,6 +116,10 @@ void main() {
     const float qscale = uintBitsToFloat(params[3]);
     const uint chunk = params[4];
     const uint T = past + n_new;
+    CAP = params[6];
+    NNEW = params[7];
+    S = params[8];
+    const uint NROWS = gl_NumWorkGroups.z * G * S;
 
     if (params[5] != 0u) store_new_rows(h, past, n_new, t);
 

@@ -344,11 +344,10 @@ class _AttnPlan:
             self.part = be.buffer(cfg.splits * rows * pv4, np.float32, name="partials")
             self.ml = be.buffer(cfg.splits * rows * 2, np.float32, name="max_sum")
         bindings = [c._k, c._v, self.nk, self.nv, self.q, self.params, self.out if direct else self.part, self.ml]
-        if cfg.kernel == "lane":
-            spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, cfg.splits]
-        else:
-            spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, c.capacity, hkv, cfg.splits,
-                    cfg.tq, cfg.kg, s, nn]
+        # spec constants size the tiles only; capacity, rows and lengths travel in params
+        spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, cfg.splits]
+        if cfg.kernel == "tile":
+            spec += [cfg.tq, cfg.kg]
         shader = "attn_lane" if cfg.kernel == "lane" else "attn"
         self.attn = be.program(compile_shader(shader, flags), bindings, grid, spec, writes=(0, 1, 6, 7), name=shader)
         rec = be.recording().upload(*inputs).dispatch(self.attn)

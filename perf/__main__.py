@@ -1,4 +1,4 @@
-"""``python -m perf [decode|prefill|append ...]``: run the perf cases, print a table, write
+"""``python -m perf [decode|prefill|append|overhead|batch ...]``: run the perf cases, print a table, write
 perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py)."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import sys
 
 import vkattn
 
-from . import append, decode, overhead, prefill
+from . import append, batch, decode, overhead, prefill
 from .common import PerfConfigError, Shape, copy_bandwidth, print_table, write_results
 
-SCRIPTS = {"decode": decode, "prefill": prefill, "append": append, "overhead": overhead}
+SCRIPTS = {"decode": decode, "prefill": prefill, "append": append, "overhead": overhead, "batch": batch}
 
 
 def main(argv=None) -> int:
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     print_table(rows, device.name)
     print(f"\nmachine copy bandwidth (read + write): {copy_bandwidth():.1f} GB/s")
     for r in rows:
-        if r.kernel == "decode":
+        if r.kernel in ("decode", "batch"):
             print(f"  {r.case}: {r.value:.2f} GB/s = {100 * r.value / copy_bandwidth():.1f}% of copy bandwidth")
     out = write_results(rows, device.name, copy_bandwidth())
     print(f"\nresults: {out}/results.json, {out}/results.csv")

@@ -5,7 +5,9 @@
 //   kc, vc : cache, [HKV, CAP, DK4|DV4] uvec4 (layout in common.glsl), written in place
 //   nk, nv : new rows, float32 [HKV, NNEW, DK4*CH|DV4*CH] vec4, zero padded
 //   params : [0] past (live length before the append), [1] n_new (<= NNEW)
+//   rope_tab: ROPE_K: rotary table row r for position past + r (rope.glsl)
 // numpy:  K[:, past:past+n_new] = k_new.astype(storage);  V[:, past:past+n_new] = v_new.astype(storage)
+//         (ROPE_K: k_new = reference.rope(k_new, past + arange(n_new)) first)
 // Only rows past .. past+n_new-1 are touched; the work is O(n_new), independent of CAP.
 // The caller has checked past + n_new <= CAP before dispatching (nothing here can overflow).
 #extension GL_GOOGLE_include_directive : require
@@ -17,12 +19,17 @@ layout(constant_id = 2) const uint DV4 = 16u;
 layout(constant_id = 3) const uint CAP = 1u;
 layout(constant_id = 4) const uint HKV = 1u;
 layout(constant_id = 5) const uint NNEW = 1u;
+layout(constant_id = 6) const uint FLAGS = 0u;
+layout(constant_id = 7) const uint ROPE_DIM = 8u;
 
 layout(std430, binding = 0) writeonly buffer KC { uvec4 kc[]; };
 layout(std430, binding = 1) writeonly buffer VC { uvec4 vc[]; };
 layout(std430, binding = 2) readonly buffer NK { vec4 nk[]; };
 layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
 layout(std430, binding = 4) readonly buffer PARAMS { uint params[]; };
+layout(std430, binding = 5) readonly buffer ROPE { vec4 rope_tab[]; };
+
+#include "rope.glsl"
 
 void main() {
     const uint past = params[0];
@@ -34,8 +41,12 @@ void main() {
         vec4 x[CH];
         if (i < nk_words) {
             const uint c = i % DK4, r = (i / DK4) % n_new, h = i / (DK4 * n_new);
-            const uint src = ((h * NNEW + r) * DK4 + c) * CH;
-            for (uint e = 0u; e < CH; ++e) x[e] = nk[src + e];
+            const uint row = (h * NNEW + r) * DK4 * CH;
+            for (uint e = 0u; e < CH; ++e) {
+                const uint u = c * CH + e;
+                x[e] = nk[row + u];
+                if (HAS(F_ROPE_K)) x[e] = rope_rotate(x[e], nk[row + rope_partner(u)], u, r);
+            }
             kc[(h * CAP + past + r) * DK4 + c] = pack_chunk(x);
         } else {
             const uint iv = i - nk_words;

@@ -1,24 +1,26 @@
 #version 450
-// attn.comp -- flash attention over the persistent cache (plus optional new rows), one dispatch.
+// attn.comp -- flash attention over the persistent cache (plus optional new rows), one dispatch;
+// the GPU kernel (CPU Vulkan drivers use attn_lane.comp). Per-call values, the sequences of a
+// batch and the score rules (window, sinks, softcap, ALiBi, mask) are in aux: attn_common.glsl.
 //
 // Contract
-//   grid (SPLITS, ceil(S / BQ), HKV); workgroup (sp, qt, h) takes
+//   grid (SPLITS, tiles, HKV); workgroup (sp, y, h) takes tile y of the aux tile table =
+//   (sequence i, query tile qt), so
 //     * the G query heads h*G .. h*G+G-1 that share kv head h (GQA/MQA; G = 1 is plain MHA),
-//     * query rows qt*BQ .. qt*BQ+BQ-1 of the S rows; row r sits at position T - S + r,
-//     * keys sp*chunk .. min(T, (sp+1)*chunk) - 1 of the T = past + n_new visible positions.
-//   kc, vc   : cache [HKV, CAP, DK4|DV4] uvec4 (common.glsl). Keys j < past come from here.
-//   nk, nv   : new rows, float32 [HKV, NNEW, DK4*CH|DV4*CH] vec4. Keys past <= j < T come from
-//              here, rounded to the storage dtype; when params[5] != 0 the workgroups of head h
-//              also store them into cache rows past .. T-1. No workgroup reads those cache rows
-//              in this dispatch, so the fused append cannot race with the attention.
-//   q        : float32 [HKV*G, S, DK4*CH] vec4, zero padded
-//   params   : [0] past, [1] n_new, [2] causal, [3] float bits of scale*log2(e), [4] chunk,
-//              [5] write new rows, [6] CAP, [7] NNEW (rows per head of nk/nv), [8] S
-//   out      : SPLITS == 1: float32 [HKV*G, S, DV], normalised
-//              SPLITS  > 1: float32 [SPLITS, HKV*G*S, DV4*CH*4] un-normalised partial sums
-//   ml       : SPLITS  > 1: vec2 [SPLITS, HKV*G*S] running (max, sum), max in log2 units
-// numpy, one q head (SPLITS == 1):
-//   s = scale * q @ K[:T].T;  s[j > T - S + r] = -inf if causal;  out = softmax(s) @ V[:T]
+//     * query rows qt*BQ .. qt*BQ+BQ-1 of the q_len_i rows of sequence i,
+//     * keys kstart_i + sp*chunk_i .. (+ chunk_i) of its T_i = past_i + n_new_i positions.
+//   kc, vc   : cache uvec4 rows, row of (head, slot) from aux (common.glsl, attn_common.glsl).
+//              Keys j < past_i come from here.
+//   nk, nv   : new rows, float32 [HKV, NN, DK4*CH|DV4*CH] vec4. Keys past_i <= j < T_i come from
+//              here (row new_start_i + j - past_i), rounded to the storage dtype; when aux[3] != 0
+//              the workgroups of the sequence also store them into its cache slots. No workgroup
+//              reads those slots in this dispatch, so the fused append cannot race with attention.
+//   q        : float32 [HKV*G, R, DK4*CH] vec4, zero padded
+//   out      : SPLITS == 1: float32 [HKV*G, R, DV], normalised; lse float32 [HKV*G, R]
+//              SPLITS  > 1: float32 [SPLITS, HKV*G*R, DV4*CH*4] un-normalised partial sums
+//   ml       : SPLITS  > 1: vec2 [SPLITS, HKV*G*R] running (max, sum), max in log2 units
+// numpy, one q head of one sequence (SPLITS == 1):
+//   s = scale * q @ K[:T].T (+ variants, invisible keys -inf);  out = softmax(s) @ V[:T]
 //   (a row that sees no key gives zeros, never NaN)
 //
 // Per tile of BK = WG keys: thread t scores key t against the NQ = G*BQ query vectors (pre-scaled,
@@ -36,17 +38,24 @@ layout(constant_id = 3) const uint DK4 = 16u;    // uvec4 per K row
 layout(constant_id = 4) const uint DV4 = 16u;    // uvec4 per V row
 layout(constant_id = 5) const uint DV = 128u;    // v_head_dim (unpadded)
 layout(constant_id = 6) const uint SPLITS = 1u;  // key splits (grid x)
-layout(constant_id = 7) const uint TQ = 1u;      // query groups in the V phase
-layout(constant_id = 8) const uint KG = 1u;      // key groups in the V phase
+layout(constant_id = 7) const uint FLAGS = 0u;   // variants (attn_common.glsl)
+layout(constant_id = 8) const uint TQ = 1u;      // query groups in the V phase
+layout(constant_id = 9) const uint KG = 1u;      // key groups in the V phase
+layout(constant_id = 10) const uint ROPE_DIM = 8u;  // rotated elements (ROPE_K / ROPE_Q)
 
 layout(std430, binding = 0) buffer KC { uvec4 kc[]; };
 layout(std430, binding = 1) buffer VC { uvec4 vc[]; };
 layout(std430, binding = 2) readonly buffer NK { vec4 nk[]; };
 layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
 layout(std430, binding = 4) readonly buffer QB { vec4 qbuf[]; };
-layout(std430, binding = 5) readonly buffer PARAMS { uint params[]; };
+layout(std430, binding = 5) readonly buffer AUX { uint aux[]; };
 layout(std430, binding = 6) writeonly buffer OUT { float outbuf[]; };
 layout(std430, binding = 7) writeonly buffer ML { vec2 mlbuf[]; };
+layout(std430, binding = 8) writeonly buffer LSE { float lsebuf[]; };
+layout(std430, binding = 9) readonly buffer ROPE { vec4 rope_tab[]; };
+
+#include "attn_common.glsl"
+#include "rope.glsl"
 
 const uint WG = gl_WorkGroupSize.x;
 const uint BK = WG;
@@ -61,105 +70,90 @@ shared float ss[NQ * BK];
 shared float sm[NQ];
 shared float sl[NQ];
 shared float salpha[NQ];
+shared uint srow[BK];
 shared vec4 sred[RED];
 
-// per-call sizes from params (not spec constants, so one pipeline serves every capacity and
-// chunk length): cache rows per head, rows per head of nk/nv, query rows
-uint CAP, NNEW, S;
+Seq seq;
+uint hh, qt;
 
-void load_k(uint h, uint j, uint past, uint c, out vec4 x[CH]) {
-    if (j < past) {
-        unpack_chunk(kc[(h * CAP + j) * DK4 + c], x);
+// vec4 u of new row r of nk (rotated with ROPE_K at its position)
+vec4 new_k(uint r, uint u) {
+    const uint row = (hh * aux[11] + r) * PK;
+    vec4 x = nk[row + u];
+    if (HAS(F_ROPE_K)) x = rope_rotate(x, nk[row + rope_partner(u)], u, seq.rope_row + seq.past + r - seq.new_start - seq.rope_pos);
+    return x;
+}
+
+void load_k(uint row, uint j, uint c, out vec4 x[CH]) {
+    if (j < seq.past) {
+        unpack_chunk(kc[row * DK4 + c], x);
     } else {
         vec4 y[CH];
-        const uint src = ((h * NNEW + (j - past)) * DK4 + c) * CH;
-        for (uint e = 0u; e < CH; ++e) y[e] = nk[src + e];
+        for (uint e = 0u; e < CH; ++e) y[e] = new_k(seq.new_start + j - seq.past, c * CH + e);
         unpack_chunk(pack_chunk(y), x);
     }
 }
 
-void load_v(uint h, uint j, uint past, uint c, out vec4 x[CH]) {
-    if (j < past) {
-        unpack_chunk(vc[(h * CAP + j) * DV4 + c], x);
+void load_v(uint row, uint j, uint c, out vec4 x[CH]) {
+    if (j < seq.past) {
+        unpack_chunk(vc[row * DV4 + c], x);
     } else {
         vec4 y[CH];
-        const uint src = ((h * NNEW + (j - past)) * DV4 + c) * CH;
+        const uint src = ((hh * aux[11] + seq.new_start + j - seq.past) * DV4 + c) * CH;
         for (uint e = 0u; e < CH; ++e) y[e] = nv[src + e];
         unpack_chunk(pack_chunk(y), x);
     }
 }
 
-void store_new_rows(uint h, uint past, uint n_new, uint t) {
-    const uint nw = gl_NumWorkGroups.x * gl_NumWorkGroups.y;
-    for (uint r = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x; r < n_new; r += nw) {
+void store_new_rows(uint sp, uint t) {
+    const uint nw = SPLITS * ((seq.q_len + BQ - 1u) / BQ);
+    for (uint r = qt * SPLITS + sp; r < seq.n_new; r += nw) {
+        const uint row = cache_row(seq.bt, hh, seq.past + r);
         for (uint c = t; c < DK4 + DV4; c += WG) {
             vec4 y[CH];
             if (c < DK4) {
-                const uint src = ((h * NNEW + r) * DK4 + c) * CH;
-                for (uint e = 0u; e < CH; ++e) y[e] = nk[src + e];
-                kc[(h * CAP + past + r) * DK4 + c] = pack_chunk(y);
+                for (uint e = 0u; e < CH; ++e) y[e] = new_k(seq.new_start + r, c * CH + e);
+                kc[row * DK4 + c] = pack_chunk(y);
             } else {
                 const uint cv = c - DK4;
-                const uint src = ((h * NNEW + r) * DV4 + cv) * CH;
+                const uint src = ((hh * aux[11] + seq.new_start + r) * DV4 + cv) * CH;
                 for (uint e = 0u; e < CH; ++e) y[e] = nv[src + e];
-                vc[(h * CAP + past + r) * DV4 + cv] = pack_chunk(y);
+                vc[row * DV4 + cv] = pack_chunk(y);
             }
         }
     }
 }
 
-void main() {
-    const uint sp = gl_WorkGroupID.x, qt = gl_WorkGroupID.y, h = gl_WorkGroupID.z;
-    const uint t = gl_LocalInvocationID.x;
-    const uint past = params[0], n_new = params[1];
-    const bool causal = params[2] != 0u;
-    const float qscale = uintBitsToFloat(params[3]);
-    const uint chunk = params[4];
-    const uint T = past + n_new;
-    CAP = params[6];
-    NNEW = params[7];
-    S = params[8];
-    const uint NROWS = gl_NumWorkGroups.z * G * S;
-
-    if (params[5] != 0u) store_new_rows(h, past, n_new, t);
-
-    for (uint i = t; i < NQ * PK; i += WG) {
-        const uint qv = i / PK, e = i % PK;
-        const uint r = qt * BQ + qv % BQ;
-        sq[i] = (r < S) ? qbuf[((h * G + qv / BQ) * S + r) * PK + e] * qscale : vec4(0.0);
-    }
-    for (uint i = t; i < NQ; i += WG) { sm[i] = NEG_INF; sl[i] = 0.0; }
-
-    const uint k0 = sp * chunk;
-    uint k1 = min(T, k0 + chunk);
-    if (causal) k1 = min(k1, T - S + min(S, qt * BQ + BQ));  // past the tile's last row: masked
-
-    const uint cv = t % DV4, vr = t / DV4;
-    const uint qg = vr % TQ, kg = vr / TQ;
-    const bool vact = vr < TQ * KG;
-    vec4 acc[QPT][CH];
-    for (uint k = 0u; k < QPT; ++k)
-        for (uint e = 0u; e < CH; ++e) acc[k][e] = vec4(0.0);
-    barrier();
-
+// keys k0 .. k1-1 in tiles of BK (workgroup-uniform bounds: every thread reaches the barriers)
+void consume(uint k0, uint k1, uint t, uint cv, uint qg, uint kg, bool vact, inout vec4 acc[QPT][CH]) {
+    const bool causal = aux[1] != 0u;
+    const uint T = seq.past + seq.n_new;
     for (uint j0 = k0; j0 < k1; j0 += BK) {
         const uint n = min(BK, k1 - j0);
         {
             const uint j = j0 + t;
+            const uint row = (t < n && j < seq.past) ? cache_row(seq.bt, hh, j) : 0u;
+            srow[t] = row;
             float dots[NQ];
             for (uint qv = 0u; qv < NQ; ++qv) dots[qv] = 0.0;
             if (t < n) {
                 for (uint c = 0u; c < DK4; ++c) {
                     vec4 kx[CH];
-                    load_k(h, j, past, c, kx);
+                    load_k(row, j, c, kx);
                     for (uint qv = 0u; qv < NQ; ++qv)
                         for (uint e = 0u; e < CH; ++e) dots[qv] += dot(sq[qv * PK + c * CH + e], kx[e]);
                 }
             }
             for (uint qv = 0u; qv < NQ; ++qv) {
                 const uint r = qt * BQ + qv % BQ;
-                const bool vis = t < n && r < S && (!causal || j <= T - S + r);
-                ss[qv * BK + t] = vis ? dots[qv] : NEG_INF;
+                const uint p = T - seq.q_len + r;
+                float sc = NEG_INF;
+                if (t < n && r < seq.q_len && key_visible(j, p, causal)) {
+                    const float slope = HAS(F_ALIBI) ? uintBitsToFloat(aux[aux[15] + hh * G + qv / BQ]) : 0.0;
+                    sc = shape_score(dots[qv], slope, j, p);
+                    if (HAS(F_MASK)) sc += mask_at(seq, hh * G + qv / BQ, r, j);
+                }
+                ss[qv * BK + t] = sc;
             }
         }
         barrier();
@@ -192,7 +186,7 @@ void main() {
             }
             for (uint kk = kg; kk < n; kk += KG) {
                 vec4 vx[CH];
-                load_v(h, j0 + kk, past, cv, vx);
+                load_v(srow[kk], j0 + kk, cv, vx);
                 for (uint k = 0u; k < QPT; ++k) {
                     const uint qv = qg + k * TQ;
                     if (qv < NQ) {
@@ -203,6 +197,57 @@ void main() {
             }
         }
         barrier();
+    }
+}
+
+void main() {
+    const uint sp = gl_WorkGroupID.x, y = gl_WorkGroupID.y;
+    hh = gl_WorkGroupID.z;
+    const uint h = hh;
+    const uint t = gl_LocalInvocationID.x;
+    if (y >= aux[14]) return;                 // the grid is sized for the largest batch
+    seq = load_seq(aux[aux[13] + 2u * y]);
+    qt = aux[aux[13] + 2u * y + 1u];
+    const bool causal = aux[1] != 0u;
+    const float qscale = uintBitsToFloat(aux[2]);
+    const uint T = seq.past + seq.n_new, R = aux[10];
+    const uint NROWS = gl_NumWorkGroups.z * G * R;
+
+    if (aux[3] != 0u) store_new_rows(sp, t);
+
+    for (uint i = t; i < NQ * PK; i += WG) {
+        const uint qv = i / PK, e = i % PK;
+        const uint r = qt * BQ + qv % BQ;
+        const uint qbase = ((h * G + qv / BQ) * R + seq.q_start + r) * PK;
+        vec4 x = (r < seq.q_len) ? qbuf[qbase + e] : vec4(0.0);
+        if (HAS(F_ROPE_Q) && r < seq.q_len)
+            x = rope_rotate(x, qbuf[qbase + rope_partner(e)], e, seq.rope_row + T - seq.q_len + r - seq.rope_pos);
+        sq[i] = x * qscale;
+    }
+    for (uint i = t; i < NQ; i += WG) { sm[i] = NEG_INF; sl[i] = 0.0; }
+
+    // keys of this split; past the tile's last row nothing is visible when causal
+    uint kend = T;
+    if (causal) kend = T - seq.q_len + min(seq.q_len, qt * BQ + BQ);
+    const uint a = min(kend, seq.kstart + sp * seq.chunk), b = min(kend, a + seq.chunk);
+
+    const uint cv = t % DV4, vr = t / DV4;
+    const uint qg = vr % TQ, kg = vr / TQ;
+    const bool vact = vr < TQ * KG;
+    vec4 acc[QPT][CH];
+    for (uint k = 0u; k < QPT; ++k)
+        for (uint e = 0u; e < CH; ++e) acc[k][e] = vec4(0.0);
+    barrier();
+
+    if (HAS(F_WINDOW)) {
+        const uint win = aux[7], sinks = aux[8];
+        const uint pmin = T - seq.q_len + qt * BQ;              // the tile's first row
+        const uint wlo = pmin + 1u > win ? pmin + 1u - win : 0u;
+        if (sp == 0u) consume(0u, min(sinks, min(seq.kstart, kend)), t, cv, qg, kg, vact, acc);
+        consume(a, min(b, sinks), t, cv, qg, kg, vact, acc);
+        consume(max(a, max(sinks, wlo)), b, t, cv, qg, kg, vact, acc);
+    } else {
+        consume(a, b, t, cv, qg, kg, vact, acc);
     }
 
     if (KG > 1u) {
@@ -222,8 +267,8 @@ void main() {
     for (uint k = 0u; k < QPT; ++k) {
         const uint qv = qg + k * TQ;
         const uint r = qt * BQ + qv % BQ;
-        if (qv >= NQ || r >= S) continue;
-        const uint row = (h * G + qv / BQ) * S + r;
+        if (qv >= NQ || r >= seq.q_len) continue;
+        const uint row = (h * G + qv / BQ) * R + seq.q_start + r;
         if (SPLITS == 1u) {
             const float l = sl[qv];
             const float inv = l > 0.0 ? 1.0 / l : 0.0;
@@ -232,6 +277,7 @@ void main() {
                     const uint d = (cv * CH + e) * 4u + i;
                     if (d < DV) outbuf[row * DV + d] = acc[k][e][i] * inv;
                 }
+            if (cv == 0u) lsebuf[row] = l > 0.0 ? (sm[qv] + log2(l)) * LN2 : NEG_INF;
         } else {
             const uint base = (sp * NROWS + row) * PV * 4u;
             for (uint e = 0u; e < CH; ++e)

@@ -12,16 +12,16 @@
 // per-lane loop while arithmetic and shuffles run SIMD-wide (lavapipe: subgroup 8); GPUs use
 // attn.comp. WG is the device's subgroup size, probed at plan time (a power of two, <= 16).
 //
-// Contract (kc, vc, nk, nv, q as in attn.comp)
-//   grid (SPLITS, ceil(S / BQ), HKV); workgroup (sp, qt, h): rows qt*BQ .., keys sp*chunk ..
-//   params : [0] past, [1] n_new, [2] causal, [3] float bits of scale*log2(e), [4] chunk,
-//            [5] write new rows, [6] CAP (cache rows per head), [7] rows per head of nk/nv, [8] S
-//   query row r sits at position T - S + r (T = past + n_new); causal: it sees keys j <= T - S + r
-//   SPLITS == 1: out float32 [HKV*G, S, DV] normalised (a row that sees nothing gives zeros)
-//   SPLITS  > 1: out float32 [SPLITS, HKV*G*S, DV4*CH*4] partial sums, ml vec2 [SPLITS, HKV*G*S]
+// Contract (bindings as in attn.comp; per-call values in aux, see attn_common.glsl)
+//   grid (SPLITS, tiles, HKV); workgroup (sp, y, h): tile y of the aux tile table = (sequence i,
+//   query tile qt) -> its rows qt*BQ .. of sequence i, the G query heads of kv head h, keys
+//   kstart_i + sp*chunk_i .. (+ chunk_i) of the sequence's T_i = past_i + n_new_i keys
+//   SPLITS == 1: out float32 [HKV*G, R, DV] normalised (a row that sees nothing gives zeros),
+//                lse float32 [HKV*G, R] natural log-sum-exp of the scores (-inf: nothing seen)
+//   SPLITS  > 1: out float32 [SPLITS, HKV*G*R, DV4*CH*4] partial sums, ml vec2 [SPLITS, HKV*G*R]
 //                (running max in log2 units, running sum) for reduce.comp
-// numpy, q head h*G+g, row r, split keys J:
-//   s = scale * K[J] @ q[r] (masked -inf);  m = s.max();  p = exp(s - m);  acc = p @ V[J]
+// numpy, q head h*G+g, row r of a sequence, split keys J (scores as in attn_common.glsl):
+//   s = scale * K[J] @ q[r] (+ variants, invisible -inf);  m = s.max();  p = exp(s - m);  acc = p @ V[J]
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -35,15 +35,22 @@ layout(constant_id = 3) const uint DK4 = 16u;
 layout(constant_id = 4) const uint DV4 = 16u;
 layout(constant_id = 5) const uint DV = 128u;
 layout(constant_id = 6) const uint SPLITS = 1u;
+layout(constant_id = 7) const uint FLAGS = 0u;
+layout(constant_id = 8) const uint ROPE_DIM = 8u;
 
 layout(std430, binding = 0) buffer KC { uvec4 kc[]; };
 layout(std430, binding = 1) buffer VC { uvec4 vc[]; };
 layout(std430, binding = 2) readonly buffer NK { vec4 nk[]; };
 layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
 layout(std430, binding = 4) readonly buffer QB { vec4 qbuf[]; };
-layout(std430, binding = 5) readonly buffer PARAMS { uint params[]; };
+layout(std430, binding = 5) readonly buffer AUX { uint aux[]; };
 layout(std430, binding = 6) writeonly buffer OUT { float outbuf[]; };
 layout(std430, binding = 7) writeonly buffer ML { vec2 mlbuf[]; };
+layout(std430, binding = 8) writeonly buffer LSE { float lsebuf[]; };
+layout(std430, binding = 9) readonly buffer ROPE { vec4 rope_tab[]; };
+
+#include "attn_common.glsl"
+#include "rope.glsl"
 
 const uint WG = gl_WorkGroupSize.x;
 const uint NQ = G * BQ;                  // query vectors of this workgroup, qv = g * BQ + i
@@ -52,13 +59,20 @@ const uint VPL = (DV4 + WG - 1u) / WG;   // V chunks per lane
 const uint PK = DK4 * CH;
 const uint PV = DV4 * CH;
 
-// chunk c of new row r (rows past.. of this call), rounded to the storage dtype
+Seq sq;             // this workgroup's sequence
+
+// chunk c of row r of nk/nv (new keys rotated with ROPE_K), rounded to the storage dtype
 uvec4 new_chunk(bool is_k, uint h, uint r, uint c) {
     const uint d4 = is_k ? DK4 : DV4;
     if (c >= d4) return uvec4(0u);
     vec4 y[CH];
-    const uint src = ((h * params[7] + r) * d4 + c) * CH;
-    [[unroll]] for (uint e = 0u; e < CH; ++e) y[e] = is_k ? nk[src + e] : nv[src + e];
+    const uint row = (h * aux[11] + r) * d4 * CH;
+    [[unroll]] for (uint e = 0u; e < CH; ++e) {
+        const uint u = c * CH + e;
+        y[e] = is_k ? nk[row + u] : nv[row + u];
+        if (is_k && HAS(F_ROPE_K))
+            y[e] = rope_rotate(y[e], nk[row + rope_partner(u)], u, sq.rope_row + sq.past + r - sq.new_start - sq.rope_pos);
+    }
     return pack_chunk(y);
 }
 
@@ -95,33 +109,46 @@ void scatter_step(inout float a[WG], uint w) {
 vec4 q[NQ * KPL * CH];
 vec4 acc[NQ * VPL * CH];
 float m[NQ], l[NQ];
-uint vis_end[NQ];   // key j is visible to query vector qv iff j < vis_end[qv]
+uint vis_end[NQ];   // key j < vis_end[qv] passes the causal rule (0: no such row)
+uint qpos[NQ];      // position of the row
+uint qrow[NQ];      // row index within the sequence
+float slope[NQ];    // ALiBi slope * log2(e) of the head
+uint hh;            // its kv head
 
-// chunk (lane + i*WG) of key j's K or V row: from the cache or (fresh) from this call's new rows.
-// fresh is a constant at every call site, so each inlined copy keeps one path: a branch around
-// loads costs both paths on SIMD CPU drivers
-uvec4 k_chunk(uint h, uint j, uint past, uint i, bool fresh) {
+// chunk (lane + i*WG) of key j's K or V row: from the cache (row given) or, fresh, from this
+// call's new rows. fresh is a constant at every call site, so each inlined copy keeps one path: a
+// branch around loads costs both paths on SIMD CPU drivers
+uvec4 k_chunk(uint row, uint j, uint i, bool fresh) {
     const uint c = gl_LocalInvocationID.x + i * WG;
-    if (fresh) return new_chunk(true, h, j - past, c);
-    return kc[(h * params[6] + j) * DK4 + min(c, DK4 - 1u)];
+    if (fresh) return new_chunk(true, hh, sq.new_start + j - sq.past, c);
+    return kc[row * DK4 + min(c, DK4 - 1u)];
 }
 
-uvec4 v_chunk(uint h, uint j, uint past, uint i, bool fresh) {
+uvec4 v_chunk(uint row, uint j, uint i, bool fresh) {
     const uint c = gl_LocalInvocationID.x + i * WG;
-    if (fresh) return new_chunk(false, h, j - past, c);
-    return vc[(h * params[6] + j) * DV4 + min(c, DV4 - 1u)];
+    if (fresh) return new_chunk(false, hh, sq.new_start + j - sq.past, c);
+    return vc[row * DV4 + min(c, DV4 - 1u)];
+}
+
+// cache row of key j (non-paged: arithmetic; paged: lane b looked key j0+b up, shuffled to all)
+uint key_row(uint j, uint b, uint row_l) {
+    if (HAS(F_PAGED)) return subgroupShuffle(row_l, b);
+    return cache_row(sq.bt, hh, j);
 }
 
 // keys j0 .. j0+WG-1 (those >= k1 masked): scores, online softmax update, V accumulation
-void consume_block(uint h, uint j0, uint k1, uint past, bool fresh) {
+void consume_block(uint j0, uint k1, bool fresh) {
     const uint lane = gl_LocalInvocationID.x;
+    const bool causal = aux[1] != 0u;
+    const uint row_l = (HAS(F_PAGED) && !fresh) ? cache_row(sq.bt, hh, min(j0 + lane, k1 - 1u)) : 0u;
     float d[NQ][WG];
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
         const uint j = min(j0 + b, k1 - 1u);
+        const uint row = fresh ? 0u : key_row(j, b, row_l);
         [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) d[qv][b] = 0.0;
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
             vec4 kx[CH];
-            unpack_chunk(k_chunk(h, j, past, i, fresh), kx);
+            unpack_chunk(k_chunk(row, j, i, fresh), kx);
             const float on = (DK4 % WG == 0u || lane + i * WG < DK4) ? 1.0 : 0.0;  // past the row's end
             [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
                 [[unroll]] for (uint e = 0u; e < CH; ++e) d[qv][b] += on * dot(q[(qv * KPL + i) * CH + e], kx[e]);
@@ -134,7 +161,13 @@ void consume_block(uint h, uint j0, uint k1, uint past, bool fresh) {
         if (WG > 4u) scatter_step(d[qv], 4u);
         if (WG > 2u) scatter_step(d[qv], 2u);
         if (WG > 1u) scatter_step(d[qv], 1u);
-        const float sc = (jl < k1 && jl < vis_end[qv]) ? d[qv][0] : NEG_INF;
+        bool vis = jl < k1 && jl < vis_end[qv];
+        if (HAS(F_WINDOW)) vis = vis && key_visible(jl, qpos[qv], false);
+        float sc = NEG_INF;
+        if (vis) {
+            sc = shape_score(d[qv][0], slope[qv], jl, qpos[qv]);
+            if (HAS(F_MASK)) sc += mask_at(sq, hh * G + qv / BQ, qrow[qv], jl);
+        }
         const float mn = max(m[qv], lanes_max(sc));
         const float alpha = mn == NEG_INF ? 1.0 : exp2(m[qv] - mn);
         pl[qv] = mn == NEG_INF ? 0.0 : exp2(sc - mn);
@@ -144,9 +177,10 @@ void consume_block(uint h, uint j0, uint k1, uint past, bool fresh) {
     }
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
         if (j0 + b >= k1) break;
+        const uint row = fresh ? 0u : key_row(j0 + b, b, row_l);
         [[unroll]] for (uint i = 0u; i < VPL; ++i) {
             vec4 vx[CH];
-            unpack_chunk(v_chunk(h, j0 + b, past, i, fresh), vx);
+            unpack_chunk(v_chunk(row, j0 + b, i, fresh), vx);
             [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
                 const float p = subgroupShuffle(pl[qv], b);
                 [[unroll]] for (uint e = 0u; e < CH; ++e) acc[(qv * VPL + i) * CH + e] += p * vx[e];
@@ -155,25 +189,36 @@ void consume_block(uint h, uint j0, uint k1, uint past, bool fresh) {
     }
 }
 
-void main() {
-    const uint sp = gl_WorkGroupID.x, qt = gl_WorkGroupID.y, h = gl_WorkGroupID.z;
-    const uint lane = gl_LocalInvocationID.x;
-    const uint past = params[0], n_new = params[1];
-    const bool causal = params[2] != 0u;
-    const float qscale = uintBitsToFloat(params[3]);
-    const uint chunk = params[4], cap = params[6], S = params[8];
-    const uint T = past + n_new;
+// keys lo .. hi-1: those in the cache, then those appended by this call
+void consume_range(uint lo, uint hi) {
+    const uint mid = clamp(sq.past, lo, hi);
+    for (uint j0 = lo; j0 < mid; j0 += WG) consume_block(j0, mid, false);
+    for (uint j0 = mid; j0 < hi; j0 += WG) consume_block(j0, hi, true);
+}
 
-    if (params[5] != 0u) {   // fused append: this workgroup stores new rows w, w+nw, ... of head h
-        const uint nw = gl_NumWorkGroups.x * gl_NumWorkGroups.y, w = qt * gl_NumWorkGroups.x + sp;
-        for (uint r = w; r < n_new; r += nw) {
+void main() {
+    const uint sp = gl_WorkGroupID.x, y = gl_WorkGroupID.y;
+    hh = gl_WorkGroupID.z;
+    const uint h = hh;
+    const uint lane = gl_LocalInvocationID.x;
+    if (y >= aux[14]) return;                 // the grid is sized for the largest batch
+    sq = load_seq(aux[aux[13] + 2u * y]);
+    const uint qt = aux[aux[13] + 2u * y + 1u];
+    const bool causal = aux[1] != 0u;
+    const float qscale = uintBitsToFloat(aux[2]);
+    const uint T = sq.past + sq.n_new, R = aux[10];
+
+    if (aux[3] != 0u) {   // fused append: this sequence's workgroups store its new rows w, w+nw, ..
+        const uint nw = SPLITS * ((sq.q_len + BQ - 1u) / BQ), w = qt * SPLITS + sp;
+        for (uint r = w; r < sq.n_new; r += nw) {
+            const uint row = cache_row(sq.bt, h, sq.past + r);
             [[unroll]] for (uint i = 0u; i < KPL; ++i) {
                 const uint c = lane + i * WG;
-                if (c < DK4) kc[(h * cap + past + r) * DK4 + c] = new_chunk(true, h, r, c);
+                if (c < DK4) kc[row * DK4 + c] = new_chunk(true, h, sq.new_start + r, c);
             }
             [[unroll]] for (uint i = 0u; i < VPL; ++i) {
                 const uint c = lane + i * WG;
-                if (c < DV4) vc[(h * cap + past + r) * DV4 + c] = new_chunk(false, h, r, c);
+                if (c < DV4) vc[row * DV4 + c] = new_chunk(false, h, sq.new_start + r, c);
             }
         }
     }
@@ -181,28 +226,45 @@ void main() {
     uint kend = 0u;   // one past the last key any row of this workgroup sees
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
         const uint g = qv / BQ, r = qt * BQ + qv % BQ;
-        vis_end[qv] = r >= S ? 0u : (causal ? T - S + r + 1u : T);
+        const bool ok = r < sq.q_len;
+        qrow[qv] = r;
+        qpos[qv] = T - sq.q_len + r;
+        vis_end[qv] = ok ? (causal ? qpos[qv] + 1u : T) : 0u;
+        slope[qv] = HAS(F_ALIBI) ? uintBitsToFloat(aux[aux[15] + h * G + g]) : 0.0;
         kend = max(kend, vis_end[qv]);
         m[qv] = NEG_INF;
         l[qv] = 0.0;
+        const uint qbase = ((h * G + g) * R + sq.q_start + r) * PK;
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
             const uint c = lane + i * WG;
-            [[unroll]] for (uint e = 0u; e < CH; ++e)
-                q[(qv * KPL + i) * CH + e] = (c < DK4 && r < S) ? qbuf[((h * G + g) * S + r) * PK + c * CH + e] * qscale : vec4(0.0);
+            [[unroll]] for (uint e = 0u; e < CH; ++e) {
+                const uint u = c * CH + e;
+                vec4 x = (c < DK4 && ok) ? qbuf[qbase + u] : vec4(0.0);
+                if (HAS(F_ROPE_Q) && c < DK4 && ok)
+                    x = rope_rotate(x, qbuf[qbase + rope_partner(u)], u, sq.rope_row + qpos[qv] - sq.rope_pos);
+                q[(qv * KPL + i) * CH + e] = x * qscale;
+            }
         }
         [[unroll]] for (uint i = 0u; i < VPL * CH; ++i) acc[qv * VPL * CH + i] = vec4(0.0);
     }
 
-    const uint k0 = min(T, sp * chunk), k1 = min(kend, k0 + chunk);
-    const uint kc1 = min(k1, past);
-    for (uint j0 = k0; j0 < kc1; j0 += WG) consume_block(h, j0, kc1, past, false);   // keys in the cache
-    for (uint j0 = max(k0, past); j0 < k1; j0 += WG) consume_block(h, j0, k1, past, true);  // appended now
+    const uint a = min(kend, sq.kstart + sp * sq.chunk), b = min(kend, a + sq.chunk);
+    if (HAS(F_WINDOW)) {
+        const uint win = aux[7], sinks = aux[8];
+        const uint pmin = T - sq.q_len + qt * BQ;              // the tile's first row
+        const uint wlo = pmin + 1u > win ? pmin + 1u - win : 0u;
+        if (sp == 0u) consume_range(0u, min(sinks, min(sq.kstart, kend)));   // sinks below kstart
+        consume_range(a, min(b, sinks));
+        consume_range(max(a, max(sinks, wlo)), b);
+    } else {
+        consume_range(a, b);
+    }
 
-    const uint nrows = gl_NumWorkGroups.z * G * S;
+    const uint nrows = gl_NumWorkGroups.z * G * R;
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
         const uint g = qv / BQ, r = qt * BQ + qv % BQ;
-        if (r >= S) continue;
-        const uint row = (h * G + g) * S + r;
+        if (r >= sq.q_len) continue;
+        const uint row = (h * G + g) * R + sq.q_start + r;
         if (SPLITS == 1u) {
             const float inv = l[qv] > 0.0 ? 1.0 / l[qv] : 0.0;
             [[unroll]] for (uint i = 0u; i < VPL; ++i)
@@ -211,6 +273,7 @@ void main() {
                         const uint d = ((lane + i * WG) * CH + e) * 4u + x;
                         if (d < DV) outbuf[row * DV + d] = acc[(qv * VPL + i) * CH + e][x] * inv;
                     }
+            if (lane == 0u) lsebuf[row] = l[qv] > 0.0 ? (m[qv] + log2(l[qv])) * LN2 : NEG_INF;
         } else {
             const uint base = (sp * nrows + row) * PV * 4u;
             [[unroll]] for (uint i = 0u; i < VPL; ++i) {

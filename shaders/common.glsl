@@ -22,6 +22,7 @@
 
 #define NEG_INF uintBitsToFloat(0xff800000u)
 #define LOG2E 1.4426950408889634
+#define LN2 0.6931471805599453
 
 // uvec4 storage word -> CH float vec4
 #if KV_F16

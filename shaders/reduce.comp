@@ -5,8 +5,9 @@
 //   part : float32 [SPLITS, NROWS, PV4] un-normalised sums (PV4 = padded v_head_dim)
 //   ml   : vec2 [SPLITS, NROWS] (running max in log2 units, running sum)
 //   out  : float32 [NROWS, DV]
+//   lse  : float32 [NROWS], natural log-sum-exp of the row's scores (-inf: no key seen)
 // numpy:  w = exp2(m - m.max(0));  out = (w[..., None] * part).sum(0) / (w * l).sum(0)
-//         (a row no split saw gives zeros)
+//         lse = (m.max(0) + log2((w * l).sum(0))) * ln(2)   (a row no split saw: zeros, -inf)
 #extension GL_GOOGLE_include_directive : require
 
 layout(local_size_x_id = 0) in;
@@ -18,6 +19,7 @@ layout(constant_id = 4) const uint PV4 = 128u;
 layout(std430, binding = 0) readonly buffer PART { float part[]; };
 layout(std430, binding = 1) readonly buffer ML { vec2 ml[]; };
 layout(std430, binding = 2) writeonly buffer OUT { float outbuf[]; };
+layout(std430, binding = 3) writeonly buffer LSE { float lsebuf[]; };
 
 void main() {
     const uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
@@ -35,5 +37,6 @@ void main() {
             }
         }
         outbuf[i] = l > 0.0 ? o / l : 0.0;
+        if (d == 0u) lsebuf[row] = l > 0.0 ? (m + log2(l)) * 0.6931471805599453 : uintBitsToFloat(0xff800000u);
     }
 }

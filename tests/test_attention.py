@@ -220,14 +220,19 @@ def test_float16_extremes_subnormal_and_large(device, rng, monkeypatch, kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("s", [1, 5])
-def test_fully_masked_rows_give_zeros(device, monkeypatch, kernel, s):
-    # No public call can mask a whole row yet (windows and custom masks come with the paged cache),
-    # so drive a plan directly with zero visible keys: every row is fully masked, through the
-    # direct-output path (prefill) and the split-K partials + reduce path (decode).
+def test_fully_masked_rows_give_zeros(device, rng, monkeypatch, kernel, s):
+    # an additive mask of -inf hides every key from rows 0 and s-1: zeros and lse -inf, no NaN,
+    # through the direct-output path (prefill) and the split-K partials + reduce path (decode)
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     cache = vkattn.KVCache(300, 2, 16, device=device)
-    cache.plan(4, s, 0)
-    plan = cache._plans[("attn", 4, s, 0)]
-    q = np.full((4, s, 16), 1e4, np.float32)
-    out = plan.run(q, None, None, 0, True, 1.0)
-    assert out.shape == (4, s, 16) and np.isfinite(out).all() and not out.any()
+    cache.append(*rand_kv(rng, cache, 200))
+    q = rand_q(rng, cache, 2, s)
+    mask = rng.standard_normal((s, 200)).astype(np.float32)
+    mask[0] = -np.inf
+    mask[-1] = -np.inf
+    out, lse = cache.attend(q, mask=mask, return_lse=True)
+    ref, ref_lse = vkattn.reference.attention(q, *cache.read(), mask=mask, return_lse=True)
+    assert np.isfinite(out).all() and not out[:, 0].any() and not out[:, -1].any()
+    assert np.isneginf(lse[:, 0]).all() and np.isneginf(lse[:, -1]).all()
+    assert_close(out, ref, "float16")
+    np.testing.assert_allclose(lse[:, 1:-1], ref_lse[:, 1:-1], atol=2e-5, rtol=2e-4)

@@ -68,10 +68,10 @@ def test_recording_rejects_unordered_dispatches(device):
     be = device.backend
     spirv = compiler.compile_shader("reduce")
     part, ml, out = be.buffer(64, np.float32), be.buffer(2, np.float32), be.buffer(64, np.float32)
-    out2 = be.buffer(64, np.float32)
+    out2, lse, lse2 = be.buffer(64, np.float32), be.buffer(1, np.float32), be.buffer(1, np.float32)
     spec = [64, 1, 1, 64, 64]
-    writer = be.program(spirv, [part, ml, out], (1, 1, 1), spec, writes=(2,), name="writer")
-    reader = be.program(spirv, [out, ml, out2], (1, 1, 1), spec, writes=(2,), name="reader")
+    writer = be.program(spirv, [part, ml, out, lse], (1, 1, 1), spec, writes=(2, 3), name="writer")
+    reader = be.program(spirv, [out, ml, out2, lse2], (1, 1, 1), spec, writes=(2, 3), name="reader")
     with pytest.raises(vkattn.SyncHazardError, match="written by an earlier dispatch"):
         be.recording().dispatch(writer).dispatch(reader)          # read-after-write
     with pytest.raises(vkattn.SyncHazardError, match="an earlier dispatch used"):
@@ -86,7 +86,7 @@ def test_recording_rejects_unordered_dispatches(device):
     np.testing.assert_allclose(out.view(), 2.0)
     np.testing.assert_allclose(out2.view(), 2.0)
     rec.destroy()
-    for o in (writer, reader, part, ml, out, out2):
+    for o in (writer, reader, part, ml, out, out2, lse, lse2):
         o.destroy()
 
 

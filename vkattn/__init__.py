@@ -5,13 +5,17 @@
 """
 from . import reference
 from ._vkinfo import VulkanUnavailableError
+from ._attn import RoPE
 from .cache import KVCache
+from .paged import PagedKVCache
+from .paging import UnknownSequenceError
 from .device import Device, default_device, list_devices
+from .reference import merge_states
 from .errors import (CacheClosedError, CacheFullError, DeviceLimitError, ShaderCompileError,
                      SyncHazardError, VerificationError)
 
 __version__ = "0.1.0"
 
-__all__ = ["KVCache", "Device", "default_device", "list_devices", "reference", "CacheFullError",
+__all__ = ["KVCache", "RoPE", "PagedKVCache", "UnknownSequenceError", "Device", "default_device", "list_devices", "reference", "CacheFullError",
            "CacheClosedError", "DeviceLimitError", "ShaderCompileError", "SyncHazardError",
-           "VerificationError", "VulkanUnavailableError", "__version__"]
+           "VerificationError", "VulkanUnavailableError", "merge_states", "__version__"]

@@ -12,20 +12,16 @@ from .checks import check_array, check_int, check_scale
 from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, CacheFullError, DeviceLimitError, VerificationError
-from .tuning import WORKGROUP, attention_config
+from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, put_rows
+from .tuning import WORKGROUP
 
 _DTYPES = ("float16", "float32")
 _MAX_PLANS = 8
-_LOG2E = 1.4426950408889634
 _READ_BYTES = 1 << 20   # readback buffer size per K/V for read()
 
 
 def _groups(total: int, device) -> int:
     return max(1, min(-(-total // WORKGROUP), device.max_workgroup_count[0]))
-
-
-def _f32_bits(x: float) -> int:
-    return int(np.float32(x).view(np.uint32))
 
 
 class KVCache:
@@ -42,7 +38,7 @@ class KVCache:
 
     def __init__(self, capacity: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
                  dtype="float16", device: Device | None = None, verify: bool | None = None,
-                 timestamps: bool = False):
+                 timestamps: bool = False, rope: RoPE | None = None):
         self.capacity = check_int("capacity", capacity, 1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
         self.head_dim = check_int("head_dim", head_dim, 1)
@@ -55,8 +51,14 @@ class KVCache:
             raise TypeError(f"device: expected a vkattn.Device or None, got {type(device).__name__}")
         self.device = device or default_device()
         self.verify = (os.environ.get("VKATTN_VERIFY", "0") not in ("", "0")) if verify is None else bool(verify)
+        if rope is not None and not isinstance(rope, RoPE):
+            raise TypeError(f"rope: expected a vkattn.RoPE or None, got {type(rope).__name__}")
+        self.rope = rope
+        self._rope_dim = rope.dim(self.head_dim) if rope else 0
 
         self._f16 = self.dtype == "float16"
+        # row of (head h, position j) = h * capacity + j: head-major (attn_common.glsl)
+        self._head_stride, self._block_stride, self._block_size = self.capacity, 0, 1
         self._ch = 2 if self._f16 else 1             # float vec4 per storage uvec4
         epv = 4 * self._ch                           # elements per uvec4
         self._dk4 = -(-self.head_dim // epv)
@@ -104,50 +106,53 @@ class KVCache:
             plan.run(k, v, self._length)
             self._length += n
 
-    def attend(self, q: np.ndarray, causal: bool = True, scale: float | None = None) -> np.ndarray:
+    def attend(self, q: np.ndarray, causal: bool = True, scale: float | None = None, *,
+               window: int | None = None, n_sink: int = 0, mask: np.ndarray | None = None,
+               softcap: float | None = None, alibi_slopes: np.ndarray | None = None,
+               return_lse: bool = False, rope_q: bool = False):
         """Attention of ``s`` query rows, the last ``s`` positions of the cache, over the cache.
 
-        q: (num_qo_heads, s, head_dim) -> (num_qo_heads, s, v_head_dim) float32.
-        With ``causal``, row i sees keys 0 .. length - s + i. ``scale`` defaults to 1/sqrt(head_dim).
+        q: (num_qo_heads, s, head_dim) -> (num_qo_heads, s, v_head_dim) float32, and with
+        ``return_lse`` also the log-sum-exp of each row's scores, (num_qo_heads, s) float32.
+        Row i sits at position ``p = length - s + i``; with ``causal`` it sees keys 0 .. p.
+        ``scale`` defaults to 1/sqrt(head_dim). Variants (README, "Attention variants"):
+        ``window`` (keys p - j >= window are masked) with ``n_sink`` sink keys always visible,
+        ``mask`` (s, length) or (num_qo_heads, s, length) added to the scores, ``softcap``
+        (scores become softcap * tanh(scores / softcap)), ``alibi_slopes`` (num_qo_heads,)
+        (score += slope * (j - p)). ``rope_q``: rotate the queries at their positions with the
+        cache's ``rope`` (keys were rotated when appended).
         """
         with self._lock:
             self._check_open()
             q = self._check_q(q, self._length)
-            causal = _check_bool("causal", causal)
-            scale = check_scale(scale, self.head_dim)
-            hq, s = q.shape[0], q.shape[1]
-            plan = self._plan(("attn", hq, s, 0), lambda: _AttnPlan(self, hq, s, 0))
-            out = plan.run(q, None, None, self._length, causal, scale)
-            if self.verify:
-                self._verify(out, q, causal, scale)
-            return out
+            call = self._check_call(q, self._length, causal, scale, window, n_sink, mask, softcap,
+                                    alibi_slopes, return_lse, rope_q)
+            return self._run(q, None, None, call)
 
     def forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = True,
-                scale: float | None = None) -> np.ndarray:
+                scale: float | None = None, *, window: int | None = None, n_sink: int = 0,
+                mask: np.ndarray | None = None, softcap: float | None = None,
+                alibi_slopes: np.ndarray | None = None, return_lse: bool = False, rope_q: bool = False):
         """Append ``k``/``v`` then attend ``q`` -- in one device submission (the append is fused
-        into the attention dispatch). Shapes as in :meth:`append` and :meth:`attend`; the ``s``
-        query rows are the last ``s`` positions after the append. All checks run first: on any
-        error the cache is unchanged."""
+        into the attention dispatch). Shapes as in :meth:`append` and :meth:`attend` (a mask
+        covers the ``length + n`` positions after the append); the ``s`` query rows are the last
+        ``s`` positions after the append. All checks run first: on any error the cache is
+        unchanged."""
         with self._lock:
             self._check_open()
             k, v = self._check_kv(k, v)
             n = k.shape[1]
             q = self._check_q(q, self._length + n)
-            causal = _check_bool("causal", causal)
-            scale = check_scale(scale, self.head_dim)
+            call = self._check_call(q, self._length + n, causal, scale, window, n_sink, mask, softcap,
+                                    alibi_slopes, return_lse, rope_q)
             self._check_fits(n)
-            hq, s = q.shape[0], q.shape[1]
-            plan = self._plan(("attn", hq, s, n), lambda: _AttnPlan(self, hq, s, n))
-            out = plan.run(q, k, v, self._length, causal, scale)
-            self._length += n
-            if self.verify:
-                self._verify(out, q, causal, scale)
-            return out
+            return self._run(q, k, v, call)
 
     def plan(self, num_qo_heads: int, s: int = 1, n_new: int = 0) -> None:
         """Build (or fetch) everything a call shape needs -- pipelines, buffers, the recorded
         sequence -- so the first :meth:`attend` (``n_new == 0``) or :meth:`forward` (``n_new`` new
-        rows) with ``num_qo_heads`` heads and ``s`` query rows only writes inputs and evaluates."""
+        rows) with ``num_qo_heads`` heads and ``s`` query rows and no variant only writes inputs
+        and evaluates."""
         with self._lock:
             self._check_open()
             hq = check_int("num_qo_heads", num_qo_heads, 1)
@@ -155,7 +160,7 @@ class KVCache:
                 raise ValueError(f"num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {hq}")
             s = check_int("s", s, 1, self.capacity)
             n_new = check_int("n_new", n_new, 0, self.capacity)
-            self._plan(("attn", hq, s, n_new), lambda: _AttnPlan(self, hq, s, n_new))
+            self._attn_plan(hq, s, n_new, 0, AttnPlan.aux_need(1, s, hq, 0, 0))
 
     def last_timings(self) -> list:
         """Device time of each op of the last append/attend/forward/read submission, as
@@ -265,16 +270,70 @@ class KVCache:
             self._plans.move_to_end(key)
         return plan
 
-    def _verify(self, out, q, causal, scale) -> None:
+    def _check_call(self, q, total, causal, scale, window, n_sink, mask, softcap, alibi_slopes,
+                    return_lse, rope_q) -> dict:
+        hq, s = q.shape[0], q.shape[1]
+        variant = check_variant(hq, window, n_sink, softcap, alibi_slopes)
+        if mask is not None:
+            mask = check_mask(mask, hq, s, total)
+        return dict(causal=_check_bool("causal", causal), scale=check_scale(scale, self.head_dim),
+                    variant=variant, mask=mask, return_lse=_check_bool("return_lse", return_lse),
+                    rope_q=self._check_rope_q(rope_q))
+
+    def _check_rope_q(self, rope_q) -> bool:
+        rope_q = _check_bool("rope_q", rope_q)
+        if rope_q and self.rope is None:
+            raise ValueError("rope_q: this cache has no rope; build it with KVCache(..., rope=vkattn.RoPE(...))")
+        return rope_q
+
+    def _attn_plan(self, hq, s, n_new, flags, words) -> AttnPlan:
+        bucket = aux_bucket(words)
+        return self._plan(("attn", hq, s, n_new, flags, bucket),
+                          lambda: AttnPlan(self, hq, s, n_new, 1, flags, bucket, self.capacity, s == 1,
+                                           self._rope_dim))
+
+    def _run(self, q, k, v, call):
+        """Plan (cached) and run one attend/forward; the length grows only after it succeeded."""
+        hq, s = q.shape[0], q.shape[1]
+        n = 0 if k is None else k.shape[1]
+        variant, mask = call["variant"], call["mask"]
+        flags = variant.flags(mask is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
+        words = AttnPlan.aux_need(1, s, hq, 0, 0 if mask is None else mask.size)
+        plan = self._attn_plan(hq, s, n, flags, words)
+        total = self._length + n
+        seq = SeqCall(past=self._length, n_new=n, q_start=0, q_len=s, mask=mask, rope_pos=total - max(s, n))
+        out, lse = plan.run(q, k, v, [seq], call["causal"], call["scale"], variant, write_new=n > 0,
+                            rope=self.rope)
+        self._length += n
+        if self.verify:
+            self._verify(out, lse, q, call)
+        return (out, lse) if call["return_lse"] else out
+
+    def _verify(self, out, lse, q, call) -> None:
         k, v = self.read()
-        ref = reference.attention(q, k, v, causal=causal, scale=scale)
-        atol, rtol = reference.TOLERANCE[self.dtype]
-        err = np.abs(out - ref)
-        bad = err > atol + rtol * np.abs(ref)
+        variant = call["variant"]
+        if call["rope_q"]:
+            q = self.rope.apply(q, np.arange(self._length - q.shape[1], self._length), self._rope_dim)
+        ref, ref_lse = reference.attention(
+            q, k, v, causal=call["causal"], scale=call["scale"], window=variant.window,
+            n_sink=variant.n_sink, mask=call["mask"], softcap=variant.softcap,
+            alibi_slopes=variant.alibi, return_lse=True)
+        check_parity(out, ref, lse, ref_lse, self.dtype)
+
+
+def check_parity(out, ref, lse, ref_lse, dtype) -> None:
+    """Verify mode: raise VerificationError if ``out``/``lse`` differ from the reference."""
+    atol, rtol = reference.TOLERANCE[dtype]
+    for name, got, want in (("output", out, ref), ("log-sum-exp", lse, ref_lse)):
+        same_inf = np.isneginf(got) & np.isneginf(want)
+        err = np.where(same_inf, 0.0, np.abs(got - want))
+        bad = ~(err <= atol + rtol * np.where(same_inf, 0.0, np.abs(want)))
         if bad.any():
-            raise VerificationError(f"device result differs from the numpy reference: max abs error "
-                                    f"{float(err.max()):.3g} at {np.unravel_index(int(err.argmax()), err.shape)} "
-                                    f"(atol {atol}, rtol {rtol}, {int(bad.sum())} elements off)")
+            worst = np.nan_to_num(np.where(bad, err, -1.0), nan=np.inf)
+            at = np.unravel_index(int(np.argmax(worst)), err.shape)
+            raise VerificationError(f"device {name} differs from the numpy reference: max abs error "
+                                    f"{float(worst[at]):.3g} at {at} (atol {atol}, rtol {rtol}, "
+                                    f"{int(bad.sum())} elements off)")
 
 
 def _check_bool(name, value) -> bool:
@@ -292,95 +351,29 @@ class _AppendPlan:
         self.nk = be.buffer(hkv * n * c._dk4 * c._ch * 4, np.float32, name="new_k")
         self.nv = be.buffer(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
         self.params = be.buffer(8, np.uint32, name="append_params")
+        self.rope = be.buffer(n * max(c._rope_dim, 4), np.float32, name="rope_table")
         spirv = compile_shader("append", {"KV_F16": int(c._f16)})
         groups = _groups(hkv * n * (c._dk4 + c._dv4), c.device)
-        self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.params], (groups, 1, 1),
-                               [WORKGROUP, c._dk4, c._dv4, c.capacity, hkv, n], writes=(0, 1), name="append")
-        self.rec = be.recording().upload(self.nk, self.nv, self.params).dispatch(self.prog).build(c.timestamps)
+        flags = c.rope.flags(False) if c.rope else 0
+        self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.params, self.rope], (groups, 1, 1),
+                               [WORKGROUP, c._dk4, c._dv4, c.capacity, hkv, n, flags, max(c._rope_dim, 8)],
+                               writes=(0, 1), name="append")
+        inputs = [self.nk, self.nv, self.params] + ([self.rope] if c.rope else [])
+        self.rec = be.recording().upload(*inputs).dispatch(self.prog).build(c.timestamps)
 
     def run(self, k, v, past: int) -> None:
         c = self.c
-        _put_rows(self.nk, k, c._dk4 * c._ch * 4)
-        _put_rows(self.nv, v, c._dv4 * c._ch * 4)
+        put_rows(self.nk, k, c._dk4 * c._ch * 4)
+        put_rows(self.nv, v, c._dv4 * c._ch * 4)
         p = self.params.view()
         p[0], p[1] = past, self.n
+        if c.rope:
+            self.rope.view()[:] = c.rope.table(np.arange(past, past + self.n), c._rope_dim).ravel()
         self.rec.run()
         c._last_rec = self.rec
 
     def destroy(self) -> None:
-        _destroy(self.rec, self.prog, self.nk, self.nv, self.params)
-
-
-class _AttnPlan:
-    """attn.comp or attn_lane.comp (+ reduce.comp when split) for ``hq`` heads, ``s`` query rows, ``n_new`` fused
-    new rows. One recorded sequence: upload -> attn -> [download partials -> reduce] -> download."""
-
-    def __init__(self, c: KVCache, hq: int, s: int, n_new: int):
-        be, dev, hkv = c.device.backend, c.device, c.num_kv_heads
-        self.c, self.hq, self.s, self.n_new = c, hq, s, n_new
-        group = hq // hkv
-        cfg = attention_config(dev, group, s, c._dk4, c._dv4, c._ch, c.capacity, hkv)
-        self.cfg = cfg
-        pv4 = c._dv4 * c._ch * 4
-        rows = hq * s
-        nn = max(n_new, 1)
-        self.q = be.buffer(hq * s * c._dk4 * c._ch * 4, np.float32, name="q")
-        self.nk = be.buffer(hkv * nn * c._dk4 * c._ch * 4, np.float32, name="new_k")
-        self.nv = be.buffer(hkv * nn * c._dv4 * c._ch * 4, np.float32, name="new_v")
-        self.params = be.buffer(16, np.uint32, name="attn_params")
-        self._nn = nn
-        self.out = be.buffer(rows * c.v_head_dim, np.float32, name="out")
-        flags = {"KV_F16": int(c._f16)}
-        grid = (cfg.splits, cfg.qtiles(s), hkv)
-        if grid[1] > dev.max_workgroup_count[1]:
-            raise DeviceLimitError(f"q: {s} rows need {grid[1]} workgroups in y; the device allows "
-                                   f"{dev.max_workgroup_count[1]}")
-        inputs = [self.q, self.params] + ([self.nk, self.nv] if n_new else [])   # attend uploads no rows
-        direct = cfg.splits == 1                      # normalised output straight from the kernel
-        if direct:
-            self.part = None
-            self.ml = be.buffer(2, np.float32, name="ml_unused")
-        else:
-            self.part = be.buffer(cfg.splits * rows * pv4, np.float32, name="partials")
-            self.ml = be.buffer(cfg.splits * rows * 2, np.float32, name="max_sum")
-        bindings = [c._k, c._v, self.nk, self.nv, self.q, self.params, self.out if direct else self.part, self.ml]
-        # spec constants size the tiles only; capacity, rows and lengths travel in params
-        spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, cfg.splits]
-        if cfg.kernel == "tile":
-            spec += [cfg.tq, cfg.kg]
-        shader = "attn_lane" if cfg.kernel == "lane" else "attn"
-        self.attn = be.program(compile_shader(shader, flags), bindings, grid, spec, writes=(0, 1, 6, 7), name=shader)
-        rec = be.recording().upload(*inputs).dispatch(self.attn)
-        self.reduce = None
-        if not direct:
-            self.reduce = be.program(compile_shader("reduce"), [self.part, self.ml, self.out],
-                                     (_groups(rows * c.v_head_dim, dev), 1, 1),
-                                     [WORKGROUP, cfg.splits, rows, c.v_head_dim, pv4], writes=(2,), name="reduce")
-            rec.download(self.part, self.ml).dispatch(self.reduce)   # the download orders the pair
-        self.rec = rec.download(self.out).build(c.timestamps)
-
-    def run(self, q, k, v, past: int, causal: bool, scale: float) -> np.ndarray:
-        c = self.c
-        _put_rows(self.q, q, c._dk4 * c._ch * 4)
-        n_new = 0
-        if k is not None:
-            n_new = k.shape[1]
-            _put_rows(self.nk, k, c._dk4 * c._ch * 4)
-            _put_rows(self.nv, v, c._dv4 * c._ch * 4)
-        total = past + n_new
-        per_split = -(-total // self.cfg.splits)
-        # the tile kernel walks whole tiles of wg keys; the lane kernel any number of keys
-        chunk = per_split if self.cfg.kernel == "lane" else -(-per_split // self.cfg.wg) * self.cfg.wg
-        p = self.params.view()
-        p[:9] = (past, n_new, int(causal), _f32_bits(scale * _LOG2E), chunk, int(n_new > 0), c.capacity,
-                 self._nn, self.s)
-        self.rec.run()
-        c._last_rec = self.rec
-        return self.out.view().reshape(self.hq, self.s, c.v_head_dim).copy()
-
-    def destroy(self) -> None:
-        _destroy(self.rec, self.attn, self.reduce, self.q, self.nk, self.nv, self.params, self.out,
-                 self.part, self.ml)
+        destroy(self.rec, self.prog, self.nk, self.nv, self.params, self.rope)
 
 
 class _ReadPlan:
@@ -408,22 +401,10 @@ class _ReadPlan:
                 _unpack(self.rv.view(), c, c._dv4, self.rows, count, c.v_head_dim))
 
     def destroy(self) -> None:
-        _destroy(self.rec, self.prog, self.rk, self.rv, self.params)
-
-
-def _put_rows(buf, x: np.ndarray, padded: int) -> None:
-    """Write x (h, n, d) float32 into buf viewed as (h, n, padded); padding stays zero."""
-    h, n, d = x.shape
-    buf.view()[: h * n * padded].reshape(h, n, padded)[:, :, :d] = x
+        destroy(self.rec, self.prog, self.rk, self.rv, self.params)
 
 
 def _unpack(words: np.ndarray, c: KVCache, d4: int, rows: int, count: int, d: int) -> np.ndarray:
     w = words.reshape(c.num_kv_heads, rows, d4 * 4)[:, :count]
     vals = w.view(np.float16) if c._f16 else w.view(np.float32)
     return vals[:, :, :d].astype(np.float32)
-
-
-def _destroy(*objs) -> None:
-    for o in objs:
-        if o is not None:
-            o.destroy()

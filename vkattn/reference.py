@@ -3,36 +3,214 @@ from __future__ import annotations
 
 import numpy as np
 
+# Logits elements (float32) one block of ``attention`` holds at a time: long caches with many query
+# rows are processed in row blocks, so temporaries stay at a few hundred MiB (L = 70000, s = 512).
+_BLOCK = 1 << 25
 
-def attention(q, k, v, causal: bool = True, scale: float | None = None) -> np.ndarray:
+
+def attention(q, k, v, causal: bool = True, scale: float | None = None, *, window: int | None = None,
+              n_sink: int = 0, mask=None, softcap: float | None = None, alibi_slopes=None,
+              return_lse: bool = False):
     """Scaled dot-product attention over a whole cache, in float32.
 
     q: (num_qo_heads, s, head_dim); k: (num_kv_heads, L, head_dim); v: (num_kv_heads, L, v_head_dim)
     with num_qo_heads a multiple of num_kv_heads (q head i reads kv head i // group) and s <= L.
-    Query row r sits at position L - s + r; with ``causal`` it sees keys 0 .. L - s + r.
-    ``scale`` defaults to 1/sqrt(head_dim). A row that sees no key gives zeros.
-    Returns (num_qo_heads, s, v_head_dim) float32.
+    Query row r sits at position p = L - s + r, key j at position j.
+    Logits: ``scale`` * q.k (``scale`` defaults to 1/sqrt(head_dim)); then with ``softcap`` (> 0)
+    softcap * tanh(logits / softcap); then with ``alibi_slopes`` ((num_qo_heads,)) + slope[head] * (j - p);
+    then with ``mask`` ((s, L), shared by all heads, or (num_qo_heads, s, L); may hold -inf) + mask.
+    Key j is visible to row r iff (not ``causal`` or j <= p) and (``window`` is None or p - j < window
+    or j < ``n_sink``). Softmax runs over visible keys; a row that sees no key (or only -inf logits)
+    gives zeros. Returns (num_qo_heads, s, v_head_dim) float32, or with ``return_lse`` (out, lse) where
+    lse (num_qo_heads, s) float32 is the natural log of the sum of exp(logits) over visible keys
+    (-inf for a row that sees nothing).
     """
     q = np.asarray(q, dtype=np.float32)
     k = np.asarray(k, dtype=np.float32)
     v = np.asarray(v, dtype=np.float32)
     hq, s, d = q.shape
     hkv, n, _ = k.shape
+    dv = v.shape[2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"num_qo_heads {hq} is not a multiple of num_kv_heads {hkv}")
     if scale is None:
         scale = 1.0 / np.sqrt(d)
     group = hq // hkv
+    if window is not None and int(window) < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    if int(n_sink) < 0:
+        raise ValueError(f"n_sink must be >= 0, got {n_sink}")
+    if softcap is not None and not float(softcap) > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, dtype=np.float32)
+        if slopes.shape != (hq,):
+            raise ValueError(f"alibi_slopes shape {slopes.shape} != (num_qo_heads,) = ({hq},)")
+    if mask is not None:
+        mask = np.asarray(mask, dtype=np.float32)
+        if mask.shape not in ((s, n), (hq, s, n)):
+            raise ValueError(f"mask shape {mask.shape} is neither (s, L) = {(s, n)} nor "
+                             f"(num_qo_heads, s, L) = {(hq, s, n)}")
+
+    # With a window, keys in [n_sink, lo) are out of every row's reach: drop them up front.
+    pos = np.arange(n)
+    if window is not None:
+        lo = max(0, n - s - int(window) + 1)
+        if lo > int(n_sink):
+            pos = np.concatenate([np.arange(min(int(n_sink), n)), np.arange(lo, n)])
+            k, v = k[:, pos], v[:, pos]
+            if mask is not None:
+                mask = mask[..., pos]
+    nk = pos.size
+
+    out = np.zeros((hkv, group, s, dv), np.float32)
+    lse = np.full((hkv, group, s), -np.inf, np.float32)
+    if nk == 0 or s == 0:
+        out = out.reshape(hq, s, dv)
+        return (out, lse.reshape(hq, s)) if return_lse else out
     # GQA without copying K/V: the group's query heads become extra rows of one matmul per kv head
-    qg = q.reshape(hkv, group * s, d) * np.float32(scale)
-    logits = np.matmul(qg, k.transpose(0, 2, 1)).reshape(hkv, group, s, n)
-    if causal and s > 1:   # with one row every key is visible
-        visible = np.arange(n)[None, :] <= np.arange(s)[:, None] + (n - s)
-        logits = np.where(visible, logits, -np.inf)
-    m = logits.max(axis=-1, keepdims=True)
-    p = np.exp(logits - np.where(np.isfinite(m), m, 0.0))
-    denom = p.sum(axis=-1, keepdims=True)
-    p /= np.where(denom > 0, denom, 1.0)
-    out = np.matmul(p.reshape(hkv, group * s, n), v)
-    return out.reshape(hq, s, v.shape[2]).astype(np.float32, copy=False)
+    qs = q.reshape(hkv, group, s, d) * np.float32(scale)
+    rows = max(1, _BLOCK // (group * nk))
+    for h in range(hkv):
+        heads = slice(h * group, (h + 1) * group)
+        for r0 in range(0, s, rows):
+            r1 = min(s, r0 + rows)
+            sc = r1 - r0
+            logits = np.matmul(qs[h, :, r0:r1].reshape(group * sc, d), k[h].T).reshape(group, sc, nk)
+            prow = np.arange(r0, r1) + (n - s)          # absolute positions of the block's rows
+            if softcap is not None:
+                c = np.float32(softcap)
+                logits = c * np.tanh(logits / c)
+            if slopes is not None:
+                rel = (pos[None, :] - prow[:, None]).astype(np.float32)
+                logits += slopes[heads, None, None] * rel
+            if mask is not None:
+                logits += mask[r0:r1] if mask.ndim == 2 else mask[heads, r0:r1]
+            visible = None
+            if causal and prow[0] < pos[-1]:            # otherwise every key is at or before the row
+                visible = pos[None, :] <= prow[:, None]
+            if window is not None:
+                near = (prow[:, None] - pos[None, :] < int(window)) | (pos[None, :] < int(n_sink))
+                visible = near if visible is None else visible & near
+            if visible is not None:
+                logits = np.where(visible, logits, -np.inf)
+            m = logits.max(axis=-1, keepdims=True)
+            p = np.exp(logits - np.where(np.isfinite(m), m, 0.0))
+            denom = p.sum(axis=-1, keepdims=True)
+            p /= np.where(denom > 0, denom, 1.0)
+            out[h, :, r0:r1] = np.matmul(p.reshape(group * sc, nk), v[h]).reshape(group, sc, dv)
+            if return_lse:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    row_lse = m[..., 0] + np.log(denom[..., 0])
+                lse[h, :, r0:r1] = np.where(denom[..., 0] > 0, row_lse, -np.inf)
+    out = out.reshape(hq, s, dv)
+    return (out, lse.reshape(hq, s)) if return_lse else out
+
+
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """Combine two attention results over disjoint key sets into the result over their union.
+
+    out_a, out_b: (..., v_head_dim), e.g. (num_qo_heads, s, v_head_dim); lse_a, lse_b: (...), e.g.
+    (num_qo_heads, s), as ``attention(..., return_lse=True)`` gives them. lse = logaddexp(lse_a, lse_b),
+    out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse). A side with lse -inf (no key) contributes
+    nothing; both -inf gives zeros and -inf. Returns (out, lse) float32 with the input shapes.
+    """
+    args = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
+    for name, x in args.items():
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{name} must be a numpy array, got {type(x).__name__}")
+    if out_a.ndim < 1:
+        raise ValueError(f"out_a must have a trailing v_head_dim axis, got shape {out_a.shape}")
+    if out_b.shape != out_a.shape:
+        raise ValueError(f"out_b shape {out_b.shape} != out_a shape {out_a.shape}")
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if x.shape != out_a.shape[:-1]:
+            raise ValueError(f"{name} shape {x.shape} != out shape without its last axis {out_a.shape[:-1]}")
+    oa, ob = out_a.astype(np.float32, copy=False), out_b.astype(np.float32, copy=False)
+    la, lb = lse_a.astype(np.float32, copy=False), lse_b.astype(np.float32, copy=False)
+    with np.errstate(invalid="ignore", over="ignore"):
+        lse = np.logaddexp(la, lb)
+        empty = np.isneginf(lse)
+        wa = np.where(empty | np.isneginf(la), np.float32(0), np.exp(la - lse))[..., None]
+        wb = np.where(empty | np.isneginf(lb), np.float32(0), np.exp(lb - lse))[..., None]
+        out = np.where(wa > 0, oa * wa, np.float32(0)) + np.where(wb > 0, ob * wb, np.float32(0))
+    return out.astype(np.float32, copy=False), lse.astype(np.float32, copy=False)
+
+
+def rope_table(positions, rotary_dim: int, base: float = 10000.0):
+    """Rotary tables: positions (n,) integer; inv_freq_i = base ** (-2 i / rotary_dim) for
+    i < rotary_dim / 2, angles positions * inv_freq in float64.
+    Returns (cos, sin), each (n, rotary_dim // 2) float32."""
+    rotary_dim = int(rotary_dim)
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+    positions = np.asarray(positions)
+    if positions.ndim != 1:
+        raise ValueError(f"positions must be 1-D (n,), got shape {positions.shape}")
+    inv_freq = np.float64(base) ** (-2.0 * np.arange(rotary_dim // 2, dtype=np.float64) / rotary_dim)
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope(x, positions, *, base: float = 10000.0, rotary_dim: int | None = None, style: str = "neox"):
+    """Rotary position embedding in float32: x (heads, n, head_dim), positions (n,) absolute positions.
+
+    The first ``rotary_dim`` (default head_dim, even) elements rotate in pairs (a, b) by angle
+    position * inv_freq_i (``rope_table``): "neox" pairs (i, i + rotary_dim / 2), "gptj" pairs (2i, 2i + 1);
+    a' = a cos - b sin, b' = a sin + b cos. Elements from rotary_dim on are unchanged.
+    Returns (heads, n, head_dim) float32.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 3:
+        raise ValueError(f"x must be (heads, n, head_dim), got shape {x.shape}")
+    d = x.shape[2]
+    rotary_dim = d if rotary_dim is None else int(rotary_dim)
+    if not 0 < rotary_dim <= d or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even and in (0, head_dim = {d}], got {rotary_dim}")
+    positions = np.asarray(positions)
+    if positions.shape != (x.shape[1],):
+        raise ValueError(f"positions shape {positions.shape} != (n,) = ({x.shape[1]},)")
+    half = rotary_dim // 2
+    if style == "neox":
+        ia, ib = slice(0, half), slice(half, rotary_dim)
+    elif style == "gptj":
+        ia, ib = slice(0, rotary_dim, 2), slice(1, rotary_dim, 2)
+    else:
+        raise ValueError(f"style must be 'neox' or 'gptj', got {style!r}")
+    cos, sin = rope_table(positions, rotary_dim, base)
+    a, b = x[..., ia], x[..., ib]
+    out = x.copy()
+    out[..., ia] = a * cos - b * sin
+    out[..., ib] = a * sin + b * cos
+    return out
+
+
+def quantize_int8(x):
+    """Symmetric int8 quantisation per (head, token): x (heads, n, d) float, taken as float32.
+
+    scale = max |x| over d / 127 (float32), q = clip(rint(x / scale), -127, 127) (round half to even);
+    a zero row gets scale 0 and q 0. Returns q (heads, n, d) int8 and scale (heads, n) float32.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 3:
+        raise ValueError(f"x must be (heads, n, d), got shape {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError("x must be finite")
+    amax = np.abs(x).max(axis=-1) if x.shape[2] else np.zeros(x.shape[:2], np.float32)
+    scale = amax / np.float32(127)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    q = np.clip(np.rint(x / safe[..., None]), -127, 127).astype(np.int8)
+    return q, scale.astype(np.float32, copy=False)
+
+
+def dequantize_int8(q, scale):
+    """q (heads, n, d) int8 and scale (heads, n) -> q * scale as float32 (heads, n, d)."""
+    q = np.asarray(q)
+    scale = np.asarray(scale, dtype=np.float32)
+    if q.ndim != 3 or scale.shape != q.shape[:2]:
+        raise ValueError(f"q shape {q.shape} and scale shape {scale.shape} must be (heads, n, d) and (heads, n)")
+    return q.astype(np.float32) * scale[..., None]
 
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -43,5 +221,7 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
 
 # Parity tolerances (|got - ref| <= atol + rtol * |ref|) for device results against ``attention``
 # on the values the cache holds. K/V are compared after storage rounding, so both dtypes differ
-# only by accumulation order and exp2 vs exp.
-TOLERANCE = {"float32": (2e-5, 2e-4), "float16": (2e-5, 2e-4)}
+# only by accumulation order and exp2 vs exp. An int8 cache is compared the same way against the
+# dequantised values it stores (``dequantize_int8``), so it gets the same tolerance: quantisation
+# error is in the reference's inputs, not in the comparison.
+TOLERANCE = {"float32": (2e-5, 2e-4), "float16": (2e-5, 2e-4), "int8": (2e-5, 2e-4)}

@@ -1,0 +1,87 @@
+// attn_common.glsl -- the per-call aux buffer and the score/visibility rules shared by the
+// attention kernels (attn.comp, attn_lane.comp). Include after common.glsl, with the FLAGS spec
+// constant and an `aux` uint array (binding 5) declared.
+//
+// One call attends NSEQ sequences (KVCache: one). Their query rows are packed: the q buffer is
+// [HQ, R, DK4*CH] vec4 and sequence i owns rows q_start_i .. q_start_i + q_len_i - 1. Its new K/V
+// rows (n_new_i of them, appended at positions past_i ..) are rows new_start_i .. of nk/nv
+// ([HKV, NN, D*4*CH] vec4). Everything per call lives in one uint32 buffer, uploaded once:
+//
+//   aux[0 .. 31] header
+//     [0] NSEQ  [1] causal  [2] float bits of scale*log2(e)  [3] store new rows
+//     [4] head_stride, [5] block_stride: the cache row of head h, position j is
+//         KVCache (not PAGED): h*head_stride + j                        (head_stride = capacity)
+//         PagedKVCache: table[j / block_size]*block_stride + h*head_stride + j % block_size
+//         (head_stride = block_size, block_stride = HKV*block_size: a block is [HKV, block_size]
+//         rows, one contiguous range, and one head's rows of a block are contiguous)
+//     [6] block_size (PAGED)  [7] window (WINDOW)  [8] n_sink (WINDOW)
+//     [9] float bits of softcap*log2(e) (SOFTCAP)  [10] R (query rows per head in q/out)
+//     [11] NN (rows per head of nk/nv)  [12] offset of the sequence records  [13] offset of the
+//     tile table  [14] number of tiles  [15] offset of the ALiBi slopes (float bits of
+//     slope*log2(e) per q head, ALIBI)  [16] mask floats between q heads (MASK; 0 = one mask
+//     broadcast over heads)
+//   sequence record i (SEQ_WORDS words at aux[12] + SEQ_WORDS*i)
+//     [0] past  [1] n_new  [2] q_start  [3] q_len  [4] chunk (keys per split)
+//     [5] offset of its block table (PAGED)  [6] kstart (first key the splits cover)
+//     [7] offset of its additive mask (MASK): float bits, q head hq, row r, key j at
+//         + hq*aux[16] + r*(past+n_new) + j, natural units
+//     [8] new_start (its first row in nk/nv)  [9] its first row in the rotary table (ROPE),
+//     [10] the position that row holds (rope.glsl)
+//   tile table (2 words per tile at aux[13]): sequence index, query tile index
+//   block tables, masks: wherever the records point
+//
+// Positions: the T = past + n_new keys of a sequence are positions 0 .. T-1; its query row r sits
+// at position p = T - q_len + r. Key j is visible to row r iff (!causal || j <= p) and, with
+// WINDOW, (p - j < window || j < n_sink). Scores are in log2 units (q is pre-scaled by
+// scale*log2(e)): s = scale*log2(e) * q.k; SOFTCAP: s = c*tanh(s/c) with c = softcap*log2(e);
+// ALIBI: s += slope*log2(e) * (j - p); MASK: s += mask[r, j] * log2(e).
+// ROPE_K / ROPE_Q (rope.glsl): new keys / queries are rotated at their positions on load.
+
+#define F_PAGED 1u
+#define F_WINDOW 2u
+#define F_SOFTCAP 4u
+#define F_ALIBI 8u
+#define F_MASK 16u
+
+#define HAS(f) ((FLAGS & (f)) != 0u)
+
+#define SEQ_WORDS 12u
+
+struct Seq {
+    uint past, n_new, q_start, q_len, chunk, bt, kstart, mask, new_start, rope_row, rope_pos;
+};
+
+Seq load_seq(uint i) {
+    const uint o = aux[12] + SEQ_WORDS * i;
+    return Seq(aux[o], aux[o + 1u], aux[o + 2u], aux[o + 3u], aux[o + 4u], aux[o + 5u], aux[o + 6u],
+               aux[o + 7u], aux[o + 8u], aux[o + 9u], aux[o + 10u]);
+}
+
+// cache row (in units of rows; multiply by DK4/DV4) of head h, position j of a sequence whose
+// block table starts at aux[bt] (PAGED)
+uint cache_row(uint bt, uint h, uint j) {
+    if (!HAS(F_PAGED)) return h * aux[4] + j;
+    const uint bs = aux[6];
+    return aux[bt + j / bs] * aux[5] + h * aux[4] + j % bs;
+}
+
+// additive mask of q head hq, row r, key j (natural units) in log2 units
+float mask_at(Seq sq, uint hq, uint r, uint j) {
+    return uintBitsToFloat(aux[sq.mask + hq * aux[16] + r * (sq.past + sq.n_new) + j]) * LOG2E;
+}
+
+// score transforms; s in log2 units, already scaled
+float shape_score(float s, float alibi, uint j, uint p) {
+    if (HAS(F_SOFTCAP)) {
+        const float c = uintBitsToFloat(aux[9]);
+        s = c * tanh(s / c);
+    }
+    if (HAS(F_ALIBI)) s += alibi * (float(j) - float(p));
+    return s;
+}
+
+bool key_visible(uint j, uint p, bool causal) {
+    if (causal && j > p) return false;
+    if (HAS(F_WINDOW) && !(j > p || p - j < aux[7] || j < aux[8])) return false;
+    return true;
+}

@@ -1,0 +1,33 @@
+#version 450
+// gather_slots.comp -- copy the pool rows of a list of slots into readback buffers
+// (PagedKVCache.read: one sequence's positions, through its block table).
+//
+// Contract
+//   kc, vc : pools [num_blocks, HKV, BS, DK4|DV4] uvec4; slot s = block s / BS, row s % BS
+//   rk, rv : [ROWS, HKV, DK4|DV4] uvec4, rows 0 .. count-1 written
+//   params : [0] count (<= ROWS), [1 ..] the slots
+// numpy:  rk[:count] = kc[slots // BS, :, slots % BS];  rv likewise
+layout(local_size_x_id = 0) in;
+layout(constant_id = 1) const uint DK4 = 1u;
+layout(constant_id = 2) const uint DV4 = 1u;
+layout(constant_id = 3) const uint HKV = 1u;
+layout(constant_id = 4) const uint BS = 1u;
+
+layout(std430, binding = 0) readonly buffer KC { uvec4 kc[]; };
+layout(std430, binding = 1) readonly buffer VC { uvec4 vc[]; };
+layout(std430, binding = 2) writeonly buffer OK { uvec4 rk[]; };
+layout(std430, binding = 3) writeonly buffer OV { uvec4 rv[]; };
+layout(std430, binding = 4) readonly buffer PARAMS { uint params[]; };
+
+// uvec4 index of word i of the gathered [count, HKV, D4] rows
+uint src_word(uint i, uint d4) {
+    const uint slot = params[1u + i / (HKV * d4)], h = (i / d4) % HKV;
+    return (((slot / BS) * HKV + h) * BS + slot % BS) * d4 + i % d4;
+}
+
+void main() {
+    const uint count = params[0];
+    const uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    for (uint i = gl_GlobalInvocationID.x; i < count * HKV * DK4; i += stride) rk[i] = kc[src_word(i, DK4)];
+    for (uint i = gl_GlobalInvocationID.x; i < count * HKV * DV4; i += stride) rv[i] = vc[src_word(i, DV4)];
+}

@@ -1,0 +1,215 @@
+"""PagedKVCache: batched ragged decode and prefill against the single-sequence KVCache and the numpy
+reference; fork, truncate, remove, transactional batches; variants through the paged path."""
+import numpy as np
+import pytest
+
+import vkattn
+from conftest import assert_close, assert_unchanged, snapshot
+from vkattn.reference import attention, round_to
+
+KERNELS = ["lane", "tile"]
+
+
+class Model:
+    """Host copy of every sequence of a paged cache (rounded like the cache rounds)."""
+
+    def __init__(self, cache):
+        self.c = cache
+        self.k, self.v = {}, {}
+
+    def add(self, sid):
+        c = self.c
+        self.k[sid] = np.zeros((c.num_kv_heads, 0, c.head_dim), np.float32)
+        self.v[sid] = np.zeros((c.num_kv_heads, 0, c.v_head_dim), np.float32)
+
+    def append(self, sid, k, v):
+        self.k[sid] = np.concatenate([self.k[sid], round_to(k, self.c.dtype)], axis=1)
+        self.v[sid] = np.concatenate([self.v[sid], round_to(v, self.c.dtype)], axis=1)
+
+    def check_stored(self):
+        for sid in self.c.sequences:
+            k, v = self.c.read(sid)
+            assert np.array_equal(k, self.k[sid]) and np.array_equal(v, self.v[sid]), f"sequence {sid}"
+
+
+def step(rng, cache, model, sids, counts, group, **kw):
+    """One batched forward with fresh random tokens; checks every sequence against the reference."""
+    total = sum(counts)
+    hkv = cache.num_kv_heads
+    q = rng.standard_normal((hkv * group, total, cache.head_dim)).astype(np.float32)
+    k = rng.standard_normal((hkv, total, cache.head_dim)).astype(np.float32)
+    v = rng.standard_normal((hkv, total, cache.v_head_dim)).astype(np.float32)
+    out, lse = cache.forward(sids, q, k, v, n_new=counts, return_lse=True, **kw)
+    a = 0
+    for i, (sid, n) in enumerate(zip(sids, counts)):
+        rows = slice(a, a + n)
+        model.append(sid, k[:, rows], v[:, rows])
+        extra = dict(kw)
+        if "mask" in extra:
+            extra["mask"] = extra["mask"][i]
+        ref, ref_lse = attention(q[:, rows], model.k[sid], model.v[sid], return_lse=True, **extra)
+        assert_close(out[:, rows], ref, cache.dtype)
+        np.testing.assert_allclose(lse[:, rows], ref_lse, atol=2e-5, rtol=2e-4)
+        a += n
+    return q, k, v, out
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("block_size,hkv,group,d,dtype", [
+    (16, 2, 4, 64, "float16"), (5, 1, 3, 13, "float32"), (1, 3, 1, 40, "float16"), (64, 2, 2, 128, "float32"),
+])
+def test_ragged_prefill_then_batch_decode(device, rng, monkeypatch, kernel, block_size, hkv, group, d, dtype):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.PagedKVCache(-(-700 // block_size) + 8, block_size, hkv, d, dtype=dtype, device=device)
+    model = Model(cache)
+    sids = [cache.add_sequence() for _ in range(4)]
+    for s in sids:
+        model.add(s)
+    step(rng, cache, model, sids, [37, 1, 120, 9], group)          # ragged chunked prefill
+    step(rng, cache, model, sids[::-1], [2, 17, 1, 30], group)      # another chunk, other order
+    for _ in range(3):                                                # batch decode
+        step(rng, cache, model, sids, [1, 1, 1, 1], group)
+    step(rng, cache, model, sids[1:3], [1, 1], group)               # a sub-batch
+    model.check_stored()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_batch_decode_matches_single_sequence_cache(device, rng, monkeypatch, kernel):
+    # each sequence's output equals what a KVCache holding only that sequence gives
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    lens = [100, 7, 611, 1, 250]
+    paged = vkattn.PagedKVCache(64, 16, 2, 64, device=device)
+    singles = [vkattn.KVCache(700, 2, 64, device=device) for _ in lens]
+    sids = [paged.add_sequence() for _ in lens]
+    for sid, n, single in zip(sids, lens, singles):
+        k = rng.standard_normal((2, n, 64)).astype(np.float32)
+        v = rng.standard_normal((2, n, 64)).astype(np.float32)
+        q = rng.standard_normal((4, n, 64)).astype(np.float32)
+        paged.forward([sid], q, k, v, n_new=[n])
+        single.append(k, v)
+    q = rng.standard_normal((4, len(lens), 64)).astype(np.float32)
+    k = rng.standard_normal((2, len(lens), 64)).astype(np.float32)
+    v = rng.standard_normal((2, len(lens), 64)).astype(np.float32)
+    out = paged.forward(sids, q, k, v)
+    for i, single in enumerate(singles):
+        one = single.forward(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1])
+        np.testing.assert_allclose(out[:, i:i + 1], one, atol=2e-6, rtol=2e-5)
+        ref = attention(q[:, i:i + 1], *single.read())
+        assert_close(out[:, i:i + 1], ref, "float16")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fork_truncate_remove(device, rng, monkeypatch, kernel):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.PagedKVCache(40, 8, 2, 16, device=device)
+    model = Model(cache)
+    a = cache.add_sequence()
+    model.add(a)
+    step(rng, cache, model, [a], [21], 2)                 # 2 full blocks + 5 rows
+    b = cache.fork(a)                                     # shares 2 blocks, copies the partial one
+    model.k[b], model.v[b] = model.k[a].copy(), model.v[a].copy()
+    assert cache.length(b) == 21 and cache.block_table(b)[:2] == cache.block_table(a)[:2]
+    assert cache.block_table(b)[2] != cache.block_table(a)[2]
+    model.check_stored()
+    step(rng, cache, model, [a, b], [4, 6], 2)            # diverge: neither overwrites the other
+    model.check_stored()
+    c = cache.fork(b)
+    model.k[c], model.v[c] = model.k[b].copy(), model.v[b].copy()
+    cache.truncate(c, 12)                                 # into a shared block: private copy
+    model.k[c], model.v[c] = model.k[c][:, :12], model.v[c][:, :12]
+    step(rng, cache, model, [c, a], [3, 1], 2)
+    model.check_stored()
+    cache.pop(a, 5)                                       # speculative rollback
+    model.k[a], model.v[a] = model.k[a][:, :-5], model.v[a][:, :-5]
+    step(rng, cache, model, [a, b, c], [2, 1, 1], 2)
+    model.check_stored()
+    free = cache.free_blocks
+    cache.remove_sequence(b)
+    assert cache.free_blocks > free
+    del model.k[b], model.v[b]
+    step(rng, cache, model, [a, c], [1, 9], 2)
+    model.check_stored()
+    assert sorted(cache.lengths()) == sorted([a, c])
+
+
+def test_batch_that_does_not_fit_changes_nothing(device, rng):
+    cache = vkattn.PagedKVCache(6, 4, 1, 8, device=device)
+    model = Model(cache)
+    sids = [cache.add_sequence() for _ in range(2)]
+    for s in sids:
+        model.add(s)
+    step(rng, cache, model, sids, [7, 6], 1)              # 4 blocks used, 2 free
+    before = cache.lengths(), [cache.block_table(s) for s in sids], cache.free_blocks
+    q = rng.standard_normal((1, 13, 8)).astype(np.float32)
+    kv = rng.standard_normal((1, 13, 8)).astype(np.float32)
+    with pytest.raises(vkattn.CacheFullError, match="needs 4 new blocks, 2 free"):
+        cache.forward(sids, q, kv, kv, n_new=[6, 7])     # each alone would fit; together they do not
+    assert (cache.lengths(), [cache.block_table(s) for s in sids], cache.free_blocks) == before
+    model.check_stored()
+    with pytest.raises(vkattn.CacheFullError):
+        cache.check_fits(sids, [6, 7])
+    cache.check_fits(sids, [6, 1])
+
+
+@pytest.mark.parametrize("bad,exc", [
+    (dict(seq_ids=[0, 0]), ValueError), (dict(seq_ids=[0, 9]), vkattn.UnknownSequenceError),
+    (dict(seq_ids=[]), ValueError), (dict(n_new=[2]), ValueError), (dict(n_new=[3, 0]), ValueError),
+    (dict(n_new=[2, 1]), ValueError),                       # 3 tokens given, 4 expected? no: q has 3
+    (dict(q=np.zeros((3, 3, 8), np.float32)), ValueError), (dict(k=np.zeros((2, 2, 8), np.float32)), ValueError),
+    (dict(v=np.full((2, 3, 8), np.nan, np.float32)), ValueError), (dict(q=[[0.0]]), TypeError),
+    (dict(window=0), ValueError), (dict(mask=np.zeros((3, 3), np.float32)), TypeError),
+    (dict(mask=[np.zeros((1, 5), np.float32)]), ValueError),
+])
+def test_bad_batches_change_nothing(device, rng, bad, exc):
+    cache = vkattn.PagedKVCache(8, 4, 2, 8, device=device)
+    sids = [cache.add_sequence(), cache.add_sequence()]
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    cache.forward(sids, rng.standard_normal((4, 3, 8)).astype(np.float32), x, x, n_new=[1, 2])
+    before = cache.lengths(), [cache.read(s) for s in sids], cache.free_blocks
+    args = dict(seq_ids=sids, q=rng.standard_normal((4, 3, 8)).astype(np.float32), k=x, v=x, n_new=[2, 1])
+    if bad.get("n_new") == [2, 1]:
+        args["q"] = rng.standard_normal((4, 4, 8)).astype(np.float32)
+    args.update(bad)
+    with pytest.raises(exc):
+        cache.forward(**args)
+    after = cache.lengths(), [cache.read(s) for s in sids], cache.free_blocks
+    assert after[0] == before[0] and after[2] == before[2]
+    for (k1, v1), (k2, v2) in zip(before[1], after[1]):
+        assert np.array_equal(k1, k2) and np.array_equal(v1, v2)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("variant", ["window_sinks", "softcap_alibi", "mask"])
+def test_variants_through_the_paged_path(device, rng, monkeypatch, kernel, variant):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.PagedKVCache(30, 16, 2, 24, device=device)
+    model = Model(cache)
+    sids = [cache.add_sequence() for _ in range(3)]
+    for s in sids:
+        model.add(s)
+    counts = [40, 3, 77]
+    kw = {"window_sinks": dict(window=19, n_sink=2),
+          "softcap_alibi": dict(softcap=3.0, alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32)),
+          "mask": dict(mask=[rng.standard_normal((n, n)).astype(np.float32) for n in counts])}[variant]
+    step(rng, cache, model, sids, counts, 2, **kw)
+    if variant == "mask":
+        kw["mask"] = [rng.standard_normal((1, cache.length(s) + 1)).astype(np.float32) for s in sids]
+    step(rng, cache, model, sids, [1, 1, 1], 2, **kw)
+
+
+def test_verify_mode_and_memory_report(device, rng):
+    cache = vkattn.PagedKVCache(10, 4, 2, 8, device=device, verify=True)
+    sids = [cache.add_sequence(7), cache.add_sequence()]
+    assert sids == [7, 0]
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    cache.forward(sids, rng.standard_normal((2, 5, 8)).astype(np.float32), x, x, n_new=[2, 3])
+    assert cache.bytes_per_token == 2 * 16 * 2          # 8 halves = one 16-byte row per head, K and V
+    assert cache.nbytes == 10 * 4 * cache.bytes_per_token
+    cache.close()
+    with pytest.raises(vkattn.CacheClosedError):
+        cache.add_sequence()
+
+
+def test_pool_larger_than_the_device_allows_is_refused(device):
+    with pytest.raises(vkattn.DeviceLimitError, match="most blocks"):
+        vkattn.PagedKVCache(1 << 20, 64, 8, 128, device=device)

@@ -1,0 +1,135 @@
+"""Attention variants on KVCache (window + sinks, mask, softcap, ALiBi, log-sum-exp, merge) against
+the numpy reference, on both kernels, decode (split-K + reduce) and prefill (direct) paths."""
+import numpy as np
+import pytest
+
+import vkattn
+from conftest import Mirror, assert_close, rand_kv, rand_q
+
+KERNELS = ["lane", "tile"]
+LSE_TOL = dict(atol=2e-5, rtol=2e-4)
+
+
+def variant_args(name, rng, hq, s, total):
+    return {
+        "window": dict(window=7),
+        "window_sinks": dict(window=23, n_sink=4),
+        "softcap": dict(softcap=2.5),
+        "alibi": dict(alibi_slopes=(2.0 ** -np.arange(1, hq + 1)).astype(np.float32)),
+        "mask": dict(mask=np.where(rng.random((s, total)) < 0.2, -np.inf,
+                                   rng.standard_normal((s, total))).astype(np.float32)),
+        "mask_heads": dict(mask=rng.standard_normal((hq, s, total)).astype(np.float32)),
+        "all": dict(window=40, n_sink=3, softcap=5.0,
+                    alibi_slopes=np.linspace(0.01, 0.3, hq).astype(np.float32),
+                    mask=rng.standard_normal((s, total)).astype(np.float32)),
+    }[name]
+
+
+VARIANTS = ["window", "window_sinks", "softcap", "alibi", "mask", "mask_heads", "all"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("hkv,group,d,past,s,dtype", [
+    (2, 4, 64, 250, 1, "float16"),      # decode: split-K + reduce
+    (1, 3, 13, 61, 1, "float32"),       # odd head_dim, group 3
+    (2, 2, 24, 100, 9, "float16"),      # prefill with past: direct output
+    (3, 1, 37, 0, 29, "float32"),       # prefill from empty
+])
+def test_variant_forward(device, rng, monkeypatch, kernel, variant, hkv, group, d, past, s, dtype):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.KVCache(past + s + 5, hkv, d, dtype=dtype, device=device)
+    mirror = Mirror(cache)
+    if past:
+        k, v = rand_kv(rng, cache, past)
+        cache.append(k, v)
+        mirror.append(k, v)
+    k, v = rand_kv(rng, cache, s)
+    q = rand_q(rng, cache, group, s)
+    kw = variant_args(variant, rng, hkv * group, s, past + s)
+    out, lse = cache.forward(q, k, v, return_lse=True, **kw)
+    mirror.append(k, v)
+    ref, ref_lse = vkattn.reference.attention(q, mirror.k, mirror.v, return_lse=True, **kw)
+    assert_close(out, ref, dtype)
+    np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
+    # and the same again through attend (no new rows), non-causal
+    q2 = rand_q(rng, cache, group, s)
+    out2 = cache.attend(q2, causal=False, **kw)
+    assert_close(out2, vkattn.reference.attention(q2, mirror.k, mirror.v, causal=False, **kw), dtype)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sliding_window_decode_long(device, rng, monkeypatch, kernel):
+    # a window far shorter than the cache: most splits see no key; sinks come from split 0
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.KVCache(3000, 2, 32, device=device)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, 2900)
+    cache.append(k, v)
+    mirror.append(k, v)
+    for n_sink in (0, 5):
+        for _ in range(3):
+            k, v = rand_kv(rng, cache, 1)
+            q = rand_q(rng, cache, 4, 1)
+            out = cache.forward(q, k, v, window=100, n_sink=n_sink)
+            mirror.append(k, v)
+            assert_close(out, vkattn.reference.attention(q, mirror.k, mirror.v, window=100, n_sink=n_sink),
+                         "float16")
+
+
+def test_window_changes_the_result(device, rng):
+    # the variant really reaches the kernel: a window gives a different answer than none
+    cache = vkattn.KVCache(100, 1, 16, dtype="float32", device=device)
+    cache.append(*rand_kv(rng, cache, 80))
+    q = rand_q(rng, cache, 2, 1)
+    full, windowed = cache.attend(q), cache.attend(q, window=10)
+    assert np.abs(full - windowed).max() > 1e-3
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("s", [1, 6])
+def test_split_keys_and_merge_equals_whole(device, rng, monkeypatch, kernel, s):
+    # attend to two disjoint key sets (masks), merge with lse: equals attending to all keys
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.KVCache(400, 2, 40, dtype="float32", device=device)
+    cache.append(*rand_kv(rng, cache, 333))
+    q = rand_q(rng, cache, 2, s)
+    whole, whole_lse = cache.attend(q, causal=False, return_lse=True)
+    part = rng.random(333) < 0.4
+    mask_a = np.where(part, 0.0, -np.inf).astype(np.float32)[None].repeat(s, 0)
+    mask_b = np.where(part, -np.inf, 0.0).astype(np.float32)[None].repeat(s, 0)
+    oa, la = cache.attend(q, causal=False, mask=mask_a, return_lse=True)
+    ob, lb = cache.attend(q, causal=False, mask=mask_b, return_lse=True)
+    merged, merged_lse = vkattn.merge_states(oa, la, ob, lb)
+    np.testing.assert_allclose(merged, whole, atol=2e-5, rtol=2e-4)
+    np.testing.assert_allclose(merged_lse, whole_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("bad,exc", [
+    (dict(window=0), ValueError), (dict(window=2.5), TypeError), (dict(n_sink=-1), ValueError),
+    (dict(n_sink=3), ValueError),                      # sinks without a window
+    (dict(softcap=0.0), ValueError), (dict(softcap=float("nan")), ValueError), (dict(softcap="1"), TypeError),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError), (dict(alibi_slopes=[1.0] * 4), TypeError),
+    (dict(alibi_slopes=np.array([1, 2, 3, 4])), TypeError),
+    (dict(alibi_slopes=np.array([1, 2, np.nan, 4], np.float32)), ValueError),
+    (dict(mask=np.zeros((2, 10), np.float32)), ValueError), (dict(mask=np.zeros((3, 11), np.float32)), ValueError),
+    (dict(mask=np.full((3, 10), np.inf, np.float32)), ValueError), (dict(mask=np.zeros((3, 10), int)), TypeError),
+    (dict(return_lse=1), TypeError),
+])
+def test_bad_variant_arguments_change_nothing(device, rng, bad, exc):
+    from conftest import assert_unchanged, snapshot
+    cache = vkattn.KVCache(20, 2, 8, device=device)
+    cache.append(*rand_kv(rng, cache, 7))
+    snap = snapshot(cache)
+    k, v = rand_kv(rng, cache, 3)
+    with pytest.raises(exc):
+        cache.forward(rand_q(rng, cache, 2, 3), k, v, **bad)
+    assert_unchanged(cache, snap)
+
+
+def test_verify_mode_covers_variants(device, rng):
+    cache = vkattn.KVCache(64, 1, 8, device=device, verify=True)
+    cache.append(*rand_kv(rng, cache, 30))
+    q = rand_q(rng, cache, 2, 4)
+    out = cache.attend(q, window=5, n_sink=2, softcap=3.0, alibi_slopes=np.array([0.1, 0.2], np.float32))
+    assert out.shape == (2, 4, 8)

@@ -1,0 +1,294 @@
+"""The attention plan both caches use: one recorded submission for one call shape.
+
+A call attends ``nseq`` sequences whose query rows are packed into ``R`` rows per head
+(KVCache: one sequence). Everything that varies per call -- lengths, the sequences' records, the
+tile table, block tables, ALiBi slopes, masks -- goes into one uint32 ``aux`` buffer, uploaded
+with the queries and new rows (layout: shaders/attn_common.glsl). The shader variant (paged,
+window, softcap, ALiBi, mask) is a spec constant, so the default path pays for none of them.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from .checks import check_int
+from .compiler import compile_shader
+from .errors import DeviceLimitError
+from .tuning import WORKGROUP, attention_config
+
+_LOG2E = 1.4426950408889634
+HEADER = 32
+SEQ_WORDS = 12
+F_PAGED, F_WINDOW, F_SOFTCAP, F_ALIBI, F_MASK = 1, 2, 4, 8, 16
+F_ROPE_K, F_ROPE_Q, F_ROPE_NEOX = 32, 64, 128
+MIN_CHUNK = 64          # keys per split at least: short sequences of a batch use fewer splits
+
+
+@dataclass(frozen=True)
+class RoPE:
+    """Rotary position embedding applied on the device: keys as they are appended (the cache
+    stores rotated keys) and, per call with ``rope_q=True``, the queries.
+
+    ``style`` "neox" rotates pairs (i, i + rotary_dim/2), "gptj" pairs (2i, 2i+1); angle
+    ``position * base ** (-2i / rotary_dim)``; ``rotary_dim`` (default head_dim) must be a
+    multiple of 8, the elements after it are left as they are. numpy: vkattn.reference.rope."""
+    style: str = "neox"
+    base: float = 10000.0
+    rotary_dim: int | None = None
+
+    def __post_init__(self):
+        if self.style not in ("neox", "gptj"):
+            raise ValueError(f"RoPE style: expected 'neox' or 'gptj', got {self.style!r}")
+        if isinstance(self.base, bool) or not isinstance(self.base, numbers.Real) or not np.isfinite(self.base) \
+                or self.base <= 1:
+            raise ValueError(f"RoPE base: expected a finite number > 1, got {self.base!r}")
+        if self.rotary_dim is not None:
+            check_int("rotary_dim", self.rotary_dim, 8)
+
+    def dim(self, head_dim: int) -> int:
+        """The rotated elements for ``head_dim``; ValueError unless a multiple of 8 <= head_dim."""
+        r = head_dim if self.rotary_dim is None else self.rotary_dim
+        if r > head_dim or r % 8:
+            raise ValueError(f"rope: rotary_dim must be a multiple of 8 and <= head_dim={head_dim}, got {r}"
+                             + (" (head_dim itself; give rotary_dim)" if self.rotary_dim is None else ""))
+        return r
+
+    def flags(self, rope_q: bool) -> int:
+        return F_ROPE_K | (F_ROPE_Q if rope_q else 0) | (F_ROPE_NEOX if self.style == "neox" else 0)
+
+    def apply(self, x, positions, rotary_dim: int) -> np.ndarray:
+        """The numpy reference of what the device does: x (heads, n, head_dim) rotated."""
+        from .reference import rope
+        return rope(x, positions, base=self.base, rotary_dim=rotary_dim, style=self.style)
+
+    def table(self, positions, rotary_dim: int) -> np.ndarray:
+        """(n, rotary_dim) float32 rows: the rotary_dim/2 cosines, then the sines (rope.glsl)."""
+        from .reference import rope_table
+        cos, sin = rope_table(np.asarray(positions), rotary_dim, self.base)
+        return np.concatenate([cos, sin], axis=1)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Score rules of one call (validated); see README "Attention variants"."""
+    window: int | None = None
+    n_sink: int = 0
+    softcap: float | None = None
+    alibi: np.ndarray | None = None      # (num_qo_heads,) float32
+    mask_heads: bool = False             # masks given per q head
+
+    def flags(self, masked: bool) -> int:
+        return ((F_WINDOW if self.window is not None else 0) | (F_SOFTCAP if self.softcap else 0) |
+                (F_ALIBI if self.alibi is not None else 0) | (F_MASK if masked else 0))
+
+
+def check_variant(num_qo_heads: int, window=None, n_sink=0, softcap=None, alibi_slopes=None) -> Variant:
+    if window is not None:
+        window = check_int("window", window, 1)
+    n_sink = check_int("n_sink", n_sink, 0)
+    if n_sink and window is None:
+        raise ValueError(f"n_sink: attention sinks need a window; got n_sink={n_sink} with window=None")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
+        softcap = float(softcap)
+        if not np.isfinite(softcap) or softcap <= 0:
+            raise ValueError(f"softcap: expected a finite float > 0, got {softcap}")
+    alibi = None
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, np.ndarray):
+            raise TypeError(f"alibi_slopes: expected a numpy.ndarray, got {type(alibi_slopes).__name__}")
+        if alibi_slopes.shape != (num_qo_heads,):
+            raise ValueError(f"alibi_slopes: expected shape ({num_qo_heads},), got {alibi_slopes.shape}")
+        if alibi_slopes.dtype.kind != "f":
+            raise TypeError(f"alibi_slopes: expected a float array, got {alibi_slopes.dtype}")
+        alibi = np.asarray(alibi_slopes, np.float32)
+        if not np.isfinite(alibi).all():
+            raise ValueError("alibi_slopes: contains NaN or Inf")
+    return Variant(window, n_sink, softcap, alibi)
+
+
+def check_mask(mask, num_qo_heads: int, s: int, total: int, name: str = "mask") -> np.ndarray:
+    """An additive mask (s, total) or (num_qo_heads, s, total); finite or -inf entries."""
+    if not isinstance(mask, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray, got {type(mask).__name__}")
+    if mask.dtype.kind != "f":
+        raise TypeError(f"{name}: expected a float array, got {mask.dtype}")
+    if mask.shape not in ((s, total), (num_qo_heads, s, total)):
+        raise ValueError(f"{name}: expected shape ({s}, {total}) or ({num_qo_heads}, {s}, {total}), "
+                         f"got {mask.shape}")
+    mask = np.ascontiguousarray(mask, np.float32)
+    if np.isnan(mask).any() or (mask == np.inf).any():
+        raise ValueError(f"{name}: entries must be finite or -inf (NaN or +inf found)")
+    return mask
+
+
+@dataclass
+class SeqCall:
+    """One sequence of a call: ``past`` cached keys, ``n_new`` keys appended now (rows
+    ``new_start`` .. of nk/nv), ``q_len`` query rows (packed at ``q_start``), its block table."""
+    past: int
+    n_new: int
+    q_start: int
+    q_len: int
+    new_start: int = 0
+    table: np.ndarray | None = None
+    mask: np.ndarray | None = None
+    rope_row: int = 0           # its first row in the rotary table, holding position rope_pos
+    rope_pos: int = 0
+
+
+class AttnPlan:
+    """attn.comp / attn_lane.comp (+ reduce.comp when split) for ``hq`` heads, ``rows`` packed
+    query rows, ``nn`` new rows per head, ``nseq`` sequences, variant ``flags`` and an aux buffer
+    of ``aux_words``. One recorded sequence: upload -> attn -> [download partials -> reduce] ->
+    download. ``store`` is the cache: device, k/v buffers, layout."""
+
+    def __init__(self, store, hq: int, rows: int, nn: int, nseq: int, flags: int, aux_words: int,
+                 key_bound: int, decode: bool, rope_dim: int = 0):
+        c = store
+        be, dev, hkv = c.device.backend, c.device, c.num_kv_heads
+        self.c, self.hq, self.rows, self.nn, self.nseq, self.flags = c, hq, rows, nn, nseq, flags
+        self.aux_words = aux_words
+        group = hq // hkv
+        cfg = attention_config(dev, group, 1 if decode else rows, c._dk4, c._dv4, c._ch, key_bound, hkv)
+        self.cfg = cfg
+        pv4 = c._dv4 * c._ch * 4
+        nrows = hq * rows
+        self.tiles_max = max(1, min(nseq * cfg.qtiles(rows), cfg.qtiles(rows) + nseq - 1))
+        self.q = be.buffer(hq * rows * c._dk4 * c._ch * 4, np.float32, name="q")
+        self.nk = be.buffer(hkv * max(nn, 1) * c._dk4 * c._ch * 4, np.float32, name="new_k")
+        self.nv = be.buffer(hkv * max(nn, 1) * c._dv4 * c._ch * 4, np.float32, name="new_v")
+        self.aux = be.buffer(aux_words, np.uint32, name="aux")
+        self.out = be.buffer(nrows * c.v_head_dim, np.float32, name="out")
+        self.lse = be.buffer(nrows, np.float32, name="lse")
+        self.rope_dim = rope_dim
+        self.rope = be.buffer(max(rows, nn, 1) * max(rope_dim, 4), np.float32, name="rope_table")
+        grid = (cfg.splits, self.tiles_max, hkv)
+        if grid[1] > dev.max_workgroup_count[1]:
+            raise DeviceLimitError(f"q: {rows} rows need {grid[1]} workgroups in y; the device allows "
+                                   f"{dev.max_workgroup_count[1]}")
+        inputs = [self.q, self.aux] + ([self.nk, self.nv] if nn else []) + ([self.rope] if rope_dim else [])
+        direct = cfg.splits == 1                      # normalised output straight from the kernel
+        if direct:
+            self.part = None
+            self.ml = be.buffer(2, np.float32, name="ml_unused")
+        else:   # the kernel writes partials; reduce.comp writes out and lse
+            self.part = be.buffer(cfg.splits * nrows * pv4, np.float32, name="partials")
+            self.ml = be.buffer(cfg.splits * nrows * 2, np.float32, name="max_sum")
+        self.lse_k = self.lse if direct else be.buffer(1, np.float32, name="lse_unused")
+        bindings = [c._k, c._v, self.nk, self.nv, self.q, self.aux, self.out if direct else self.part,
+                    self.ml, self.lse_k, self.rope]
+        # spec constants size the tiles and pick the variant; lengths travel in aux
+        spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, cfg.splits, flags]
+        if cfg.kernel == "tile":
+            spec += [cfg.tq, cfg.kg]
+        spec += [max(rope_dim, 8)]
+        shader = "attn_lane" if cfg.kernel == "lane" else "attn"
+        self.attn = be.program(compile_shader(shader, {"KV_F16": int(c._f16)}), bindings, grid, spec,
+                               writes=(0, 1, 6, 7, 8), name=shader)
+        rec = be.recording().upload(*inputs).dispatch(self.attn)
+        self.reduce = None
+        if not direct:
+            groups = max(1, min(-(-nrows * c.v_head_dim // WORKGROUP), dev.max_workgroup_count[0]))
+            self.reduce = be.program(compile_shader("reduce"), [self.part, self.ml, self.out, self.lse],
+                                     (groups, 1, 1), [WORKGROUP, cfg.splits, nrows, c.v_head_dim, pv4],
+                                     writes=(2, 3), name="reduce")
+            rec.download(self.part, self.ml).dispatch(self.reduce)   # the download orders the pair
+        self.rec = rec.download(self.out, self.lse).build(c.timestamps)
+        self._header = np.zeros(HEADER, np.uint32)
+
+    @staticmethod
+    def aux_need(nseq: int, tiles: int, hq: int, table_words: int, mask_words: int) -> int:
+        return HEADER + SEQ_WORDS * nseq + 2 * tiles + hq + table_words + mask_words
+
+    def run(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant, write_new: bool,
+            rope: RoPE | None = None):
+        """q (hq, rows, head_dim) packed; k/v (num_kv_heads, n, d) packed new rows or None.
+        Returns out (hq, rows, v_head_dim) and lse (hq, rows) float32."""
+        c, cfg = self.c, self.cfg
+        put_rows(self.q, q, c._dk4 * c._ch * 4)
+        if k is not None:
+            put_rows(self.nk, k, c._dk4 * c._ch * 4)
+            put_rows(self.nv, v, c._dv4 * c._ch * 4)
+        aux = self.aux.view()
+        f = aux.view(np.float32)
+        nseq = len(seqs)
+        h = self._header
+        seq_off = HEADER
+        tile_off = seq_off + SEQ_WORDS * nseq
+        tiles = []
+        for i, s in enumerate(seqs):
+            tiles.extend((i, t) for t in range(cfg.qtiles(s.q_len)))
+        ntiles = len(tiles)
+        alibi_off = tile_off + 2 * ntiles
+        free = alibi_off + (self.hq if variant.alibi is not None else 0)
+        h[:17] = (nseq, int(causal), _f32_bits(scale * _LOG2E), int(write_new), c._head_stride,
+                  c._block_stride, c._block_size, variant.window or 0, variant.n_sink,
+                  _f32_bits((variant.softcap or 0.0) * _LOG2E), self.rows, max(self.nn, 1), seq_off,
+                  tile_off, ntiles, alibi_off, 0)
+        if ntiles:
+            aux[tile_off:alibi_off] = np.asarray(tiles, np.uint32).ravel()
+        if variant.alibi is not None:
+            f[alibi_off:free] = variant.alibi * np.float32(_LOG2E)
+        recs = np.zeros((nseq, SEQ_WORDS), np.uint32)
+        for i, s in enumerate(seqs):
+            total = s.past + s.n_new
+            kstart = 0
+            if variant.window is not None:
+                kstart = max(0, total - s.q_len + 1 - variant.window)
+            span = max(total - kstart, 1)
+            chunk = max(-(-span // cfg.splits), min(MIN_CHUNK, span))
+            if cfg.kernel == "tile":
+                chunk = -(-chunk // cfg.wg) * cfg.wg
+            bt = 0
+            if s.table is not None:
+                bt = free
+                aux[free:free + len(s.table)] = s.table
+                free += len(s.table)
+            moff = 0
+            if s.mask is not None:
+                moff = free
+                f[free:free + s.mask.size] = s.mask.ravel()
+                free += s.mask.size
+                if s.mask.ndim == 3:
+                    h[16] = s.q_len * total
+            recs[i, :11] = (s.past, s.n_new, s.q_start, s.q_len, chunk, bt, kstart, moff, s.new_start,
+                            s.rope_row, s.rope_pos)
+            if self.rope_dim:
+                n = max(s.q_len, s.n_new)
+                tab = rope.table(np.arange(s.rope_pos, s.rope_pos + n), self.rope_dim)
+                self.rope.view()[s.rope_row * self.rope_dim:(s.rope_row + n) * self.rope_dim] = tab.ravel()
+        aux[:HEADER] = h
+        aux[seq_off:tile_off] = recs.ravel()
+        self.rec.run()
+        c._last_rec = self.rec
+        out = self.out.view().reshape(self.hq, self.rows, c.v_head_dim).copy()
+        return out, self.lse.view().reshape(self.hq, self.rows).copy()
+
+    def destroy(self) -> None:
+        destroy(self.rec, self.attn, self.reduce, self.q, self.nk, self.nv, self.aux, self.out,
+                self.lse, self.part, self.ml, None if self.lse_k is self.lse else self.lse_k, self.rope)
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.float32(x).view(np.uint32))
+
+
+def aux_bucket(words: int) -> int:
+    """Aux buffer size for ``words``: a power of two, so growing masks or tables rebuild rarely."""
+    return max(256, 1 << (int(words) - 1).bit_length())
+
+
+def put_rows(buf, x: np.ndarray, padded: int) -> None:
+    """Write x (h, n, d) float32 into buf viewed as (h, n, padded); padding stays zero."""
+    h, n, d = x.shape
+    buf.view()[: h * n * padded].reshape(h, n, padded)[:, :, :d] = x
+
+
+def destroy(*objs) -> None:
+    for o in objs:
+        if o is not None:
+            o.destroy()

@@ -17,11 +17,13 @@ from .common import Row, Shape, check, env_int, selected, time_calls
 def bare_round_trip_ms(device, iters: int, warmup: int) -> dict:
     be = device.backend
     src, ml, dst = be.buffer(16, np.float32, name="src"), be.buffer(2, np.float32, name="ml"), be.buffer(16, np.float32, name="dst")
+    lse = be.buffer(1, np.float32, name="lse")
     ml.view()[:] = (0.0, 1.0)
-    prog = be.program(compile_shader("reduce"), [src, ml, dst], (1, 1, 1), [16, 1, 1, 16, 16], writes=(2,), name="copy")
+    prog = be.program(compile_shader("reduce"), [src, ml, dst, lse], (1, 1, 1), [16, 1, 1, 16, 16], writes=(2, 3),
+                      name="copy")
     rec = be.recording().upload(src, ml).dispatch(prog).download(dst).build()
     t = time_calls(rec.run, iters, warmup)
-    for o in (rec, prog, src, ml, dst):
+    for o in (rec, prog, src, ml, dst, lse):
         o.destroy()
     return t
 

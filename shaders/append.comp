@@ -6,6 +6,7 @@
 //   nk, nv : new rows, float32 [HKV, NNEW, DK4*CH|DV4*CH] vec4, zero padded
 //   params : [0] past (live length before the append), [1] n_new (<= NNEW)
 //   rope_tab: ROPE_K: rotary table row r for position past + r (rope.glsl)
+//   kscale, vscale: KV_I8: float32 [HKV, CAP] scale of each row (common.glsl, quantise)
 // numpy:  K[:, past:past+n_new] = k_new.astype(storage);  V[:, past:past+n_new] = v_new.astype(storage)
 //         (ROPE_K: k_new = reference.rope(k_new, past + arange(n_new)) first)
 // Only rows past .. past+n_new-1 are touched; the work is O(n_new), independent of CAP.
@@ -28,10 +29,43 @@ layout(std430, binding = 2) readonly buffer NK { vec4 nk[]; };
 layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
 layout(std430, binding = 4) readonly buffer PARAMS { uint params[]; };
 layout(std430, binding = 5) readonly buffer ROPE { vec4 rope_tab[]; };
+layout(std430, binding = 6) writeonly buffer KS { float kscale[]; };   // KV_I8: scale per cache row
+layout(std430, binding = 7) writeonly buffer VS { float vscale[]; };
 
 #include "rope.glsl"
 
+// vec4 u of new row r of head h, rotated for K with ROPE_K
+vec4 new_val(bool is_k, uint h, uint r, uint u) {
+    if (!is_k) return nv[(h * NNEW + r) * DV4 * CH + u];
+    const uint row = (h * NNEW + r) * DK4 * CH;
+    vec4 x = nk[row + u];
+    if (HAS(F_ROPE_K)) x = rope_rotate(x, nk[row + rope_partner(u)], u, r);
+    return x;
+}
+
 void main() {
+#if KV_I8
+    // one invocation per new row: its scale (max |x|), then its quantised chunks
+    const uint past = params[0], n_new = params[1];
+    const uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    for (uint i = gl_GlobalInvocationID.x; i < 2u * HKV * n_new; i += stride) {
+        const bool is_k = i < HKV * n_new;
+        const uint hr = is_k ? i : i - HKV * n_new, h = hr / n_new, r = hr % n_new;
+        const uint d4 = is_k ? DK4 : DV4;
+        float amax = 0.0;
+        for (uint u = 0u; u < d4 * CH; ++u) amax = max(amax, vmax_abs(new_val(is_k, h, r, u)));
+        const float scale = quant_scale(amax);
+        const uint row = h * CAP + past + r;
+        for (uint c = 0u; c < d4; ++c) {
+            vec4 x[CH];
+            for (uint e = 0u; e < CH; ++e) x[e] = quantise(new_val(is_k, h, r, c * CH + e), scale);
+            if (is_k) kc[row * DK4 + c] = pack_chunk(x);
+            else vc[row * DV4 + c] = pack_chunk(x);
+        }
+        if (is_k) kscale[row] = scale;
+        else vscale[row] = scale;
+    }
+#else
     const uint past = params[0];
     const uint n_new = params[1];
     const uint nk_words = HKV * n_new * DK4;
@@ -56,4 +90,5 @@ void main() {
             vc[(h * CAP + past + r) * DV4 + c] = pack_chunk(x);
         }
     }
+#endif
 }

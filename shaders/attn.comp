@@ -53,6 +53,8 @@ layout(std430, binding = 6) writeonly buffer OUT { float outbuf[]; };
 layout(std430, binding = 7) writeonly buffer ML { vec2 mlbuf[]; };
 layout(std430, binding = 8) writeonly buffer LSE { float lsebuf[]; };
 layout(std430, binding = 9) readonly buffer ROPE { vec4 rope_tab[]; };
+layout(std430, binding = 10) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row
+layout(std430, binding = 11) buffer VS { float vscale[]; };
 
 #include "attn_common.glsl"
 #include "rope.glsl"
@@ -71,6 +73,7 @@ shared float sm[NQ];
 shared float sl[NQ];
 shared float salpha[NQ];
 shared uint srow[BK];
+shared float svsc[BK];   // KV_I8: V scale of each key of the tile
 shared vec4 sred[RED];
 
 Seq seq;
@@ -84,43 +87,63 @@ vec4 new_k(uint r, uint u) {
     return x;
 }
 
-void load_k(uint row, uint j, uint c, out vec4 x[CH]) {
-    if (j < seq.past) {
-        unpack_chunk(kc[row * DK4 + c], x);
-    } else {
-        vec4 y[CH];
-        for (uint e = 0u; e < CH; ++e) y[e] = new_k(seq.new_start + j - seq.past, c * CH + e);
-        unpack_chunk(pack_chunk(y), x);
-    }
+vec4 new_v(uint r, uint u) { return nv[(hh * aux[11] + r) * PV + u]; }
+
+// KV_I8: quantisation scale of new row r (1 otherwise)
+float new_scale(bool is_k, uint r) {
+#if KV_I8
+    float amax = 0.0;
+    for (uint u = 0u; u < (is_k ? PK : PV); ++u) amax = max(amax, vmax_abs(is_k ? new_k(r, u) : new_v(r, u)));
+    return quant_scale(amax);
+#else
+    return 1.0;
+#endif
 }
 
-void load_v(uint row, uint j, uint c, out vec4 x[CH]) {
-    if (j < seq.past) {
-        unpack_chunk(vc[row * DV4 + c], x);
-    } else {
-        vec4 y[CH];
-        const uint src = ((hh * aux[11] + seq.new_start + j - seq.past) * DV4 + c) * CH;
-        for (uint e = 0u; e < CH; ++e) y[e] = nv[src + e];
-        unpack_chunk(pack_chunk(y), x);
+// chunk c of new row r in storage form (rounded / quantised with scale)
+uvec4 new_chunk(bool is_k, uint r, uint c, float scale) {
+    vec4 y[CH];
+    for (uint e = 0u; e < CH; ++e) {
+        y[e] = is_k ? new_k(r, c * CH + e) : new_v(r, c * CH + e);
+#if KV_I8
+        y[e] = quantise(y[e], scale);
+#endif
     }
+    return pack_chunk(y);
+}
+
+// K/V chunk c of key j (cache row `row` or new row), as stored (KV_I8: before the scale)
+void load_k(uint row, uint j, uint c, float scale, out vec4 x[CH]) {
+    if (j < seq.past) unpack_chunk(kc[row * DK4 + c], x);
+    else unpack_chunk(new_chunk(true, seq.new_start + j - seq.past, c, scale), x);
+}
+
+void load_v(uint row, uint j, uint c, float scale, out vec4 x[CH]) {
+    if (j < seq.past) unpack_chunk(vc[row * DV4 + c], x);
+    else unpack_chunk(new_chunk(false, seq.new_start + j - seq.past, c, scale), x);
+}
+
+float key_scale(bool is_k, uint row, uint j) {
+#if KV_I8
+    if (j >= seq.past) return new_scale(is_k, seq.new_start + j - seq.past);
+    return is_k ? kscale[row] : vscale[row];
+#else
+    return 1.0;
+#endif
 }
 
 void store_new_rows(uint sp, uint t) {
     const uint nw = SPLITS * ((seq.q_len + BQ - 1u) / BQ);
     for (uint r = qt * SPLITS + sp; r < seq.n_new; r += nw) {
         const uint row = cache_row(seq.bt, hh, seq.past + r);
+        const float ksc = new_scale(true, seq.new_start + r), vsc = new_scale(false, seq.new_start + r);
         for (uint c = t; c < DK4 + DV4; c += WG) {
-            vec4 y[CH];
-            if (c < DK4) {
-                for (uint e = 0u; e < CH; ++e) y[e] = new_k(seq.new_start + r, c * CH + e);
-                kc[row * DK4 + c] = pack_chunk(y);
-            } else {
-                const uint cv = c - DK4;
-                const uint src = ((hh * aux[11] + seq.new_start + r) * DV4 + cv) * CH;
-                for (uint e = 0u; e < CH; ++e) y[e] = nv[src + e];
-                vc[row * DV4 + cv] = pack_chunk(y);
-            }
+            if (c < DK4) kc[row * DK4 + c] = new_chunk(true, seq.new_start + r, c, ksc);
+            else vc[row * DV4 + c - DK4] = new_chunk(false, seq.new_start + r, c - DK4, vsc);
         }
+#if KV_I8
+        if (t == 0u) { kscale[row] = ksc; vscale[row] = vsc; }
+#endif
     }
 }
 
@@ -137,12 +160,15 @@ void consume(uint k0, uint k1, uint t, uint cv, uint qg, uint kg, bool vact, ino
             float dots[NQ];
             for (uint qv = 0u; qv < NQ; ++qv) dots[qv] = 0.0;
             if (t < n) {
+                const float ksc = key_scale(true, row, j);
+                if (KV_I8 != 0) svsc[t] = key_scale(false, row, j);
                 for (uint c = 0u; c < DK4; ++c) {
                     vec4 kx[CH];
-                    load_k(row, j, c, kx);
+                    load_k(row, j, c, ksc, kx);
                     for (uint qv = 0u; qv < NQ; ++qv)
                         for (uint e = 0u; e < CH; ++e) dots[qv] += dot(sq[qv * PK + c * CH + e], kx[e]);
                 }
+                if (KV_I8 != 0) for (uint qv = 0u; qv < NQ; ++qv) dots[qv] *= ksc;
             }
             for (uint qv = 0u; qv < NQ; ++qv) {
                 const uint r = qt * BQ + qv % BQ;
@@ -186,11 +212,12 @@ void consume(uint k0, uint k1, uint t, uint cv, uint qg, uint kg, bool vact, ino
             }
             for (uint kk = kg; kk < n; kk += KG) {
                 vec4 vx[CH];
-                load_v(srow[kk], j0 + kk, cv, vx);
+                const float vsc = KV_I8 != 0 ? svsc[kk] : 1.0;
+                load_v(srow[kk], j0 + kk, cv, vsc, vx);
                 for (uint k = 0u; k < QPT; ++k) {
                     const uint qv = qg + k * TQ;
                     if (qv < NQ) {
-                        const float p = ss[qv * BK + kk];
+                        const float p = ss[qv * BK + kk] * vsc;
                         for (uint e = 0u; e < CH; ++e) acc[k][e] += p * vx[e];
                     }
                 }

@@ -48,6 +48,8 @@ layout(std430, binding = 6) writeonly buffer OUT { float outbuf[]; };
 layout(std430, binding = 7) writeonly buffer ML { vec2 mlbuf[]; };
 layout(std430, binding = 8) writeonly buffer LSE { float lsebuf[]; };
 layout(std430, binding = 9) readonly buffer ROPE { vec4 rope_tab[]; };
+layout(std430, binding = 10) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row
+layout(std430, binding = 11) buffer VS { float vscale[]; };
 
 #include "attn_common.glsl"
 #include "rope.glsl"
@@ -61,18 +63,26 @@ const uint PV = DV4 * CH;
 
 Seq sq;             // this workgroup's sequence
 
-// chunk c of row r of nk/nv (new keys rotated with ROPE_K), rounded to the storage dtype
-uvec4 new_chunk(bool is_k, uint h, uint r, uint c) {
+// chunk c of row r of nk/nv as floats (new keys rotated with ROPE_K); zeros past the row's end
+void new_vals(bool is_k, uint h, uint r, uint c, out vec4 y[CH]) {
     const uint d4 = is_k ? DK4 : DV4;
-    if (c >= d4) return uvec4(0u);
-    vec4 y[CH];
     const uint row = (h * aux[11] + r) * d4 * CH;
     [[unroll]] for (uint e = 0u; e < CH; ++e) {
         const uint u = c * CH + e;
-        y[e] = is_k ? nk[row + u] : nv[row + u];
-        if (is_k && HAS(F_ROPE_K))
+        y[e] = c >= d4 ? vec4(0.0) : (is_k ? nk[row + u] : nv[row + u]);
+        if (is_k && HAS(F_ROPE_K) && c < d4)
             y[e] = rope_rotate(y[e], nk[row + rope_partner(u)], u, sq.rope_row + sq.past + r - sq.new_start - sq.rope_pos);
     }
+}
+
+// the same chunk in storage form; KV_I8 quantises with the row's scale
+uvec4 new_chunk(bool is_k, uint h, uint r, uint c, float scale) {
+    if (c >= (is_k ? DK4 : DV4)) return uvec4(0u);
+    vec4 y[CH];
+    new_vals(is_k, h, r, c, y);
+#if KV_I8
+    [[unroll]] for (uint e = 0u; e < CH; ++e) y[e] = quantise(y[e], scale);
+#endif
     return pack_chunk(y);
 }
 
@@ -105,6 +115,21 @@ void scatter_step(inout float a[WG], uint w) {
     }
 }
 
+#if KV_I8
+// KV_I8: quantisation scale of new row r (every lane gets it: max over the lanes' chunks)
+float new_row_scale(bool is_k, uint h, uint r) {
+    float amax = 0.0;
+    [[unroll]] for (uint i = 0u; i < (is_k ? KPL : VPL); ++i) {
+        vec4 y[CH];
+        new_vals(is_k, h, r, gl_LocalInvocationID.x + i * WG, y);
+        [[unroll]] for (uint e = 0u; e < CH; ++e) amax = max(amax, vmax_abs(y[e]));
+    }
+    return quant_scale(lanes_max(amax));
+}
+#else
+float new_row_scale(bool is_k, uint h, uint r) { return 1.0; }
+#endif
+
 // per-invocation state: its slice of the NQ scaled queries and accumulators, softmax state
 vec4 q[NQ * KPL * CH];
 vec4 acc[NQ * VPL * CH];
@@ -118,16 +143,26 @@ uint hh;            // its kv head
 // chunk (lane + i*WG) of key j's K or V row: from the cache (row given) or, fresh, from this
 // call's new rows. fresh is a constant at every call site, so each inlined copy keeps one path: a
 // branch around loads costs both paths on SIMD CPU drivers
-uvec4 k_chunk(uint row, uint j, uint i, bool fresh) {
+uvec4 k_chunk(uint row, uint j, uint i, bool fresh, float scale) {
     const uint c = gl_LocalInvocationID.x + i * WG;
-    if (fresh) return new_chunk(true, hh, sq.new_start + j - sq.past, c);
+    if (fresh) return new_chunk(true, hh, sq.new_start + j - sq.past, c, scale);
     return kc[row * DK4 + min(c, DK4 - 1u)];
 }
 
-uvec4 v_chunk(uint row, uint j, uint i, bool fresh) {
+uvec4 v_chunk(uint row, uint j, uint i, bool fresh, float scale) {
     const uint c = gl_LocalInvocationID.x + i * WG;
-    if (fresh) return new_chunk(false, hh, sq.new_start + j - sq.past, c);
+    if (fresh) return new_chunk(false, hh, sq.new_start + j - sq.past, c, scale);
     return vc[row * DV4 + min(c, DV4 - 1u)];
+}
+
+// KV_I8: the scale of key j's K or V row (1 otherwise)
+float row_scale(bool is_k, uint row, uint j, bool fresh) {
+#if KV_I8
+    if (fresh) return new_row_scale(is_k, hh, sq.new_start + j - sq.past);
+    return is_k ? kscale[row] : vscale[row];
+#else
+    return 1.0;
+#endif
 }
 
 // cache row of key j (non-paged: arithmetic; paged: lane b looked key j0+b up, shuffled to all)
@@ -145,14 +180,16 @@ void consume_block(uint j0, uint k1, bool fresh) {
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
         const uint j = min(j0 + b, k1 - 1u);
         const uint row = fresh ? 0u : key_row(j, b, row_l);
+        const float ksc = row_scale(true, row, j, fresh);
         [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) d[qv][b] = 0.0;
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
             vec4 kx[CH];
-            unpack_chunk(k_chunk(row, j, i, fresh), kx);
+            unpack_chunk(k_chunk(row, j, i, fresh, ksc), kx);
             const float on = (DK4 % WG == 0u || lane + i * WG < DK4) ? 1.0 : 0.0;  // past the row's end
             [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
                 [[unroll]] for (uint e = 0u; e < CH; ++e) d[qv][b] += on * dot(q[(qv * KPL + i) * CH + e], kx[e]);
         }
+        if (KV_I8 != 0) [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) d[qv][b] *= ksc;
     }
     const uint jl = j0 + lane;          // the key whose scores this lane ends up with
     float pl[NQ];
@@ -178,11 +215,12 @@ void consume_block(uint j0, uint k1, bool fresh) {
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
         if (j0 + b >= k1) break;
         const uint row = fresh ? 0u : key_row(j0 + b, b, row_l);
+        const float vsc = row_scale(false, row, j0 + b, fresh);
         [[unroll]] for (uint i = 0u; i < VPL; ++i) {
             vec4 vx[CH];
-            unpack_chunk(v_chunk(row, j0 + b, i, fresh), vx);
+            unpack_chunk(v_chunk(row, j0 + b, i, fresh, vsc), vx);
             [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
-                const float p = subgroupShuffle(pl[qv], b);
+                const float p = subgroupShuffle(pl[qv], b) * vsc;
                 [[unroll]] for (uint e = 0u; e < CH; ++e) acc[(qv * VPL + i) * CH + e] += p * vx[e];
             }
         }
@@ -212,14 +250,19 @@ void main() {
         const uint nw = SPLITS * ((sq.q_len + BQ - 1u) / BQ), w = qt * SPLITS + sp;
         for (uint r = w; r < sq.n_new; r += nw) {
             const uint row = cache_row(sq.bt, h, sq.past + r);
+            const float ksc = new_row_scale(true, h, sq.new_start + r);
+            const float vsc = new_row_scale(false, h, sq.new_start + r);
             [[unroll]] for (uint i = 0u; i < KPL; ++i) {
                 const uint c = lane + i * WG;
-                if (c < DK4) kc[row * DK4 + c] = new_chunk(true, h, sq.new_start + r, c);
+                if (c < DK4) kc[row * DK4 + c] = new_chunk(true, h, sq.new_start + r, c, ksc);
             }
             [[unroll]] for (uint i = 0u; i < VPL; ++i) {
                 const uint c = lane + i * WG;
-                if (c < DV4) vc[row * DV4 + c] = new_chunk(false, h, sq.new_start + r, c);
+                if (c < DV4) vc[row * DV4 + c] = new_chunk(false, h, sq.new_start + r, c, vsc);
             }
+#if KV_I8
+            if (lane == 0u) { kscale[row] = ksc; vscale[row] = vsc; }
+#endif
         }
     }
 

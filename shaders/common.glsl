@@ -6,6 +6,8 @@
 //   number of uvec4 (16 bytes): DK4 uvec4 per K row, DV4 per V row.  Positions of one head are
 //   contiguous, so a split-K workgroup streams one contiguous byte range per head.
 //
+//   KV_I8 = 1: a uvec4 holds 16 int8 (low byte first) and every row has a float32 scale in a
+//              separate buffer (symmetric, per position and head: value = int8 * scale).
 //   KV_F16 = 1: a uvec4 holds 8 halves (packHalf2x16 pairs, low half first).
 //   KV_F16 = 0: a uvec4 holds 4 float32 bit patterns.
 //
@@ -13,8 +15,13 @@
 #ifndef KV_F16
 #error "KV_F16 must be defined (0 or 1)"
 #endif
+#ifndef KV_I8
+#define KV_I8 0
+#endif
 
-#if KV_F16
+#if KV_I8
+#define CH 4u
+#elif KV_F16
 #define CH 2u
 #else
 #define CH 1u
@@ -35,8 +42,12 @@ vec4 halves_to_float(uvec4 h) {
 }
 #endif
 
+// (KV_I8: the int8 values, still to be multiplied by the row's scale)
 void unpack_chunk(uvec4 w, out vec4 x[CH]) {
-#if KV_F16
+#if KV_I8
+    for (uint e = 0u; e < 4u; ++e)
+        x[e] = vec4((ivec4(w[e]) << ivec4(24, 16, 8, 0)) >> 24);
+#elif KV_F16
     x[0] = halves_to_float(uvec4(w.x & 0xffffu, w.x >> 16, w.y & 0xffffu, w.y >> 16));
     x[1] = halves_to_float(uvec4(w.z & 0xffffu, w.z >> 16, w.w & 0xffffu, w.w >> 16));
 #else
@@ -44,12 +55,30 @@ void unpack_chunk(uvec4 w, out vec4 x[CH]) {
 #endif
 }
 
-// CH float vec4 -> uvec4 storage word (fp16: round to nearest even)
+// CH float vec4 -> uvec4 storage word (fp16: round to nearest even; KV_I8: x holds the
+// quantised integers -127 .. 127, see quantise)
 uvec4 pack_chunk(vec4 x[CH]) {
-#if KV_F16
+#if KV_I8
+    uvec4 w;
+    for (uint e = 0u; e < 4u; ++e) {
+        const uvec4 b = uvec4(ivec4(x[e]) & 0xff);
+        w[e] = b.x | (b.y << 8) | (b.z << 16) | (b.w << 24);
+    }
+    return w;
+#elif KV_F16
     return uvec4(packHalf2x16(x[0].xy), packHalf2x16(x[0].zw),
                  packHalf2x16(x[1].xy), packHalf2x16(x[1].zw));
 #else
     return floatBitsToUint(x[0]);
 #endif
 }
+
+// KV_I8 symmetric quantisation of a row with max |x| = amax: scale = amax / 127, q = roundEven(x /
+// scale) (numpy: vkattn.reference.quantize_int8); a zero row has scale 0 and q 0
+float quant_scale(float amax) { return amax / 127.0; }
+
+vec4 quantise(vec4 x, float scale) {
+    return scale > 0.0 ? clamp(roundEven(x / scale), -127.0, 127.0) : vec4(0.0);
+}
+
+float vmax_abs(vec4 x) { const vec4 a = abs(x); return max(max(a.x, a.y), max(a.z, a.w)); }

@@ -96,3 +96,13 @@ def test_lane_subgroup_probe(device):
     assert sg in (0, device.subgroup_size)
     if device.is_software and sg:
         assert tuning.kernel_for(device) == "lane"
+
+
+def test_program_checks_the_binding_count(device):
+    # a shader declaring more buffers than bound would crash inside kp: a clear error instead
+    be = device.backend
+    bufs = [be.buffer(4, np.float32) for _ in range(3)]
+    with pytest.raises(ValueError, match="declares 4 buffer bindings, 3 given"):
+        be.program(compiler.compile_shader("reduce"), bufs, (1, 1, 1), [64, 1, 1, 4, 4], name="reduce")
+    for b in bufs:
+        b.destroy()

@@ -94,7 +94,7 @@ def test_bad_truncate(cache, length, exc):
     (dict(num_kv_heads=0), ValueError, "num_kv_heads"),
     (dict(head_dim="64"), TypeError, "head_dim"),
     (dict(v_head_dim=-3), ValueError, "v_head_dim"),
-    (dict(dtype="int8"), TypeError, "dtype"),
+    (dict(dtype="int4"), TypeError, "dtype"),
     (dict(dtype=np.float64), TypeError, "dtype"),
     (dict(device="gpu"), TypeError, "device"),
 ])

@@ -180,15 +180,15 @@ class AttnPlan:
             self.ml = be.buffer(cfg.splits * nrows * 2, np.float32, name="max_sum")
         self.lse_k = self.lse if direct else be.buffer(1, np.float32, name="lse_unused")
         bindings = [c._k, c._v, self.nk, self.nv, self.q, self.aux, self.out if direct else self.part,
-                    self.ml, self.lse_k, self.rope]
+                    self.ml, self.lse_k, self.rope, c._ks, c._vs]
         # spec constants size the tiles and pick the variant; lengths travel in aux
         spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, cfg.splits, flags]
         if cfg.kernel == "tile":
             spec += [cfg.tq, cfg.kg]
         spec += [max(rope_dim, 8)]
         shader = "attn_lane" if cfg.kernel == "lane" else "attn"
-        self.attn = be.program(compile_shader(shader, {"KV_F16": int(c._f16)}), bindings, grid, spec,
-                               writes=(0, 1, 6, 7, 8), name=shader)
+        self.attn = be.program(compile_shader(shader, c._defines), bindings, grid, spec,
+                               writes=(0, 1, 6, 7, 8, 10, 11), name=shader)
         rec = be.recording().upload(*inputs).dispatch(self.attn)
         self.reduce = None
         if not direct:
@@ -199,6 +199,7 @@ class AttnPlan:
             rec.download(self.part, self.ml).dispatch(self.reduce)   # the download orders the pair
         self.rec = rec.download(self.out, self.lse).build(c.timestamps)
         self._header = np.zeros(HEADER, np.uint32)
+        self._tiles = {}
 
     @staticmethod
     def aux_need(nseq: int, tiles: int, hq: int, table_words: int, mask_words: int) -> int:
@@ -219,18 +220,22 @@ class AttnPlan:
         h = self._header
         seq_off = HEADER
         tile_off = seq_off + SEQ_WORDS * nseq
-        tiles = []
-        for i, s in enumerate(seqs):
-            tiles.extend((i, t) for t in range(cfg.qtiles(s.q_len)))
-        ntiles = len(tiles)
+        q_lens = tuple(s.q_len for s in seqs)
+        tiles = self._tiles.get(q_lens)
+        if tiles is None:                 # (sequence, query tile) per workgroup row, memoised
+            tiles = np.asarray([(i, t) for i, n in enumerate(q_lens) for t in range(cfg.qtiles(n))],
+                               np.uint32).ravel()
+            if len(self._tiles) > 64:
+                self._tiles.clear()
+            self._tiles[q_lens] = tiles
+        ntiles = len(tiles) // 2
         alibi_off = tile_off + 2 * ntiles
         free = alibi_off + (self.hq if variant.alibi is not None else 0)
         h[:17] = (nseq, int(causal), _f32_bits(scale * _LOG2E), int(write_new), c._head_stride,
                   c._block_stride, c._block_size, variant.window or 0, variant.n_sink,
                   _f32_bits((variant.softcap or 0.0) * _LOG2E), self.rows, max(self.nn, 1), seq_off,
                   tile_off, ntiles, alibi_off, 0)
-        if ntiles:
-            aux[tile_off:alibi_off] = np.asarray(tiles, np.uint32).ravel()
+        aux[tile_off:alibi_off] = tiles
         if variant.alibi is not None:
             f[alibi_off:free] = variant.alibi * np.float32(_LOG2E)
         recs = np.zeros((nseq, SEQ_WORDS), np.uint32)
@@ -271,6 +276,38 @@ class AttnPlan:
     def destroy(self) -> None:
         destroy(self.rec, self.attn, self.reduce, self.q, self.nk, self.nv, self.aux, self.out,
                 self.lse, self.part, self.ml, None if self.lse_k is self.lse else self.lse_k, self.rope)
+
+
+def set_storage(c) -> None:
+    """Storage format of a cache's dtype: float vec4 per 16-byte storage word (``_ch``), words per
+    K/V row (``_dk4``/``_dv4``) and the shader defines. float32: 4 per word; float16: 8 (two per
+    uint32); int8: 16 (four per uint32) plus one float32 scale per row (common.glsl)."""
+    c._f16, c._i8 = c.dtype == "float16", c.dtype == "int8"
+    c._ch = {"float32": 1, "float16": 2, "int8": 4}[c.dtype]
+    epv = 4 * c._ch
+    c._dk4 = -(-c.head_dim // epv)
+    c._dv4 = -(-c.v_head_dim // epv)
+    c._defines = {"KV_F16": int(c._f16), "KV_I8": int(c._i8)}
+
+
+def scale_buffers(c, rows: int):
+    """int8: one device-only float32 scale per K row and per V row; other dtypes: placeholders."""
+    be = c.device.backend
+    n = rows if c._i8 else 1
+    return (be.buffer(n, np.float32, host_visible=False, name="k_scale"),
+            be.buffer(n, np.float32, host_visible=False, name="v_scale"))
+
+
+def token_bytes(c) -> int:
+    return c.num_kv_heads * (16 * (c._dk4 + c._dv4) + (8 if c._i8 else 0))
+
+
+def unpack_rows(c, words: np.ndarray, scales, d: int) -> np.ndarray:
+    """Stored words (..., d4*4) uint32 -> float32 (..., d) values as the kernels see them."""
+    if c._i8:
+        return words.view(np.int8)[..., :d].astype(np.float32) * scales[..., None]
+    vals = words.view(np.float16) if c._f16 else words.view(np.float32)
+    return vals[..., :d].astype(np.float32)
 
 
 def _f32_bits(x: float) -> int:

@@ -97,6 +97,9 @@ class Program:
         self.writes = {self.bindings[i] for i in writes}
         self.reads = set(self.bindings) - self.writes
         self.groups = tuple(int(g) for g in groups)
+        want = _spirv_bindings(spirv)
+        if want != len(self.bindings):    # kp would bind past the descriptor set and crash
+            raise ValueError(f"{name}: the shader declares {want} buffer bindings, {len(self.bindings)} given")
         spec = np.asarray(spec, dtype=np.uint32)
         self._algo = backend._mgr.algorithm(
             [b._t for b in self.bindings], spirv, list(self.groups), spec, np.zeros(0, np.uint32))
@@ -105,6 +108,18 @@ class Program:
         if self._algo is not None:
             self._algo.destroy()
             self._algo = None
+
+
+def _spirv_bindings(spirv: bytes) -> int:
+    """Number of distinct descriptor bindings a SPIR-V module declares (OpDecorate ... Binding)."""
+    words = np.frombuffer(spirv, dtype=np.uint32)
+    found, i = set(), 5                       # 5-word header
+    while i < len(words):
+        count, op = int(words[i]) >> 16, int(words[i]) & 0xFFFF
+        if op == 71 and count >= 4 and words[i + 2] == 33:   # OpDecorate <id> Binding <n>
+            found.add(int(words[i + 3]))
+        i += max(count, 1)
+    return len(found)
 
 
 class Recording:

@@ -12,10 +12,11 @@ from .checks import check_array, check_int, check_scale
 from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, CacheFullError, DeviceLimitError, VerificationError
-from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, put_rows
+from ._attn import (AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, put_rows,
+                    scale_buffers, set_storage, token_bytes, unpack_rows)
 from .tuning import WORKGROUP
 
-_DTYPES = ("float16", "float32")
+_DTYPES = ("float16", "float32", "int8")
 _MAX_PLANS = 8
 _READ_BYTES = 1 << 20   # readback buffer size per K/V for read()
 
@@ -45,7 +46,7 @@ class KVCache:
         self.v_head_dim = self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
         key = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or getattr(dtype, "name", None)
         if key not in _DTYPES:
-            raise TypeError(f"dtype: expected 'float16' or 'float32', got {dtype!r}")
+            raise TypeError(f"dtype: expected 'float16', 'float32' or 'int8', got {dtype!r}")
         self.dtype = key
         if device is not None and not isinstance(device, Device):
             raise TypeError(f"device: expected a vkattn.Device or None, got {type(device).__name__}")
@@ -56,18 +57,15 @@ class KVCache:
         self.rope = rope
         self._rope_dim = rope.dim(self.head_dim) if rope else 0
 
-        self._f16 = self.dtype == "float16"
+        set_storage(self)
         # row of (head h, position j) = h * capacity + j: head-major (attn_common.glsl)
         self._head_stride, self._block_stride, self._block_size = self.capacity, 0, 1
-        self._ch = 2 if self._f16 else 1             # float vec4 per storage uvec4
-        epv = 4 * self._ch                           # elements per uvec4
-        self._dk4 = -(-self.head_dim // epv)
-        self._dv4 = -(-self.v_head_dim // epv)
         self._preflight()
         be = self.device.backend
-        words = self.num_kv_heads * self.capacity * 4
-        self._k = be.buffer(words * self._dk4, np.uint32, host_visible=False, name="k_cache")
-        self._v = be.buffer(words * self._dv4, np.uint32, host_visible=False, name="v_cache")
+        rows = self.num_kv_heads * self.capacity
+        self._k = be.buffer(rows * 4 * self._dk4, np.uint32, host_visible=False, name="k_cache")
+        self._v = be.buffer(rows * 4 * self._dv4, np.uint32, host_visible=False, name="v_cache")
+        self._ks, self._vs = scale_buffers(self, rows)
         self.timestamps = bool(timestamps) and self.device.info.timestamp_compute_and_graphics
         self._last_rec = None
         self._length = 0
@@ -83,8 +81,13 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held by K and V (fixed at construction)."""
-        return self._k.nbytes + self._v.nbytes
+        """Device bytes held by K and V (and int8 scales), fixed at construction."""
+        return self.capacity * self.bytes_per_token
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Device bytes one position takes in K and V, all kv heads (int8: with its scales)."""
+        return token_bytes(self)
 
     @property
     def closed(self) -> bool:
@@ -206,8 +209,7 @@ class KVCache:
             for plan in self._plans.values():
                 plan.destroy()
             self._plans.clear()
-            self._k.destroy()
-            self._v.destroy()
+            destroy(self._k, self._v, self._ks, self._vs)
             self._closed = True
 
     def __enter__(self):
@@ -352,12 +354,12 @@ class _AppendPlan:
         self.nv = be.buffer(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
         self.params = be.buffer(8, np.uint32, name="append_params")
         self.rope = be.buffer(n * max(c._rope_dim, 4), np.float32, name="rope_table")
-        spirv = compile_shader("append", {"KV_F16": int(c._f16)})
+        spirv = compile_shader("append", c._defines)
         groups = _groups(hkv * n * (c._dk4 + c._dv4), c.device)
         flags = c.rope.flags(False) if c.rope else 0
-        self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.params, self.rope], (groups, 1, 1),
-                               [WORKGROUP, c._dk4, c._dv4, c.capacity, hkv, n, flags, max(c._rope_dim, 8)],
-                               writes=(0, 1), name="append")
+        self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.params, self.rope, c._ks, c._vs],
+                               (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c.capacity, hkv, n, flags,
+                                                max(c._rope_dim, 8)], writes=(0, 1, 6, 7), name="append")
         inputs = [self.nk, self.nv, self.params] + ([self.rope] if c.rope else [])
         self.rec = be.recording().upload(*inputs).dispatch(self.prog).build(c.timestamps)
 
@@ -385,11 +387,15 @@ class _ReadPlan:
         self.rk = be.buffer(hkv * rows * c._dk4 * 4, np.uint32, name="read_k")
         self.rv = be.buffer(hkv * rows * c._dv4 * 4, np.uint32, name="read_v")
         self.params = be.buffer(4, np.uint32, name="read_params")
+        self.rks = be.buffer(hkv * rows if c._i8 else 1, np.float32, name="read_kscale")
+        self.rvs = be.buffer(hkv * rows if c._i8 else 1, np.float32, name="read_vscale")
         groups = _groups(hkv * rows * (c._dk4 + c._dv4), c.device)
-        self.prog = be.program(compile_shader("gather"), [c._k, c._v, self.rk, self.rv, self.params],
+        self.prog = be.program(compile_shader("gather", {"KV_I8": int(c._i8)}),
+                               [c._k, c._v, self.rk, self.rv, self.params, c._ks, c._vs, self.rks, self.rvs],
                                (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c.capacity, hkv, rows],
-                               writes=(2, 3), name="gather")
-        self.rec = be.recording().upload(self.params).dispatch(self.prog).download(self.rk, self.rv).build(c.timestamps)
+                               writes=(2, 3, 7, 8), name="gather")
+        self.rec = (be.recording().upload(self.params).dispatch(self.prog)
+                    .download(self.rk, self.rv, self.rks, self.rvs).build(c.timestamps))
 
     def run(self, start: int, count: int):
         c = self.c
@@ -397,14 +403,12 @@ class _ReadPlan:
         p[0], p[1] = start, count
         self.rec.run()
         c._last_rec = self.rec
-        return (_unpack(self.rk.view(), c, c._dk4, self.rows, count, c.head_dim),
-                _unpack(self.rv.view(), c, c._dv4, self.rows, count, c.v_head_dim))
+        hkv = c.num_kv_heads
+        ks = self.rks.view().reshape(hkv, self.rows)[:, :count] if c._i8 else None
+        vs = self.rvs.view().reshape(hkv, self.rows)[:, :count] if c._i8 else None
+        kw = self.rk.view().reshape(hkv, self.rows, c._dk4 * 4)[:, :count]
+        vw = self.rv.view().reshape(hkv, self.rows, c._dv4 * 4)[:, :count]
+        return unpack_rows(c, kw, ks, c.head_dim), unpack_rows(c, vw, vs, c.v_head_dim)
 
     def destroy(self) -> None:
-        destroy(self.rec, self.prog, self.rk, self.rv, self.params)
-
-
-def _unpack(words: np.ndarray, c: KVCache, d4: int, rows: int, count: int, d: int) -> np.ndarray:
-    w = words.reshape(c.num_kv_heads, rows, d4 * 4)[:, :count]
-    vals = w.view(np.float16) if c._f16 else w.view(np.float32)
-    return vals[:, :, :d].astype(np.float32)
+        destroy(self.rec, self.prog, self.rk, self.rv, self.params, self.rks, self.rvs)

@@ -8,7 +8,8 @@ from collections import OrderedDict
 import numpy as np
 
 from . import reference
-from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, put_rows
+from ._attn import (AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, scale_buffers,
+                    set_storage, token_bytes, unpack_rows)
 from .cache import _DTYPES, _check_bool, check_parity
 from .checks import check_array, check_int, check_scale
 from .compiler import compile_shader
@@ -57,7 +58,7 @@ class PagedKVCache:
         self.v_head_dim = self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
         key = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or getattr(dtype, "name", None)
         if key not in _DTYPES:
-            raise TypeError(f"dtype: expected 'float16' or 'float32', got {dtype!r}")
+            raise TypeError(f"dtype: expected 'float16', 'float32' or 'int8', got {dtype!r}")
         self.dtype = key
         if device is not None and not isinstance(device, Device):
             raise TypeError(f"device: expected a vkattn.Device or None, got {type(device).__name__}")
@@ -67,20 +68,17 @@ class PagedKVCache:
             raise TypeError(f"rope: expected a vkattn.RoPE or None, got {type(rope).__name__}")
         self.rope = rope
         self._rope_dim = rope.dim(self.head_dim) if rope else 0
-        self._f16 = self.dtype == "float16"
-        self._ch = 2 if self._f16 else 1
-        epv = 4 * self._ch
-        self._dk4 = -(-self.head_dim // epv)
-        self._dv4 = -(-self.v_head_dim // epv)
+        set_storage(self)
         self.slots = self.num_blocks * self.block_size
         # row of head h, position j = table[j // bs] * (hkv * bs) + h * bs + j % bs (attn_common.glsl)
         self._head_stride, self._block_stride = self.block_size, self.num_kv_heads * self.block_size
         self._block_size = self.block_size
         self._preflight()
         be = self.device.backend
-        rows = self.slots * self.num_kv_heads * 4
-        self._k = be.buffer(rows * self._dk4, np.uint32, host_visible=False, name="k_pool")
-        self._v = be.buffer(rows * self._dv4, np.uint32, host_visible=False, name="v_pool")
+        rows = self.slots * self.num_kv_heads
+        self._k = be.buffer(rows * 4 * self._dk4, np.uint32, host_visible=False, name="k_pool")
+        self._v = be.buffer(rows * 4 * self._dv4, np.uint32, host_visible=False, name="v_pool")
+        self._ks, self._vs = scale_buffers(self, rows)
         self.timestamps = bool(timestamps) and self.device.info.timestamp_compute_and_graphics
         self._pool = BlockPool(self.num_blocks, self.block_size)
         self._plans: OrderedDict = OrderedDict()
@@ -100,13 +98,13 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held by the K and V pools (fixed at construction)."""
-        return self._k.nbytes + self._v.nbytes
+        """Device bytes held by the K and V pools (and int8 scales), fixed at construction."""
+        return self.slots * self.bytes_per_token
 
     @property
     def bytes_per_token(self) -> int:
-        """Device bytes one token takes in K and V, all kv heads."""
-        return self.num_kv_heads * 16 * (self._dk4 + self._dv4)
+        """Device bytes one token takes in K and V, all kv heads (int8: with its scales)."""
+        return token_bytes(self)
 
     @property
     def closed(self) -> bool:
@@ -274,8 +272,7 @@ class PagedKVCache:
             for plan in self._plans.values():
                 plan.destroy()
             self._plans.clear()
-            self._k.destroy()
-            self._v.destroy()
+            destroy(self._k, self._v, self._ks, self._vs)
             self._closed = True
 
     def __enter__(self):
@@ -350,18 +347,20 @@ class _CopyPlan:
     def __init__(self, c: PagedKVCache):
         be = c.device.backend
         self.c = c
-        self.params = be.buffer(8, np.uint32, name="copy_params")
+        self.params = be.buffer(12, np.uint32, name="copy_params")
         per_block = c.block_size * c.num_kv_heads * max(c._dk4, c._dv4)
         groups = max(1, min(-(-per_block // WORKGROUP), c.device.max_workgroup_count[0]))
-        self.prog = be.program(compile_shader("copy_rows"), [c._k, c._v, self.params], (groups, 1, 1),
-                               [WORKGROUP], writes=(0, 1), name="copy_rows")
+        self.prog = be.program(compile_shader("copy_rows"), [c._k, c._v, self.params, c._ks, c._vs],
+                               (groups, 1, 1), [WORKGROUP], writes=(0, 1, 3, 4), name="copy_rows")
         self.rec = be.recording().upload(self.params).dispatch(self.prog).build(c.timestamps)
 
     def run(self, src: int, dst: int, rows: int) -> None:
         c = self.c
         # a block is [num_kv_heads, block_size] rows: copy all of it (rows past ``rows`` are unused)
         bk, bv = c.num_kv_heads * c.block_size * c._dk4, c.num_kv_heads * c.block_size * c._dv4
-        self.params.view()[:6] = (src * bk, dst * bk, bk, src * bv, dst * bv, bv)
+        rows = c.num_kv_heads * c.block_size if c._i8 else 0      # int8 scales: one per row
+        self.params.view()[:9] = (src * bk, dst * bk, bk, src * bv, dst * bv, bv,
+                                  src * rows, dst * rows, rows)
         self.rec.run()
         c._last_rec = self.rec
 
@@ -379,11 +378,15 @@ class _SlotReadPlan:
         self.ok = be.buffer(_READ_ROWS * self.rk * 4, np.uint32, name="read_k")
         self.ov = be.buffer(_READ_ROWS * self.rv * 4, np.uint32, name="read_v")
         self.params = be.buffer(1 + _READ_ROWS, np.uint32, name="read_slots")
+        self.oks = be.buffer(_READ_ROWS * c.num_kv_heads if c._i8 else 1, np.float32, name="read_kscale")
+        self.ovs = be.buffer(_READ_ROWS * c.num_kv_heads if c._i8 else 1, np.float32, name="read_vscale")
         groups = max(1, min(-(-_READ_ROWS * max(self.rk, self.rv) // WORKGROUP), c.device.max_workgroup_count[0]))
-        self.prog = be.program(compile_shader("gather_slots"), [c._k, c._v, self.ok, self.ov, self.params],
+        self.prog = be.program(compile_shader("gather_slots", {"KV_I8": int(c._i8)}),
+                               [c._k, c._v, self.ok, self.ov, self.params, c._ks, c._vs, self.oks, self.ovs],
                                (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c.num_kv_heads, c.block_size],
-                               writes=(2, 3), name="gather_slots")
-        self.rec = be.recording().upload(self.params).dispatch(self.prog).download(self.ok, self.ov).build(c.timestamps)
+                               writes=(2, 3, 7, 8), name="gather_slots")
+        self.rec = (be.recording().upload(self.params).dispatch(self.prog)
+                    .download(self.ok, self.ov, self.oks, self.ovs).build(c.timestamps))
 
     def run(self, slots: np.ndarray):
         c, n = self.c, len(slots)
@@ -392,17 +395,16 @@ class _SlotReadPlan:
         p[1:1 + n] = slots
         self.rec.run()
         c._last_rec = self.rec
-        return (self._unpack(self.ok.view(), n, c._dk4, c.head_dim),
-                self._unpack(self.ov.view(), n, c._dv4, c.v_head_dim))
-
-    def _unpack(self, words, n, d4, d):
-        c = self.c
-        w = words[: n * c.num_kv_heads * d4 * 4].reshape(n, c.num_kv_heads, d4 * 4)
-        vals = w.view(np.float16) if c._f16 else w.view(np.float32)
-        return vals[:, :, :d].astype(np.float32).transpose(1, 0, 2)
+        hkv = c.num_kv_heads
+        ks = self.oks.view()[: n * hkv].reshape(n, hkv) if c._i8 else None
+        vs = self.ovs.view()[: n * hkv].reshape(n, hkv) if c._i8 else None
+        kw = self.ok.view()[: n * hkv * c._dk4 * 4].reshape(n, hkv, c._dk4 * 4)
+        vw = self.ov.view()[: n * hkv * c._dv4 * 4].reshape(n, hkv, c._dv4 * 4)
+        return (unpack_rows(c, kw, ks, c.head_dim).transpose(1, 0, 2),
+                unpack_rows(c, vw, vs, c.v_head_dim).transpose(1, 0, 2))
 
     def destroy(self) -> None:
-        destroy(self.rec, self.prog, self.ok, self.ov, self.params)
+        destroy(self.rec, self.prog, self.ok, self.ov, self.params, self.oks, self.ovs)
 
 
 __all__ = ["PagedKVCache", "UnknownSequenceError"]

@@ -214,9 +214,15 @@ def dequantize_int8(q, scale):
 
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
-    """x as the cache stores it (float16 rounding for a float16 cache), as float32."""
+    """x as the cache stores it, as float32: float16 rounding for a float16 cache, symmetric
+    per-(head, position) int8 quantisation for an int8 cache (``quantize_int8``; x is (heads, n, d)),
+    unchanged for float32."""
     x = np.asarray(x, dtype=np.float32)
-    return x.astype(np.float16).astype(np.float32) if dtype == "float16" else x
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "int8":
+        return dequantize_int8(*quantize_int8(x))
+    return x
 
 
 # Parity tolerances (|got - ref| <= atol + rtol * |ref|) for device results against ``attention``

@@ -211,5 +211,5 @@ def test_verify_mode_and_memory_report(device, rng):
 
 
 def test_pool_larger_than_the_device_allows_is_refused(device):
-    with pytest.raises(vkattn.DeviceLimitError, match="most blocks"):
+    with pytest.raises(vkattn.DeviceLimitError, match="largest num_blocks for this shape"):
         vkattn.PagedKVCache(1 << 20, 64, 8, 128, device=device)

@@ -290,14 +290,6 @@ def set_storage(c) -> None:
     c._defines = {"KV_F16": int(c._f16), "KV_I8": int(c._i8)}
 
 
-def scale_buffers(c, rows: int):
-    """int8: one device-only float32 scale per K row and per V row; other dtypes: placeholders."""
-    be = c.device.backend
-    n = rows if c._i8 else 1
-    return (be.buffer(n, np.float32, host_visible=False, name="k_scale"),
-            be.buffer(n, np.float32, host_visible=False, name="v_scale"))
-
-
 def token_bytes(c) -> int:
     return c.num_kv_heads * (16 * (c._dk4 + c._dv4) + (8 if c._i8 else 0))
 

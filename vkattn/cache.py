@@ -1,23 +1,18 @@
 """The persistent K/V cache and its plans (plan once, run cheaply)."""
 from __future__ import annotations
 
-import os
-import threading
-from collections import OrderedDict
-
 import numpy as np
 
 from . import reference
 from .checks import check_array, check_int, check_scale
 from .compiler import compile_shader
-from .device import Device, default_device
-from .errors import CacheClosedError, CacheFullError, DeviceLimitError, VerificationError
+from ._base import CacheBase
+from .device import Device
+from .errors import CacheFullError, VerificationError
 from ._attn import (AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, put_rows,
-                    scale_buffers, set_storage, token_bytes, unpack_rows)
+                    unpack_rows)
 from .tuning import WORKGROUP
 
-_DTYPES = ("float16", "float32", "int8")
-_MAX_PLANS = 8
 _READ_BYTES = 1 << 20   # readback buffer size per K/V for read()
 
 
@@ -25,7 +20,7 @@ def _groups(total: int, device) -> int:
     return max(1, min(-(-total // WORKGROUP), device.max_workgroup_count[0]))
 
 
-class KVCache:
+class KVCache(CacheBase):
     """A K/V cache allocated once at ``capacity`` on a Vulkan device; the live length is a number.
 
     Shapes use fixed symbols: ``num_kv_heads``, ``head_dim``, ``v_head_dim``, ``capacity``, and for
@@ -41,37 +36,11 @@ class KVCache:
                  dtype="float16", device: Device | None = None, verify: bool | None = None,
                  timestamps: bool = False, rope: RoPE | None = None):
         self.capacity = check_int("capacity", capacity, 1)
-        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
-        self.head_dim = check_int("head_dim", head_dim, 1)
-        self.v_head_dim = self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
-        key = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or getattr(dtype, "name", None)
-        if key not in _DTYPES:
-            raise TypeError(f"dtype: expected 'float16', 'float32' or 'int8', got {dtype!r}")
-        self.dtype = key
-        if device is not None and not isinstance(device, Device):
-            raise TypeError(f"device: expected a vkattn.Device or None, got {type(device).__name__}")
-        self.device = device or default_device()
-        self.verify = (os.environ.get("VKATTN_VERIFY", "0") not in ("", "0")) if verify is None else bool(verify)
-        if rope is not None and not isinstance(rope, RoPE):
-            raise TypeError(f"rope: expected a vkattn.RoPE or None, got {type(rope).__name__}")
-        self.rope = rope
-        self._rope_dim = rope.dim(self.head_dim) if rope else 0
-
-        set_storage(self)
+        self._setup(num_kv_heads, head_dim, v_head_dim, dtype, device, verify, timestamps, rope)
         # row of (head h, position j) = h * capacity + j: head-major (attn_common.glsl)
         self._head_stride, self._block_stride, self._block_size = self.capacity, 0, 1
-        self._preflight()
-        be = self.device.backend
-        rows = self.num_kv_heads * self.capacity
-        self._k = be.buffer(rows * 4 * self._dk4, np.uint32, host_visible=False, name="k_cache")
-        self._v = be.buffer(rows * 4 * self._dv4, np.uint32, host_visible=False, name="v_cache")
-        self._ks, self._vs = scale_buffers(self, rows)
-        self.timestamps = bool(timestamps) and self.device.info.timestamp_compute_and_graphics
-        self._last_rec = None
+        self._allocate(self.capacity, "capacity", 1, "positions")
         self._length = 0
-        self._plans: OrderedDict = OrderedDict()
-        self._lock = threading.RLock()
-        self._closed = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -83,15 +52,6 @@ class KVCache:
     def nbytes(self) -> int:
         """Device bytes held by K and V (and int8 scales), fixed at construction."""
         return self.capacity * self.bytes_per_token
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Device bytes one position takes in K and V, all kv heads (int8: with its scales)."""
-        return token_bytes(self)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     # ------------------------------------------------------------------ public API
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
@@ -165,14 +125,6 @@ class KVCache:
             n_new = check_int("n_new", n_new, 0, self.capacity)
             self._attn_plan(hq, s, n_new, 0, AttnPlan.aux_need(1, s, hq, 0, 0))
 
-    def last_timings(self) -> list:
-        """Device time of each op of the last append/attend/forward/read submission, as
-        ``[(op, ms), ...]`` from Vulkan timestamp queries (``KVCache(..., timestamps=True)`` on a
-        device that supports them; otherwise an empty list)."""
-        if not self.timestamps or self._last_rec is None:
-            return []
-        return self._last_rec.timings(self.device.info.timestamp_period)
-
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` live positions (0 <= length <= self.length); no device work."""
         with self._lock:
@@ -201,45 +153,12 @@ class KVCache:
                     v[:, start:start + count] = vv
             return k, v
 
-    def close(self) -> None:
-        """Free every device object of this cache. Further calls raise CacheClosedError."""
-        with self._lock:
-            if self._closed:
-                return
-            for plan in self._plans.values():
-                plan.destroy()
-            self._plans.clear()
-            destroy(self._k, self._v, self._ks, self._vs)
-            self._closed = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def __repr__(self) -> str:
         return (f"KVCache(length={self._length}, capacity={self.capacity}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, dtype={self.dtype!r}, "
                 f"device={self.device.name!r})")
 
     # ------------------------------------------------------------------ internals
-    def _preflight(self) -> None:
-        dev = self.device
-        limit = min(dev.max_storage_buffer_range, dev.max_memory_allocation_size or dev.max_storage_buffer_range)
-        row_bytes = self.num_kv_heads * 16 * max(self._dk4, self._dv4)
-        need = row_bytes * self.capacity
-        if need > limit:
-            raise DeviceLimitError(
-                f"capacity: {self.capacity} needs a {need}-byte buffer; {dev.name} allows {limit} bytes "
-                f"per buffer, so the largest capacity for this shape is {limit // row_bytes}")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CacheClosedError("this KVCache is closed")
-        if self.device.closed:
-            raise CacheClosedError(f"the device {self.device.name!r} of this KVCache is closed")
-
     def _check_kv(self, k, v):
         k = check_array("k", k, (self.num_kv_heads, None, self.head_dim), fp16_range=self._f16)
         v = check_array("v", v, (self.num_kv_heads, None, self.v_head_dim), fp16_range=self._f16)
@@ -260,17 +179,6 @@ class KVCache:
         if self._length + n > self.capacity:
             raise CacheFullError(f"cannot add {n} positions: length {self._length} + {n} > capacity "
                                  f"{self.capacity} ({self.capacity - self._length} free)")
-
-    def _plan(self, key, make):
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = make()
-            self._plans[key] = plan
-            while len(self._plans) > _MAX_PLANS:
-                self._plans.popitem(last=False)[1].destroy()
-        else:
-            self._plans.move_to_end(key)
-        return plan
 
     def _check_call(self, q, total, causal, scale, window, n_sink, mask, softcap, alibi_slopes,
                     return_lse, rope_q) -> dict:

@@ -1,29 +1,23 @@
 """PagedKVCache: many sequences in one pool of fixed-size blocks (flat block layout)."""
 from __future__ import annotations
 
-import os
-import threading
-from collections import OrderedDict
-
 import numpy as np
 
 from . import reference
-from ._attn import (AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, scale_buffers,
-                    set_storage, token_bytes, unpack_rows)
-from .cache import _DTYPES, _check_bool, check_parity
+from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, unpack_rows
+from ._base import CacheBase
+from .cache import _check_bool, check_parity
 from .checks import check_array, check_int, check_scale
 from .compiler import compile_shader
-from .device import Device, default_device
-from .errors import CacheClosedError, DeviceLimitError
+from .device import Device
 from .paging import BlockPool, UnknownSequenceError
 from .tuning import WORKGROUP
 
-_MAX_PLANS = 8
 _READ_ROWS = 4096        # slots per read() submission
 _F_PAGED = 1
 
 
-class PagedKVCache:
+class PagedKVCache(CacheBase):
     """K/V of many sequences in one pool of ``num_blocks`` blocks of ``block_size`` token slots,
     allocated once on a Vulkan device.
 
@@ -53,38 +47,13 @@ class PagedKVCache:
                  verify: bool | None = None, timestamps: bool = False, rope: RoPE | None = None):
         self.num_blocks = check_int("num_blocks", num_blocks, 1)
         self.block_size = check_int("block_size", block_size, 1)
-        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
-        self.head_dim = check_int("head_dim", head_dim, 1)
-        self.v_head_dim = self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
-        key = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or getattr(dtype, "name", None)
-        if key not in _DTYPES:
-            raise TypeError(f"dtype: expected 'float16', 'float32' or 'int8', got {dtype!r}")
-        self.dtype = key
-        if device is not None and not isinstance(device, Device):
-            raise TypeError(f"device: expected a vkattn.Device or None, got {type(device).__name__}")
-        self.device = device or default_device()
-        self.verify = (os.environ.get("VKATTN_VERIFY", "0") not in ("", "0")) if verify is None else bool(verify)
-        if rope is not None and not isinstance(rope, RoPE):
-            raise TypeError(f"rope: expected a vkattn.RoPE or None, got {type(rope).__name__}")
-        self.rope = rope
-        self._rope_dim = rope.dim(self.head_dim) if rope else 0
-        set_storage(self)
+        self._setup(num_kv_heads, head_dim, v_head_dim, dtype, device, verify, timestamps, rope)
         self.slots = self.num_blocks * self.block_size
         # row of head h, position j = table[j // bs] * (hkv * bs) + h * bs + j % bs (attn_common.glsl)
         self._head_stride, self._block_stride = self.block_size, self.num_kv_heads * self.block_size
         self._block_size = self.block_size
-        self._preflight()
-        be = self.device.backend
-        rows = self.slots * self.num_kv_heads
-        self._k = be.buffer(rows * 4 * self._dk4, np.uint32, host_visible=False, name="k_pool")
-        self._v = be.buffer(rows * 4 * self._dv4, np.uint32, host_visible=False, name="v_pool")
-        self._ks, self._vs = scale_buffers(self, rows)
-        self.timestamps = bool(timestamps) and self.device.info.timestamp_compute_and_graphics
+        self._allocate(self.slots, "num_blocks", self.block_size, "blocks")
         self._pool = BlockPool(self.num_blocks, self.block_size)
-        self._plans: OrderedDict = OrderedDict()
-        self._last_rec = None
-        self._lock = threading.RLock()
-        self._closed = False
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -100,15 +69,6 @@ class PagedKVCache:
     def nbytes(self) -> int:
         """Device bytes held by the K and V pools (and int8 scales), fixed at construction."""
         return self.slots * self.bytes_per_token
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Device bytes one token takes in K and V, all kv heads (int8: with its scales)."""
-        return token_bytes(self)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def length(self, seq_id: int) -> int:
         with self._lock:
@@ -258,51 +218,12 @@ class PagedKVCache:
                     v[:, a:a + len(vv[0])] = vv
             return k, v
 
-    def last_timings(self) -> list:
-        """Device time of each op of the last submission (``timestamps=True``), ``[(op, ms)]``."""
-        if not self.timestamps or self._last_rec is None:
-            return []
-        return self._last_rec.timings(self.device.info.timestamp_period)
-
-    def close(self) -> None:
-        """Free every device object. Further calls raise CacheClosedError."""
-        with self._lock:
-            if self._closed:
-                return
-            for plan in self._plans.values():
-                plan.destroy()
-            self._plans.clear()
-            destroy(self._k, self._v, self._ks, self._vs)
-            self._closed = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, "
                 f"dtype={self.dtype!r}, sequences={len(self._pool)}, free_blocks={self.free_blocks})")
 
     # ------------------------------------------------------------------ internals
-    def _preflight(self) -> None:
-        dev = self.device
-        limit = min(dev.max_storage_buffer_range, dev.max_memory_allocation_size or dev.max_storage_buffer_range)
-        block_bytes = self.block_size * self.num_kv_heads * 16 * max(self._dk4, self._dv4)
-        if block_bytes * self.num_blocks > limit:
-            raise DeviceLimitError(
-                f"num_blocks: {self.num_blocks} blocks need a {block_bytes * self.num_blocks}-byte pool; "
-                f"{dev.name} allows {limit} bytes per buffer, so the most blocks for this shape is "
-                f"{limit // block_bytes}")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CacheClosedError("this PagedKVCache is closed")
-        if self.device.closed:
-            raise CacheClosedError(f"the device {self.device.name!r} of this PagedKVCache is closed")
-
     def _check_masks(self, mask, hq, plan):
         if mask is None:
             return None
@@ -315,17 +236,6 @@ class PagedKVCache:
         if len({m.ndim for m in out}) > 1:
             raise ValueError("mask: expected every array broadcast over heads (2-D) or every one per head (3-D)")
         return out
-
-    def _plan(self, key, make):
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = make()
-            self._plans[key] = plan
-            while len(self._plans) > _MAX_PLANS:
-                self._plans.popitem(last=False)[1].destroy()
-        else:
-            self._plans.move_to_end(key)
-        return plan
 
     def _copy_block(self, src: int, dst: int, rows: int) -> None:
         plan = self._plan(("copy",), lambda: _CopyPlan(self))

@@ -18,13 +18,13 @@
 //     [9] float bits of softcap*log2(e) (SOFTCAP)  [10] R (query rows per head in q/out)
 //     [11] NN (rows per head of nk/nv)  [12] offset of the sequence records  [13] offset of the
 //     tile table  [14] number of tiles  [15] offset of the ALiBi slopes (float bits of
-//     slope*log2(e) per q head, ALIBI)  [16] mask floats between q heads (MASK; 0 = one mask
-//     broadcast over heads)
+//     slope*log2(e) per q head, ALIBI)  [16] 1: each sequence's mask is per q head (MASK;
+//     0: one mask broadcast over heads)
 //   sequence record i (SEQ_WORDS words at aux[12] + SEQ_WORDS*i)
 //     [0] past  [1] n_new  [2] q_start  [3] q_len  [4] chunk (keys per split)
 //     [5] offset of its block table (PAGED)  [6] kstart (first key the splits cover)
 //     [7] offset of its additive mask (MASK): float bits, q head hq, row r, key j at
-//         + hq*aux[16] + r*(past+n_new) + j, natural units
+//         + (hq*q_len + r)*(past+n_new) + j (per head) or + r*(past+n_new) + j, natural units
 //     [8] new_start (its first row in nk/nv)  [9] its first row in the rotary table (ROPE),
 //     [10] the position that row holds (rope.glsl)
 //   tile table (2 words per tile at aux[13]): sequence index, query tile index
@@ -67,7 +67,8 @@ uint cache_row(uint bt, uint h, uint j) {
 
 // additive mask of q head hq, row r, key j (natural units) in log2 units
 float mask_at(Seq sq, uint hq, uint r, uint j) {
-    return uintBitsToFloat(aux[sq.mask + hq * aux[16] + r * (sq.past + sq.n_new) + j]) * LOG2E;
+    const uint row = aux[16] != 0u ? hq * sq.q_len + r : r;
+    return uintBitsToFloat(aux[sq.mask + row * (sq.past + sq.n_new) + j]) * LOG2E;
 }
 
 // score transforms; s in log2 units, already scaled

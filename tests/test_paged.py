@@ -179,7 +179,7 @@ def test_bad_batches_change_nothing(device, rng, bad, exc):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("variant", ["window_sinks", "softcap_alibi", "mask"])
+@pytest.mark.parametrize("variant", ["window_sinks", "softcap_alibi", "mask", "mask_heads"])
 def test_variants_through_the_paged_path(device, rng, monkeypatch, kernel, variant):
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     cache = vkattn.PagedKVCache(30, 16, 2, 24, device=device)
@@ -190,10 +190,13 @@ def test_variants_through_the_paged_path(device, rng, monkeypatch, kernel, varia
     counts = [40, 3, 77]
     kw = {"window_sinks": dict(window=19, n_sink=2),
           "softcap_alibi": dict(softcap=3.0, alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32)),
-          "mask": dict(mask=[rng.standard_normal((n, n)).astype(np.float32) for n in counts])}[variant]
+          "mask": dict(mask=[rng.standard_normal((n, n)).astype(np.float32) for n in counts]),
+          # per-head masks of a different shape for each sequence: each has its own head stride
+          "mask_heads": dict(mask=[rng.standard_normal((4, n, n)).astype(np.float32) for n in counts])}[variant]
     step(rng, cache, model, sids, counts, 2, **kw)
-    if variant == "mask":
-        kw["mask"] = [rng.standard_normal((1, cache.length(s) + 1)).astype(np.float32) for s in sids]
+    if variant.startswith("mask"):
+        heads = (4,) if variant == "mask_heads" else ()
+        kw["mask"] = [rng.standard_normal(heads + (1, cache.length(s) + 1)).astype(np.float32) for s in sids]
     step(rng, cache, model, sids, [1, 1, 1], 2, **kw)
 
 

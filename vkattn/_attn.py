@@ -77,7 +77,6 @@ class Variant:
     n_sink: int = 0
     softcap: float | None = None
     alibi: np.ndarray | None = None      # (num_qo_heads,) float32
-    mask_heads: bool = False             # masks given per q head
 
     def flags(self, masked: bool) -> int:
         return ((F_WINDOW if self.window is not None else 0) | (F_SOFTCAP if self.softcap else 0) |
@@ -150,14 +149,13 @@ class AttnPlan:
                  key_bound: int, decode: bool, rope_dim: int = 0):
         c = store
         be, dev, hkv = c.device.backend, c.device, c.num_kv_heads
-        self.c, self.hq, self.rows, self.nn, self.nseq, self.flags = c, hq, rows, nn, nseq, flags
-        self.aux_words = aux_words
+        self.c, self.hq, self.rows, self.nn = c, hq, rows, nn
         group = hq // hkv
         cfg = attention_config(dev, group, 1 if decode else rows, c._dk4, c._dv4, c._ch, key_bound, hkv)
         self.cfg = cfg
         pv4 = c._dv4 * c._ch * 4
         nrows = hq * rows
-        self.tiles_max = max(1, min(nseq * cfg.qtiles(rows), cfg.qtiles(rows) + nseq - 1))
+        tiles_max = max(1, min(nseq * cfg.qtiles(rows), cfg.qtiles(rows) + nseq - 1))   # sum of ceil(q_len/bq)
         self.q = be.buffer(hq * rows * c._dk4 * c._ch * 4, np.float32, name="q")
         self.nk = be.buffer(hkv * max(nn, 1) * c._dk4 * c._ch * 4, np.float32, name="new_k")
         self.nv = be.buffer(hkv * max(nn, 1) * c._dv4 * c._ch * 4, np.float32, name="new_v")
@@ -166,7 +164,7 @@ class AttnPlan:
         self.lse = be.buffer(nrows, np.float32, name="lse")
         self.rope_dim = rope_dim
         self.rope = be.buffer(max(rows, nn, 1) * max(rope_dim, 4), np.float32, name="rope_table")
-        grid = (cfg.splits, self.tiles_max, hkv)
+        grid = (cfg.splits, tiles_max, hkv)
         if grid[1] > dev.max_workgroup_count[1]:
             raise DeviceLimitError(f"q: {rows} rows need {grid[1]} workgroups in y; the device allows "
                                    f"{dev.max_workgroup_count[1]}")
@@ -258,8 +256,7 @@ class AttnPlan:
                 moff = free
                 f[free:free + s.mask.size] = s.mask.ravel()
                 free += s.mask.size
-                if s.mask.ndim == 3:
-                    h[16] = s.q_len * total
+                h[16] = int(s.mask.ndim == 3)       # per q head (callers give all 2-D or all 3-D)
             recs[i, :11] = (s.past, s.n_new, s.q_start, s.q_len, chunk, bt, kstart, moff, s.new_start,
                             s.rope_row, s.rope_pos)
             if self.rope_dim:

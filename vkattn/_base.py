@@ -8,13 +8,17 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ._attn import RoPE, destroy, set_storage, token_bytes
-from .checks import check_int
+from . import reference
+from ._attn import RoPE, destroy, set_storage, token_bytes, unpack_rows
+from .checks import check_bool, check_int
+from .compiler import compile_shader
 from .device import Device, default_device
-from .errors import CacheClosedError, DeviceLimitError
+from .errors import CacheClosedError, DeviceLimitError, VerificationError
+from .tuning import WORKGROUP
 
 DTYPES = ("float16", "float32", "int8")
 MAX_PLANS = 8
+READ_ROWS = 4096        # positions per read() submission
 
 
 class CacheBase:
@@ -105,6 +109,37 @@ class CacheBase:
         if self.device.closed:
             raise CacheClosedError(f"the device {self.device.name!r} of this {kind} is closed")
 
+    def _check_rope_q(self, rope_q) -> bool:
+        rope_q = check_bool("rope_q", rope_q)
+        if rope_q and self.rope is None:
+            raise ValueError(f"rope_q: this cache has no rope; build it with {type(self).__name__}(..., "
+                             f"rope=vkattn.RoPE(...))")
+        return rope_q
+
+    def _read_slots(self, slots: np.ndarray) -> tuple:
+        """K (num_kv_heads, n, head_dim) and V of the cache rows at ``slots`` (positions of
+        ``_block_size`` per block), as float32 exactly as stored; READ_ROWS per submission."""
+        hkv, n = self.num_kv_heads, len(slots)
+        k = np.empty((hkv, n, self.head_dim), np.float32)
+        v = np.empty((hkv, n, self.v_head_dim), np.float32)
+        if n:
+            plan = self._plan(("read",), lambda: _SlotReadPlan(self))
+            for a in range(0, n, READ_ROWS):
+                k[:, a:a + READ_ROWS], v[:, a:a + READ_ROWS] = plan.run(slots[a:a + READ_ROWS])
+        return k, v
+
+    def _verify_rows(self, out, lse, q, k, v, q_pos: int, call) -> None:
+        """Verify mode: ``out``/``lse`` of query rows ``q`` (at positions ``q_pos`` ..) against
+        the reference on K/V as stored; VerificationError beyond tolerance."""
+        variant = call["variant"]
+        if call["rope_q"]:
+            q = self.rope.apply(q, np.arange(q_pos, q_pos + q.shape[1]), self._rope_dim)
+        ref, ref_lse = reference.attention(
+            q, k, v, causal=call["causal"], scale=call["scale"], window=variant.window,
+            n_sink=variant.n_sink, mask=call["mask"], softcap=variant.softcap,
+            alibi_slopes=variant.alibi, return_lse=True)
+        check_parity(out, ref, lse, ref_lse, self.dtype)
+
     def _plan(self, key, make):
         """The plan for ``key`` from a small LRU, built by ``make()`` on a miss."""
         plan = self._plans.get(key)
@@ -116,3 +151,58 @@ class CacheBase:
         else:
             self._plans.move_to_end(key)
         return plan
+
+
+def check_parity(out, ref, lse, ref_lse, dtype) -> None:
+    """Verify mode: raise VerificationError if ``out``/``lse`` differ from the reference."""
+    atol, rtol = reference.TOLERANCE[dtype]
+    for name, got, want in (("output", out, ref), ("log-sum-exp", lse, ref_lse)):
+        same_inf = np.isneginf(got) & np.isneginf(want)
+        err = np.where(same_inf, 0.0, np.abs(got - want))
+        bad = ~(err <= atol + rtol * np.where(same_inf, 0.0, np.abs(want)))
+        if bad.any():
+            worst = np.nan_to_num(np.where(bad, err, -1.0), nan=np.inf)
+            at = np.unravel_index(int(np.argmax(worst)), err.shape)
+            raise VerificationError(f"device {name} differs from the numpy reference: max abs error "
+                                    f"{float(worst[at]):.3g} at {at} (atol {atol}, rtol {rtol}, "
+                                    f"{int(bad.sum())} elements off)")
+
+
+class _SlotReadPlan:
+    """gather_slots.comp: up to READ_ROWS positions of K and V (and int8 scales) into readback
+    buffers. Both layouts are blocks of [num_kv_heads, _block_size] rows: KVCache is one block of
+    ``capacity``, PagedKVCache ``num_blocks`` blocks."""
+
+    def __init__(self, c: CacheBase):
+        be, hkv = c.device.backend, c.num_kv_heads
+        self.c = c
+        self.ok = be.buffer(READ_ROWS * hkv * c._dk4 * 4, np.uint32, name="read_k")
+        self.ov = be.buffer(READ_ROWS * hkv * c._dv4 * 4, np.uint32, name="read_v")
+        self.params = be.buffer(1 + READ_ROWS, np.uint32, name="read_slots")
+        self.oks = be.buffer(READ_ROWS * hkv if c._i8 else 1, np.float32, name="read_kscale")
+        self.ovs = be.buffer(READ_ROWS * hkv if c._i8 else 1, np.float32, name="read_vscale")
+        groups = max(1, min(-(-READ_ROWS * hkv * max(c._dk4, c._dv4) // WORKGROUP), c.device.max_workgroup_count[0]))
+        self.prog = be.program(compile_shader("gather_slots", {"KV_I8": int(c._i8)}),
+                               [c._k, c._v, self.ok, self.ov, self.params, c._ks, c._vs, self.oks, self.ovs],
+                               (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, hkv, c._block_size],
+                               writes=(2, 3, 7, 8), name="gather_slots")
+        self.rec = (be.recording().upload(self.params).dispatch(self.prog)
+                    .download(self.ok, self.ov, self.oks, self.ovs).build(c.timestamps))
+
+    def run(self, slots: np.ndarray):
+        c, n = self.c, len(slots)
+        p = self.params.view()
+        p[0] = n
+        p[1:1 + n] = slots
+        self.rec.run()
+        c._last_rec = self.rec
+        hkv = c.num_kv_heads
+        ks = self.oks.view()[: n * hkv].reshape(n, hkv) if c._i8 else None
+        vs = self.ovs.view()[: n * hkv].reshape(n, hkv) if c._i8 else None
+        kw = self.ok.view()[: n * hkv * c._dk4 * 4].reshape(n, hkv, c._dk4 * 4)
+        vw = self.ov.view()[: n * hkv * c._dv4 * 4].reshape(n, hkv, c._dv4 * 4)
+        return (unpack_rows(c, kw, ks, c.head_dim).transpose(1, 0, 2),
+                unpack_rows(c, vw, vs, c.v_head_dim).transpose(1, 0, 2))
+
+    def destroy(self) -> None:
+        destroy(self.rec, self.prog, self.ok, self.ov, self.params, self.oks, self.ovs)

@@ -3,17 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference
-from .checks import check_array, check_int, check_scale
+from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
 from ._base import CacheBase
 from .device import Device
-from .errors import CacheFullError, VerificationError
-from ._attn import (AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, put_rows,
-                    unpack_rows)
+from .errors import CacheFullError
+from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, put_rows
 from .tuning import WORKGROUP
 
-_READ_BYTES = 1 << 20   # readback buffer size per K/V for read()
 
 
 def _groups(total: int, device) -> int:
@@ -37,8 +34,10 @@ class KVCache(CacheBase):
                  timestamps: bool = False, rope: RoPE | None = None):
         self.capacity = check_int("capacity", capacity, 1)
         self._setup(num_kv_heads, head_dim, v_head_dim, dtype, device, verify, timestamps, rope)
-        # row of (head h, position j) = h * capacity + j: head-major (attn_common.glsl)
-        self._head_stride, self._block_stride, self._block_size = self.capacity, 0, 1
+        # row of (head h, position j) = h * capacity + j: head-major, i.e. one block of capacity
+        # positions in the block layout of PagedKVCache (attn_common.glsl, gather_slots.comp)
+        self._head_stride = self._block_size = self.capacity
+        self._block_stride = self.num_kv_heads * self.capacity
         self._allocate(self.capacity, "capacity", 1, "positions")
         self._length = 0
 
@@ -111,11 +110,11 @@ class KVCache(CacheBase):
             self._check_fits(n)
             return self._run(q, k, v, call)
 
-    def plan(self, num_qo_heads: int, s: int = 1, n_new: int = 0) -> None:
+    def plan(self, num_qo_heads: int, s: int = 1, n_new: int = 0, rope_q: bool = False) -> None:
         """Build (or fetch) everything a call shape needs -- pipelines, buffers, the recorded
         sequence -- so the first :meth:`attend` (``n_new == 0``) or :meth:`forward` (``n_new`` new
-        rows) with ``num_qo_heads`` heads and ``s`` query rows and no variant only writes inputs
-        and evaluates."""
+        rows) with ``num_qo_heads`` heads, ``s`` query rows, no score variant and ``rope_q`` only
+        writes inputs and evaluates."""
         with self._lock:
             self._check_open()
             hq = check_int("num_qo_heads", num_qo_heads, 1)
@@ -123,7 +122,8 @@ class KVCache(CacheBase):
                 raise ValueError(f"num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {hq}")
             s = check_int("s", s, 1, self.capacity)
             n_new = check_int("n_new", n_new, 0, self.capacity)
-            self._attn_plan(hq, s, n_new, 0, AttnPlan.aux_need(1, s, hq, 0, 0))
+            flags = self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0
+            self._attn_plan(hq, s, n_new, flags, AttnPlan.aux_need(1, s, hq, 0, 0))
 
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` live positions (0 <= length <= self.length); no device work."""
@@ -140,18 +140,7 @@ class KVCache(CacheBase):
         V (num_kv_heads, length, v_head_dim), exactly as stored (float16-rounded for float16)."""
         with self._lock:
             self._check_open()
-            hkv, n = self.num_kv_heads, self._length
-            k = np.empty((hkv, n, self.head_dim), np.float32)
-            v = np.empty((hkv, n, self.v_head_dim), np.float32)
-            if n:
-                rows = max(1, min(self.capacity, _READ_BYTES // (hkv * 16 * max(self._dk4, self._dv4))))
-                plan = self._plan(("read", rows), lambda: _ReadPlan(self, rows))
-                for start in range(0, n, rows):
-                    count = min(rows, n - start)
-                    kk, vv = plan.run(start, count)
-                    k[:, start:start + count] = kk
-                    v[:, start:start + count] = vv
-            return k, v
+            return self._read_slots(np.arange(self._length))
 
     def __repr__(self) -> str:
         return (f"KVCache(length={self._length}, capacity={self.capacity}, num_kv_heads={self.num_kv_heads}, "
@@ -186,15 +175,9 @@ class KVCache(CacheBase):
         variant = check_variant(hq, window, n_sink, softcap, alibi_slopes)
         if mask is not None:
             mask = check_mask(mask, hq, s, total)
-        return dict(causal=_check_bool("causal", causal), scale=check_scale(scale, self.head_dim),
-                    variant=variant, mask=mask, return_lse=_check_bool("return_lse", return_lse),
+        return dict(causal=check_bool("causal", causal), scale=check_scale(scale, self.head_dim),
+                    variant=variant, mask=mask, return_lse=check_bool("return_lse", return_lse),
                     rope_q=self._check_rope_q(rope_q))
-
-    def _check_rope_q(self, rope_q) -> bool:
-        rope_q = _check_bool("rope_q", rope_q)
-        if rope_q and self.rope is None:
-            raise ValueError("rope_q: this cache has no rope; build it with KVCache(..., rope=vkattn.RoPE(...))")
-        return rope_q
 
     def _attn_plan(self, hq, s, n_new, flags, words) -> AttnPlan:
         bucket = aux_bucket(words)
@@ -216,41 +199,8 @@ class KVCache(CacheBase):
                             rope=self.rope)
         self._length += n
         if self.verify:
-            self._verify(out, lse, q, call)
+            self._verify_rows(out, lse, q, *self.read(), self._length - s, call)
         return (out, lse) if call["return_lse"] else out
-
-    def _verify(self, out, lse, q, call) -> None:
-        k, v = self.read()
-        variant = call["variant"]
-        if call["rope_q"]:
-            q = self.rope.apply(q, np.arange(self._length - q.shape[1], self._length), self._rope_dim)
-        ref, ref_lse = reference.attention(
-            q, k, v, causal=call["causal"], scale=call["scale"], window=variant.window,
-            n_sink=variant.n_sink, mask=call["mask"], softcap=variant.softcap,
-            alibi_slopes=variant.alibi, return_lse=True)
-        check_parity(out, ref, lse, ref_lse, self.dtype)
-
-
-def check_parity(out, ref, lse, ref_lse, dtype) -> None:
-    """Verify mode: raise VerificationError if ``out``/``lse`` differ from the reference."""
-    atol, rtol = reference.TOLERANCE[dtype]
-    for name, got, want in (("output", out, ref), ("log-sum-exp", lse, ref_lse)):
-        same_inf = np.isneginf(got) & np.isneginf(want)
-        err = np.where(same_inf, 0.0, np.abs(got - want))
-        bad = ~(err <= atol + rtol * np.where(same_inf, 0.0, np.abs(want)))
-        if bad.any():
-            worst = np.nan_to_num(np.where(bad, err, -1.0), nan=np.inf)
-            at = np.unravel_index(int(np.argmax(worst)), err.shape)
-            raise VerificationError(f"device {name} differs from the numpy reference: max abs error "
-                                    f"{float(worst[at]):.3g} at {at} (atol {atol}, rtol {rtol}, "
-                                    f"{int(bad.sum())} elements off)")
-
-
-def _check_bool(name, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-    return bool(value)
-
 
 class _AppendPlan:
     """append.comp for batches of exactly ``n`` rows: upload rows + params, one dispatch."""
@@ -284,39 +234,3 @@ class _AppendPlan:
 
     def destroy(self) -> None:
         destroy(self.rec, self.prog, self.nk, self.nv, self.params, self.rope)
-
-
-class _ReadPlan:
-    """gather.comp: copy ``rows`` rows per head from the cache into readback buffers."""
-
-    def __init__(self, c: KVCache, rows: int):
-        be, hkv = c.device.backend, c.num_kv_heads
-        self.c, self.rows = c, rows
-        self.rk = be.buffer(hkv * rows * c._dk4 * 4, np.uint32, name="read_k")
-        self.rv = be.buffer(hkv * rows * c._dv4 * 4, np.uint32, name="read_v")
-        self.params = be.buffer(4, np.uint32, name="read_params")
-        self.rks = be.buffer(hkv * rows if c._i8 else 1, np.float32, name="read_kscale")
-        self.rvs = be.buffer(hkv * rows if c._i8 else 1, np.float32, name="read_vscale")
-        groups = _groups(hkv * rows * (c._dk4 + c._dv4), c.device)
-        self.prog = be.program(compile_shader("gather", {"KV_I8": int(c._i8)}),
-                               [c._k, c._v, self.rk, self.rv, self.params, c._ks, c._vs, self.rks, self.rvs],
-                               (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c.capacity, hkv, rows],
-                               writes=(2, 3, 7, 8), name="gather")
-        self.rec = (be.recording().upload(self.params).dispatch(self.prog)
-                    .download(self.rk, self.rv, self.rks, self.rvs).build(c.timestamps))
-
-    def run(self, start: int, count: int):
-        c = self.c
-        p = self.params.view()
-        p[0], p[1] = start, count
-        self.rec.run()
-        c._last_rec = self.rec
-        hkv = c.num_kv_heads
-        ks = self.rks.view().reshape(hkv, self.rows)[:, :count] if c._i8 else None
-        vs = self.rvs.view().reshape(hkv, self.rows)[:, :count] if c._i8 else None
-        kw = self.rk.view().reshape(hkv, self.rows, c._dk4 * 4)[:, :count]
-        vw = self.rv.view().reshape(hkv, self.rows, c._dv4 * 4)[:, :count]
-        return unpack_rows(c, kw, ks, c.head_dim), unpack_rows(c, vw, vs, c.v_head_dim)
-
-    def destroy(self) -> None:
-        destroy(self.rec, self.prog, self.rk, self.rv, self.params, self.rks, self.rvs)

@@ -43,6 +43,12 @@ def check_int(name: str, value, low: int, high: int | None = None) -> int:
     return value
 
 
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return bool(value)
+
+
 def check_scale(scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / float(np.sqrt(head_dim))

@@ -1,20 +1,16 @@
-"""PagedKVCache: many sequences in one pool of fixed-size blocks (flat block layout)."""
+"""PagedKVCache: many sequences in one pool of fixed-size blocks."""
 from __future__ import annotations
 
 import numpy as np
 
-from . import reference
-from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, unpack_rows
+from ._attn import F_PAGED, AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy
 from ._base import CacheBase
-from .cache import _check_bool, check_parity
-from .checks import check_array, check_int, check_scale
+from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
 from .device import Device
 from .paging import BlockPool, UnknownSequenceError
 from .tuning import WORKGROUP
 
-_READ_ROWS = 4096        # slots per read() submission
-_F_PAGED = 1
 
 
 class PagedKVCache(CacheBase):
@@ -168,12 +164,9 @@ class PagedKVCache(CacheBase):
                 raise ValueError(f"q: expected num_qo_heads a multiple of num_kv_heads={self.num_kv_heads}, "
                                  f"got {hq}")
             variant = check_variant(hq, window, n_sink, softcap, alibi_slopes)
-            causal = _check_bool("causal", causal)
-            scale = check_scale(scale, self.head_dim)
-            return_lse = _check_bool("return_lse", return_lse)
-            rope_q = _check_bool("rope_q", rope_q)
-            if rope_q and self.rope is None:
-                raise ValueError("rope_q: this cache has no rope; build it with PagedKVCache(..., rope=vkattn.RoPE(...))")
+            call = dict(causal=check_bool("causal", causal), scale=check_scale(scale, self.head_dim),
+                        variant=variant, rope_q=self._check_rope_q(rope_q))
+            return_lse = check_bool("return_lse", return_lse)
             masks = self._check_masks(mask, hq, plan)
             seqs, start = [], 0
             for i, n in enumerate(counts):
@@ -182,7 +175,7 @@ class PagedKVCache(CacheBase):
                                     mask=None if masks is None else masks[i], rope_row=start,
                                     rope_pos=plan.past[i]))
                 start += n
-            flags = _F_PAGED | variant.flags(masks is not None) | (self.rope.flags(rope_q) if self.rope else 0)
+            flags = F_PAGED | variant.flags(masks is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
             words = AttnPlan.aux_need(len(seqs), total, hq, sum(len(t) for t in plan.tables),
                                       0 if masks is None else sum(m.size for m in masks))
             bucket = aux_bucket(words)
@@ -190,14 +183,14 @@ class PagedKVCache(CacheBase):
             attn = self._plan(("attn", hq, total, nseq, flags, bucket),
                               lambda: AttnPlan(self, hq, total, total, nseq, flags, bucket, self.slots,
                                                decode=total == nseq, rope_dim=self._rope_dim))
-            out, lse = attn.run(q, k, v, seqs, causal, scale, variant, write_new=True, rope=self.rope)
+            out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant, write_new=True,
+                                rope=self.rope)
             plan.commit()
             if self.verify:
-                if rope_q:
-                    q = np.concatenate([self.rope.apply(q[:, s.q_start:s.q_start + s.q_len],
-                                                        np.arange(s.past, s.past + s.q_len), self._rope_dim)
-                                        for s in seqs], axis=1)
-                self._verify(plan.seq_ids, q, out, lse, seqs, causal, scale, variant)
+                for sid, s in zip(plan.seq_ids, seqs):
+                    rows = slice(s.q_start, s.q_start + s.q_len)
+                    self._verify_rows(out[:, rows], lse[:, rows], q[:, rows], *self.read(sid), s.past,
+                                      dict(call, mask=s.mask))
             return (out, lse) if return_lse else out
 
     def read(self, seq_id: int) -> tuple:
@@ -205,18 +198,7 @@ class PagedKVCache(CacheBase):
         V (num_kv_heads, length, v_head_dim)."""
         with self._lock:
             self._check_open()
-            length = self._pool.length(seq_id)
-            slots = self._pool.slots(seq_id, 0, length)
-            hkv = self.num_kv_heads
-            k = np.empty((hkv, length, self.head_dim), np.float32)
-            v = np.empty((hkv, length, self.v_head_dim), np.float32)
-            if length:
-                plan = self._plan(("read",), lambda: _SlotReadPlan(self))
-                for a in range(0, length, _READ_ROWS):
-                    kk, vv = plan.run(slots[a:a + _READ_ROWS])
-                    k[:, a:a + len(kk[0])] = kk
-                    v[:, a:a + len(vv[0])] = vv
-            return k, v
+            return self._read_slots(self._pool.slots(seq_id, 0, self._pool.length(seq_id)))
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
@@ -238,25 +220,21 @@ class PagedKVCache(CacheBase):
         return out
 
     def _copy_block(self, src: int, dst: int, rows: int) -> None:
-        plan = self._plan(("copy",), lambda: _CopyPlan(self))
-        plan.run(src, dst, rows)
-
-    def _verify(self, seq_ids, q, out, lse, seqs, causal, scale, variant) -> None:
-        for sid, s in zip(seq_ids, seqs):
-            k, v = self.read(sid)
-            rows = slice(s.q_start, s.q_start + s.q_len)
-            ref, ref_lse = reference.attention(
-                q[:, rows], k, v, causal=causal, scale=scale, window=variant.window, n_sink=variant.n_sink,
-                mask=s.mask, softcap=variant.softcap, alibi_slopes=variant.alibi, return_lse=True)
-            check_parity(out[:, rows], ref, lse[:, rows], ref_lse, self.dtype)
+        """The device side of a BlockPool copy instruction (the first ``rows`` of ``src`` are
+        needed; the whole block is copied)."""
+        self._plan(("copy",), lambda: _CopyPlan(self)).run(src, dst)
 
 
 class _CopyPlan:
-    """copy_rows.comp: block ``src`` into block ``dst`` (K and V); the caller needs its first ``rows``."""
+    """copy_rows.comp: block ``src`` into block ``dst`` (K, V and int8 scales)."""
 
     def __init__(self, c: PagedKVCache):
         be = c.device.backend
         self.c = c
+        # a block is [num_kv_heads, block_size] rows: the whole block is copied (uvec4 words of K
+        # and V, and with int8 one scale per row); rows past those the caller needs are unused
+        self.bk, self.bv = c.num_kv_heads * c.block_size * c._dk4, c.num_kv_heads * c.block_size * c._dv4
+        self.bs = c.num_kv_heads * c.block_size if c._i8 else 0
         self.params = be.buffer(12, np.uint32, name="copy_params")
         per_block = c.block_size * c.num_kv_heads * max(c._dk4, c._dv4)
         groups = max(1, min(-(-per_block // WORKGROUP), c.device.max_workgroup_count[0]))
@@ -264,57 +242,14 @@ class _CopyPlan:
                                (groups, 1, 1), [WORKGROUP], writes=(0, 1, 3, 4), name="copy_rows")
         self.rec = be.recording().upload(self.params).dispatch(self.prog).build(c.timestamps)
 
-    def run(self, src: int, dst: int, rows: int) -> None:
-        c = self.c
-        # a block is [num_kv_heads, block_size] rows: copy all of it (rows past ``rows`` are unused)
-        bk, bv = c.num_kv_heads * c.block_size * c._dk4, c.num_kv_heads * c.block_size * c._dv4
-        rows = c.num_kv_heads * c.block_size if c._i8 else 0      # int8 scales: one per row
-        self.params.view()[:9] = (src * bk, dst * bk, bk, src * bv, dst * bv, bv,
-                                  src * rows, dst * rows, rows)
+    def run(self, src: int, dst: int) -> None:
+        bk, bv, bs = self.bk, self.bv, self.bs
+        self.params.view()[:9] = (src * bk, dst * bk, bk, src * bv, dst * bv, bv, src * bs, dst * bs, bs)
         self.rec.run()
-        c._last_rec = self.rec
+        self.c._last_rec = self.rec
 
     def destroy(self) -> None:
         destroy(self.rec, self.prog, self.params)
-
-
-class _SlotReadPlan:
-    """gather_slots.comp: up to _READ_ROWS slots of K and V into readback buffers."""
-
-    def __init__(self, c: PagedKVCache):
-        be = c.device.backend
-        self.c = c
-        self.rk, self.rv = c.num_kv_heads * c._dk4, c.num_kv_heads * c._dv4
-        self.ok = be.buffer(_READ_ROWS * self.rk * 4, np.uint32, name="read_k")
-        self.ov = be.buffer(_READ_ROWS * self.rv * 4, np.uint32, name="read_v")
-        self.params = be.buffer(1 + _READ_ROWS, np.uint32, name="read_slots")
-        self.oks = be.buffer(_READ_ROWS * c.num_kv_heads if c._i8 else 1, np.float32, name="read_kscale")
-        self.ovs = be.buffer(_READ_ROWS * c.num_kv_heads if c._i8 else 1, np.float32, name="read_vscale")
-        groups = max(1, min(-(-_READ_ROWS * max(self.rk, self.rv) // WORKGROUP), c.device.max_workgroup_count[0]))
-        self.prog = be.program(compile_shader("gather_slots", {"KV_I8": int(c._i8)}),
-                               [c._k, c._v, self.ok, self.ov, self.params, c._ks, c._vs, self.oks, self.ovs],
-                               (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c.num_kv_heads, c.block_size],
-                               writes=(2, 3, 7, 8), name="gather_slots")
-        self.rec = (be.recording().upload(self.params).dispatch(self.prog)
-                    .download(self.ok, self.ov, self.oks, self.ovs).build(c.timestamps))
-
-    def run(self, slots: np.ndarray):
-        c, n = self.c, len(slots)
-        p = self.params.view()
-        p[0] = n
-        p[1:1 + n] = slots
-        self.rec.run()
-        c._last_rec = self.rec
-        hkv = c.num_kv_heads
-        ks = self.oks.view()[: n * hkv].reshape(n, hkv) if c._i8 else None
-        vs = self.ovs.view()[: n * hkv].reshape(n, hkv) if c._i8 else None
-        kw = self.ok.view()[: n * hkv * c._dk4 * 4].reshape(n, hkv, c._dk4 * 4)
-        vw = self.ov.view()[: n * hkv * c._dv4 * 4].reshape(n, hkv, c._dv4 * 4)
-        return (unpack_rows(c, kw, ks, c.head_dim).transpose(1, 0, 2),
-                unpack_rows(c, vw, vs, c.v_head_dim).transpose(1, 0, 2))
-
-    def destroy(self) -> None:
-        destroy(self.rec, self.prog, self.ok, self.ov, self.params, self.oks, self.ovs)
 
 
 __all__ = ["PagedKVCache", "UnknownSequenceError"]

@@ -171,10 +171,13 @@ uint key_row(uint j, uint b, uint row_l) {
     return cache_row(sq.bt, hh, j);
 }
 
-// keys j0 .. j0+WG-1 (those >= k1 masked): scores, online softmax update, V accumulation
+// keys j0 .. j0+WG-1 (those >= k1 masked): scores, online softmax update, V accumulation.
+// Straight-line code on purpose: lavapipe runs every branch of a loop body under an exec mask and
+// blends each write of a loop-carried value with it, so the block is branch-free and touches the
+// carried state (m, l, acc) once per block, not once per key. Keys past k1 re-read row k1-1 with
+// weight 0 instead of branching around the read.
 void consume_block(uint j0, uint k1, bool fresh) {
     const uint lane = gl_LocalInvocationID.x;
-    const bool causal = aux[1] != 0u;
     const uint row_l = (HAS(F_PAGED) && !fresh) ? cache_row(sq.bt, hh, min(j0 + lane, k1 - 1u)) : 0u;
     float d[NQ][WG];
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
@@ -185,14 +188,18 @@ void consume_block(uint j0, uint k1, bool fresh) {
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
             vec4 kx[CH];
             unpack_chunk(k_chunk(row, j, i, fresh, ksc), kx);
-            const float on = (DK4 % WG == 0u || lane + i * WG < DK4) ? 1.0 : 0.0;  // past the row's end
+            if (DK4 % WG != 0u && lane + i * WG >= DK4)   // past the row's end (constant-folded)
+                [[unroll]] for (uint e = 0u; e < CH; ++e) kx[e] = vec4(0.0);
             [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
-                [[unroll]] for (uint e = 0u; e < CH; ++e) d[qv][b] += on * dot(q[(qv * KPL + i) * CH + e], kx[e]);
+                [[unroll]] for (uint e = 0u; e < CH; ++e) {
+                    const vec4 qq = q[(qv * KPL + i) * CH + e];
+                    d[qv][b] = fma(qq.x, kx[e].x, fma(qq.y, kx[e].y, fma(qq.z, kx[e].z, fma(qq.w, kx[e].w, d[qv][b]))));
+                }
         }
         if (KV_I8 != 0) [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) d[qv][b] *= ksc;
     }
     const uint jl = j0 + lane;          // the key whose scores this lane ends up with
-    float pl[NQ];
+    float pl[NQ], alpha[NQ];
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
         if (WG > 8u) scatter_step(d[qv], 8u);
         if (WG > 4u) scatter_step(d[qv], 4u);
@@ -200,31 +207,39 @@ void consume_block(uint j0, uint k1, bool fresh) {
         if (WG > 1u) scatter_step(d[qv], 1u);
         bool vis = jl < k1 && jl < vis_end[qv];
         if (HAS(F_WINDOW)) vis = vis && key_visible(jl, qpos[qv], false);
-        float sc = NEG_INF;
-        if (vis) {
-            sc = shape_score(d[qv][0], slope[qv], jl, qpos[qv]);
-            if (HAS(F_MASK)) sc += mask_at(sq, hh * G + qv / BQ, qrow[qv], jl);
-        }
+        float s = shape_score(d[qv][0], slope[qv], jl, qpos[qv]);
+        if (HAS(F_MASK)) s += mask_at(sq, hh * G + qv / BQ, qrow[qv], min(jl, k1 - 1u));
+        const float sc = vis ? s : NEG_INF;
         const float mn = max(m[qv], lanes_max(sc));
-        const float alpha = mn == NEG_INF ? 1.0 : exp2(m[qv] - mn);
-        pl[qv] = mn == NEG_INF ? 0.0 : exp2(sc - mn);
-        l[qv] = l[qv] * alpha + lanes_sum(pl[qv]);
+        const bool none = mn == NEG_INF;
+        alpha[qv] = none ? 1.0 : exp2(m[qv] - mn);
+        pl[qv] = none ? 0.0 : exp2(sc - mn);
+        l[qv] = fma(l[qv], alpha[qv], lanes_sum(pl[qv]));
         m[qv] = mn;
-        [[unroll]] for (uint i = 0u; i < VPL * CH; ++i) acc[qv * VPL * CH + i] *= alpha;
     }
+    vec4 blk[NQ * VPL * CH];
+    [[unroll]] for (uint x = 0u; x < NQ * VPL * CH; ++x) blk[x] = vec4(0.0);
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
-        if (j0 + b >= k1) break;
-        const uint row = fresh ? 0u : key_row(j0 + b, b, row_l);
-        const float vsc = row_scale(false, row, j0 + b, fresh);
+        const uint j = min(j0 + b, k1 - 1u);
+        const uint row = fresh ? 0u : key_row(j, b, row_l);
+        const float vsc = row_scale(false, row, j, fresh);
+        float p[NQ];
+        [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) p[qv] = subgroupShuffle(pl[qv], b) * vsc;
         [[unroll]] for (uint i = 0u; i < VPL; ++i) {
             vec4 vx[CH];
-            unpack_chunk(v_chunk(row, j0 + b, i, fresh, vsc), vx);
-            [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
-                const float p = subgroupShuffle(pl[qv], b) * vsc;
-                [[unroll]] for (uint e = 0u; e < CH; ++e) acc[(qv * VPL + i) * CH + e] += p * vx[e];
-            }
+            unpack_chunk(v_chunk(row, j, i, fresh, vsc), vx);
+            [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
+                [[unroll]] for (uint e = 0u; e < CH; ++e) {
+                    const uint x = (qv * VPL + i) * CH + e;
+                    blk[x] = fma(vec4(p[qv]), vx[e], blk[x]);
+                }
         }
     }
+    [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
+        [[unroll]] for (uint y = 0u; y < VPL * CH; ++y) {
+            const uint x = qv * VPL * CH + y;
+            acc[x] = fma(acc[x], vec4(alpha[qv]), blk[x]);
+        }
 }
 
 // keys lo .. hi-1: those in the cache, then those appended by this call

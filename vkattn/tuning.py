@@ -17,8 +17,9 @@ from dataclasses import dataclass
 WORKGROUP = 64          # threads per attention workgroup; also the key tile (one key per thread)
 ACC_FLOATS = 64         # accumulator floats per thread in the V phase (register budget)
 PREFILL_NQ = 32         # query vectors (heads x rows) per prefill workgroup, before shrinking
-LANE_NQ = 16            # query vectors per attn_lane.comp workgroup (loads amortised vs registers)
-LANE_STATE_VEC4 = 128   # private vec4 (queries + accumulators) per lane in attn_lane.comp
+LANE_NQ = 32            # query vectors per attn_lane.comp workgroup: every K/V load serves this many
+                        # (prefill S=512, d 128 on lavapipe: 16 -> 121 ms, 32 -> 95 ms, 64 -> 104 ms)
+LANE_STATE_VEC4 = 256   # private vec4 (queries + accumulators) per lane in attn_lane.comp
 TILE_MAX_KEYS = 8192    # keys per attn.comp workgroup on a software device (~200 loop iterations per
                         # 64-key tile; measured wrong from ~20000 keys on lavapipe, which ends a loop
                         # after 65535 iterations per invocation). GPUs have no such cap.
@@ -65,8 +66,9 @@ def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_
                 capacity: int) -> AttnConfig:
     """attn_lane.comp: one subgroup per workgroup owning up to LANE_NQ query vectors (heads x
     rows), fewer when the head dims are large: a lane keeps (KPL + VPL) * CH vec4 of query and
-    accumulator per query vector, and past LANE_STATE_VEC4 in all the driver's compile time and
-    register spills explode (head_dim 256 with 16 query vectors took 75 s to build on lavapipe)."""
+    accumulator per query vector, bounded by LANE_STATE_VEC4 (the driver's compile time grows with
+    it: about 1.2 s for head_dim 256 with 16 query vectors on lavapipe since the block loop became
+    straight-line code; the branchy version took 75 s at the same size)."""
     wg = device.lane_subgroup()          # probed: one subgroup, shuffles work
     per_qv = (-(-dk4 // wg) + -(-dv4 // wg)) * ch
     nq = max(1, min(LANE_NQ, LANE_STATE_VEC4 // per_qv))

@@ -1,4 +1,4 @@
-"""``python -m perf [decode|prefill|append|overhead|batch ...]``: run the perf cases, print a table, write
+"""``python -m perf [decode|prefill|append|overhead|batch|loads ...]``: run the perf cases, print a table, write
 perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py)."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import sys
 
 import vkattn
 
-from . import append, batch, decode, overhead, prefill
+from . import append, batch, decode, loads, overhead, prefill
 from .common import PerfConfigError, Shape, copy_bandwidth, print_table, write_results
 
-SCRIPTS = {"decode": decode, "prefill": prefill, "append": append, "overhead": overhead, "batch": batch}
+SCRIPTS = {"decode": decode, "prefill": prefill, "append": append, "overhead": overhead, "batch": batch, "loads": loads}
 
 
 def main(argv=None) -> int:
@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     for r in rows:
         if r.kernel in ("decode", "batch"):
             print(f"  {r.case}: {r.value:.2f} GB/s = {100 * r.value / copy_bandwidth():.1f}% of copy bandwidth")
+        if r.kernel == "loads":
+            print(f"  {r.case}: {r.value:.3f} ns per word; the K/V loads of decode L=4096 alone would take "
+                  f"{r.extra['decode_L4096_floor_ms']:.2f} ms at that rate")
     out = write_results(rows, device.name, copy_bandwidth())
     print(f"\nresults: {out}/results.json, {out}/results.csv")
     if any(r.kernel == "decode" for r in rows):

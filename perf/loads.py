@@ -32,7 +32,9 @@ def run(shape: Shape, device) -> list:
     buf = be.buffer(WORDS, np.uint32, name="words")
     buf.view()[:] = data
     out = be.buffer(groups * wg, np.uint32, name="xor")
-    be.recording().upload(buf).build().run()
+    up = be.recording().upload(buf).build()
+    up.run()
+    up.destroy()
     spv = compile_shader("loads", {}, src_dir=Path(__file__).parent)
     kv_words = 2 * shape.kv_heads * shape.head_dim * 4096 // 2        # float16 K and V at L=4096
     for mode, what in ((0, "uvec4"), (1, "uint")):

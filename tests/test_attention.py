@@ -236,3 +236,37 @@ def test_fully_masked_rows_give_zeros(device, rng, monkeypatch, kernel, s):
     assert np.isneginf(lse[:, 0]).all() and np.isneginf(lse[:, -1]).all()
     assert_close(out, ref, "float16")
     np.testing.assert_allclose(lse[:, 1:-1], ref_lse[:, 1:-1], atol=2e-5, rtol=2e-4)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype,style", [("float16", None), ("int8", "neox"), ("float32", "gptj")])
+def test_forward_fused_and_separate_append(device, rng, monkeypatch, kernel, dtype, style):
+    """forward() fuses up to FUSED_APPEND_MAX_ROWS new rows into the attention dispatch and appends
+    more in a submission of their own first: both sides of the threshold, with rope, a window, a
+    mask and ALiBi, match the reference on the K/V as stored, and store the same rows as append()."""
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    n0 = vkattn.tuning.FUSED_APPEND_MAX_ROWS
+    cfg = vkattn.RoPE(style=style) if style else None
+    hkv, group, d = 2, 3, 40
+    cache = vkattn.KVCache(4 * n0 + 40, hkv, d, dtype=dtype, device=device, rope=cfg)
+    twin = vkattn.KVCache(4 * n0 + 40, hkv, d, dtype=dtype, device=device, rope=cfg)
+    k, v = rand_kv(rng, cache, 17)
+    cache.append(k, v)
+    twin.append(k, v)
+    for n in (n0, n0 + 1, 2 * n0 + 5):
+        past = cache.length
+        k, v = rand_kv(rng, cache, n)
+        q = rand_q(rng, cache, group, n - 3)          # the last n - 3 positions
+        total = past + n
+        kw = dict(window=n // 2, n_sink=2, mask=rng.standard_normal((n - 3, total)).astype(np.float32),
+                  alibi_slopes=np.linspace(0.05, 0.4, hkv * group).astype(np.float32))
+        out, lse = cache.forward(q, k, v, return_lse=True, rope_q=cfg is not None, **kw)
+        twin.append(k, v)
+        ks, vs = cache.read()
+        k2, v2 = twin.read()
+        assert cache.length == total and ks.shape[1] == total
+        assert np.array_equal(ks, k2) and np.array_equal(vs, v2), "forward stored other rows than append"
+        qr = cfg.apply(q, np.arange(total - q.shape[1], total), cfg.dim(d)) if cfg else q
+        ref, ref_lse = vkattn.reference.attention(qr, ks, vs, return_lse=True, **kw)
+        assert_close(out, ref, dtype)
+        assert_close(lse, ref_lse, dtype)

@@ -9,7 +9,7 @@ from ._base import CacheBase
 from .device import Device
 from .errors import CacheFullError
 from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, put_rows
-from .tuning import WORKGROUP
+from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP
 
 
 
@@ -95,8 +95,10 @@ class KVCache(CacheBase):
                 scale: float | None = None, *, window: int | None = None, n_sink: int = 0,
                 mask: np.ndarray | None = None, softcap: float | None = None,
                 alibi_slopes: np.ndarray | None = None, return_lse: bool = False, rope_q: bool = False):
-        """Append ``k``/``v`` then attend ``q`` -- in one device submission (the append is fused
-        into the attention dispatch). Shapes as in :meth:`append` and :meth:`attend` (a mask
+        """Append ``k``/``v`` then attend ``q``. Up to ``vkattn.tuning.FUSED_APPEND_MAX_ROWS``
+        new rows go in one device submission (the append is fused into the attention dispatch,
+        which reads those rows from the input); more are appended in a submission of their own
+        first and attended from the cache. Shapes as in :meth:`append` and :meth:`attend` (a mask
         covers the ``length + n`` positions after the append); the ``s`` query rows are the last
         ``s`` positions after the append. All checks run first: on any error the cache is
         unchanged."""
@@ -123,6 +125,9 @@ class KVCache(CacheBase):
             s = check_int("s", s, 1, self.capacity)
             n_new = check_int("n_new", n_new, 0, self.capacity)
             flags = self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0
+            if n_new > FUSED_APPEND_MAX_ROWS:
+                self._plan(("append", n_new), lambda: _AppendPlan(self, n_new))
+                n_new = 0
             self._attn_plan(hq, s, n_new, flags, AttnPlan.aux_need(1, s, hq, 0, 0))
 
     def truncate(self, length: int) -> None:
@@ -192,10 +197,18 @@ class KVCache(CacheBase):
         variant, mask = call["variant"], call["mask"]
         flags = variant.flags(mask is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
         words = AttnPlan.aux_need(1, s, hq, 0, 0 if mask is None else mask.size)
-        plan = self._attn_plan(hq, s, n, flags, words)
         total = self._length + n
-        seq = SeqCall(past=self._length, n_new=n, q_start=0, q_len=s, mask=mask, rope_pos=total - max(s, n))
-        out, lse = plan.run(q, k, v, [seq], call["causal"], call["scale"], variant, write_new=n > 0,
+        if n > FUSED_APPEND_MAX_ROWS:
+            # many new rows: append them in a submission of their own, then attend from the cache
+            # (both plans are built before anything runs; the length moves only at the end)
+            plan = self._attn_plan(hq, s, 0, flags, words)
+            self._plan(("append", n), lambda: _AppendPlan(self, n)).run(k, v, self._length)
+            seq = SeqCall(past=total, n_new=0, q_start=0, q_len=s, mask=mask, rope_pos=total - s)
+            k = v = None
+        else:
+            plan = self._attn_plan(hq, s, n, flags, words)
+            seq = SeqCall(past=self._length, n_new=n, q_start=0, q_len=s, mask=mask, rope_pos=total - max(s, n))
+        out, lse = plan.run(q, k, v, [seq], call["causal"], call["scale"], variant, write_new=k is not None,
                             rope=self.rope)
         self._length += n
         if self.verify:

@@ -64,8 +64,7 @@ class KVCache(CacheBase):
             k, v = self._check_kv(k, v)
             n = k.shape[1]
             self._check_fits(n)
-            plan = self._plan(("append", n), lambda: _AppendPlan(self, n))
-            plan.run(k, v, self._length)
+            self._append_plan(n).run(k, v, self._length)
             self._length += n
 
     def attend(self, q: np.ndarray, causal: bool = True, scale: float | None = None, *,
@@ -125,10 +124,7 @@ class KVCache(CacheBase):
             s = check_int("s", s, 1, self.capacity)
             n_new = check_int("n_new", n_new, 0, self.capacity)
             flags = self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0
-            if n_new > FUSED_APPEND_MAX_ROWS:
-                self._plan(("append", n_new), lambda: _AppendPlan(self, n_new))
-                n_new = 0
-            self._attn_plan(hq, s, n_new, flags, AttnPlan.aux_need(1, s, hq, 0, 0))
+            self._forward_plans(hq, s, n_new, flags, AttnPlan.aux_need(1, s, hq, 0, 0))
 
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` live positions (0 <= length <= self.length); no device work."""
@@ -184,6 +180,19 @@ class KVCache(CacheBase):
                     variant=variant, mask=mask, return_lse=check_bool("return_lse", return_lse),
                     rope_q=self._check_rope_q(rope_q))
 
+    def _append_plan(self, n: int) -> "_AppendPlan":
+        return self._plan(("append", n), lambda: _AppendPlan(self, n))
+
+    def _forward_plans(self, hq, s, n_new, flags, words) -> tuple:
+        """(append plan or None, attention plan) for a call with ``n_new`` new rows: up to
+        FUSED_APPEND_MAX_ROWS are fused into the attention dispatch; more are appended by a
+        submission of their own (kp records no barrier between two dispatches, so the attention
+        cannot read the rows an earlier dispatch of the same submission wrote) and the attention
+        reads them from the cache."""
+        if n_new > FUSED_APPEND_MAX_ROWS:
+            return self._append_plan(n_new), self._attn_plan(hq, s, 0, flags, words)
+        return None, self._attn_plan(hq, s, n_new, flags, words)
+
     def _attn_plan(self, hq, s, n_new, flags, words) -> AttnPlan:
         bucket = aux_bucket(words)
         return self._plan(("attn", hq, s, n_new, flags, bucket),
@@ -198,17 +207,14 @@ class KVCache(CacheBase):
         flags = variant.flags(mask is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
         words = AttnPlan.aux_need(1, s, hq, 0, 0 if mask is None else mask.size)
         total = self._length + n
-        if n > FUSED_APPEND_MAX_ROWS:
-            # many new rows: append them in a submission of their own, then attend from the cache
-            # (both plans are built before anything runs; the length moves only at the end)
-            plan = self._attn_plan(hq, s, 0, flags, words)
-            self._plan(("append", n), lambda: _AppendPlan(self, n)).run(k, v, self._length)
-            seq = SeqCall(past=total, n_new=0, q_start=0, q_len=s, mask=mask, rope_pos=total - s)
+        append, plan = self._forward_plans(hq, s, n, flags, words)   # both built before either runs
+        if append is not None:                  # the new rows go in first, in their own submission
+            append.run(k, v, self._length)
             k = v = None
-        else:
-            plan = self._attn_plan(hq, s, n, flags, words)
-            seq = SeqCall(past=self._length, n_new=n, q_start=0, q_len=s, mask=mask, rope_pos=total - max(s, n))
-        out, lse = plan.run(q, k, v, [seq], call["causal"], call["scale"], variant, write_new=k is not None,
+        fused = 0 if k is None else n
+        seq = SeqCall(past=total - fused, n_new=fused, q_start=0, q_len=s, mask=mask,
+                      rope_pos=total - max(s, fused))
+        out, lse = plan.run(q, k, v, [seq], call["causal"], call["scale"], variant, write_new=fused > 0,
                             rope=self.rope)
         self._length += n
         if self.verify:

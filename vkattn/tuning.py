@@ -9,9 +9,9 @@ barrier is a coroutine switch; constant xor shuffles are nearly free; a dispatch
 workgroup pays a thread-pool wake-up (an empty 8-workgroup dispatch 0.11-0.13 ms against 0.07 ms
 for one); a loop stops after 65535 iterations per invocation. So software devices get
 attn_lane.comp (one subgroup per workgroup, no shared memory, no barrier), few fat workgroups
-(enough splits for every core and no more) and a bound on keys per invocation. GPUs get attn.comp with many workgroups in flight. Sizes that depend on the
-shape are derived from the device's limits (shared memory, workgroup size, probed subgroup),
-never assumed.
+(enough splits for every core and no more) and a bound on keys per invocation. GPUs get attn.comp
+with many workgroups in flight. Sizes that depend on the shape are derived from the device's
+limits (shared memory, workgroup size, probed subgroup), never assumed.
 """
 from __future__ import annotations
 

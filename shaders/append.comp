@@ -1,23 +1,26 @@
 #version 450
-// append.comp -- write n_new new K/V rows into the persistent cache at the live length.
+// append.comp -- write n_new new K/V rows into the persistent cache, each at its slot.
 //
 // Contract
-//   kc, vc : cache, [HKV, CAP, DK4|DV4] uvec4 (layout in common.glsl), written in place
+//   kc, vc : cache rows of DK4|DV4 uvec4 (layout in common.glsl), written in place; the row of
+//            kv head h for slot t is t + h*HEAD_STRIDE
+//            KVCache: slot = position, HEAD_STRIDE = capacity
+//            PagedKVCache: slot = table[pos / bs]*HKV*bs + pos % bs, HEAD_STRIDE = bs
 //   nk, nv : new rows, float32 [HKV, NNEW, DK4*CH|DV4*CH] vec4, zero padded
-//   params : [0] past (live length before the append), [1] n_new (<= NNEW)
-//   rope_tab: ROPE_K: rotary table row r for position past + r (rope.glsl)
-//   kscale, vscale: KV_I8: float32 [HKV, CAP] scale of each row (common.glsl, quantise)
-// numpy:  K[:, past:past+n_new] = k_new.astype(storage);  V[:, past:past+n_new] = v_new.astype(storage)
-//         (ROPE_K: k_new = reference.rope(k_new, past + arange(n_new)) first)
-// Only rows past .. past+n_new-1 are touched; the work is O(n_new), independent of CAP.
-// The caller has checked past + n_new <= CAP before dispatching (nothing here can overflow).
+//   params : [0] n_new (<= NNEW), [1 + r] slot of new row r (distinct slots)
+//   rope_tab: ROPE_K: rotary table row r for the position of new row r (rope.glsl)
+//   kscale, vscale: KV_I8: float32 scale of each cache row (common.glsl, quantise)
+// numpy:  K[:, slots] = k_new.astype(storage);  V[:, slots] = v_new.astype(storage)
+//         (ROPE_K: k_new = reference.rope(k_new, positions) first)
+// Only the n_new rows per head are touched; the work is O(n_new), independent of the capacity.
+// The caller has checked that every slot lies in the cache before dispatching.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint DK4 = 16u;
 layout(constant_id = 2) const uint DV4 = 16u;
-layout(constant_id = 3) const uint CAP = 1u;
+layout(constant_id = 3) const uint HEAD_STRIDE = 1u;
 layout(constant_id = 4) const uint HKV = 1u;
 layout(constant_id = 5) const uint NNEW = 1u;
 layout(constant_id = 6) const uint FLAGS = 0u;
@@ -46,7 +49,7 @@ vec4 new_val(bool is_k, uint h, uint r, uint u) {
 void main() {
 #if KV_I8
     // one invocation per new row: its scale (max |x|), then its quantised chunks
-    const uint past = params[0], n_new = params[1];
+    const uint n_new = params[0];
     const uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     for (uint i = gl_GlobalInvocationID.x; i < 2u * HKV * n_new; i += stride) {
         const bool is_k = i < HKV * n_new;
@@ -55,7 +58,7 @@ void main() {
         float amax = 0.0;
         for (uint u = 0u; u < d4 * CH; ++u) amax = max(amax, vmax_abs(new_val(is_k, h, r, u)));
         const float scale = quant_scale(amax);
-        const uint row = h * CAP + past + r;
+        const uint row = params[1u + r] + h * HEAD_STRIDE;
         for (uint c = 0u; c < d4; ++c) {
             vec4 x[CH];
             for (uint e = 0u; e < CH; ++e) x[e] = quantise(new_val(is_k, h, r, c * CH + e), scale);
@@ -66,8 +69,7 @@ void main() {
         else vscale[row] = scale;
     }
 #else
-    const uint past = params[0];
-    const uint n_new = params[1];
+    const uint n_new = params[0];
     const uint nk_words = HKV * n_new * DK4;
     const uint total = nk_words + HKV * n_new * DV4;
     const uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
@@ -81,13 +83,13 @@ void main() {
                 x[e] = nk[row + u];
                 if (HAS(F_ROPE_K)) x[e] = rope_rotate(x[e], nk[row + rope_partner(u)], u, r);
             }
-            kc[(h * CAP + past + r) * DK4 + c] = pack_chunk(x);
+            kc[(params[1u + r] + h * HEAD_STRIDE) * DK4 + c] = pack_chunk(x);
         } else {
             const uint iv = i - nk_words;
             const uint c = iv % DV4, r = (iv / DV4) % n_new, h = iv / (DV4 * n_new);
             const uint src = ((h * NNEW + r) * DV4 + c) * CH;
             for (uint e = 0u; e < CH; ++e) x[e] = nv[src + e];
-            vc[(h * CAP + past + r) * DV4 + c] = pack_chunk(x);
+            vc[(params[1u + r] + h * HEAD_STRIDE) * DV4 + c] = pack_chunk(x);
         }
     }
 #endif

@@ -7,10 +7,11 @@
 // WG: the lanes' partial dot products for the block are reduce-scattered with xor shuffles so that
 // lane b holds the scores of key b, the softmax update (one exp2 per query vector and block, SIMD
 // across the block's keys) runs on those, and the weights are broadcast back for the V
-// accumulation. Every lane keeps the softmax state and its slice of the NQ accumulators in private
-// memory. No shared memory and no barrier. This suits drivers where a memory instruction costs a
-// per-lane loop while arithmetic and shuffles run SIMD-wide (lavapipe: subgroup 8); GPUs use
-// attn.comp. WG is the device's subgroup size, probed at plan time (a power of two, <= 16).
+// accumulation (for cache rows a small GEMM per block: each output element sums the block's keys
+// in a register). Every lane keeps the softmax state and its slice of the NQ accumulators in
+// private memory. No shared memory and no barrier. This suits drivers where a memory instruction
+// costs a per-lane loop while arithmetic and shuffles run SIMD-wide (lavapipe: subgroup 8); GPUs
+// use attn.comp. WG is the device's subgroup size, probed at plan time (a power of two, <= 16).
 //
 // Contract (bindings as in attn.comp; per-call values in aux, see attn_common.glsl)
 //   grid (SPLITS, tiles, HKV); workgroup (sp, y, h): tile y of the aux tile table = (sequence i,
@@ -174,8 +175,10 @@ uint key_row(uint j, uint b, uint row_l) {
 // keys j0 .. j0+WG-1 (those >= k1 masked): scores, online softmax update, V accumulation.
 // Straight-line code on purpose: lavapipe runs every branch of a loop body under an exec mask and
 // blends each write of a loop-carried value with it, so the block is branch-free and touches the
-// carried state (m, l, acc) once per block, not once per key. Keys past k1 re-read row k1-1 with
-// weight 0 instead of branching around the read.
+// carried state (m, l, acc) once per block, not once per key. Each score and each V sum is one
+// register chain (llvmpipe splits fma into a multiply and an add; a sum kept in memory would add
+// a load and a store to each). Keys past k1 re-read row k1-1 with weight 0 instead of branching
+// around the read.
 void consume_block(uint j0, uint k1, bool fresh) {
     const uint lane = gl_LocalInvocationID.x;
     const uint row_l = (HAS(F_PAGED) && !fresh) ? cache_row(sq.bt, hh, min(j0 + lane, k1 - 1u)) : 0u;
@@ -184,19 +187,22 @@ void consume_block(uint j0, uint k1, bool fresh) {
         const uint j = min(j0 + b, k1 - 1u);
         const uint row = fresh ? 0u : key_row(j, b, row_l);
         const float ksc = row_scale(true, row, j, fresh);
-        [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) d[qv][b] = 0.0;
+        vec4 kx[KPL * CH];
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
-            vec4 kx[CH];
-            unpack_chunk(k_chunk(row, j, i, fresh, ksc), kx);
-            if (DK4 % WG != 0u && lane + i * WG >= DK4)   // past the row's end (constant-folded)
-                [[unroll]] for (uint e = 0u; e < CH; ++e) kx[e] = vec4(0.0);
-            [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
-                [[unroll]] for (uint e = 0u; e < CH; ++e) {
-                    const vec4 qq = q[(qv * KPL + i) * CH + e];
-                    d[qv][b] = fma(qq.x, kx[e].x, fma(qq.y, kx[e].y, fma(qq.z, kx[e].z, fma(qq.w, kx[e].w, d[qv][b]))));
-                }
+            vec4 t[CH];
+            unpack_chunk(k_chunk(row, j, i, fresh, ksc), t);
+            [[unroll]] for (uint e = 0u; e < CH; ++e)   // zero past the row's end (constant-folded)
+                kx[i * CH + e] = (DK4 % WG != 0u && lane + i * WG >= DK4) ? vec4(0.0) : t[e];
         }
-        if (KV_I8 != 0) [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) d[qv][b] *= ksc;
+        // each score is one register chain over the lane's K slice (q comes from memory)
+        [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
+            float s = 0.0;
+            [[unroll]] for (uint x = 0u; x < KPL * CH; ++x) {
+                const vec4 qq = q[qv * KPL * CH + x];
+                s = fma(qq.x, kx[x].x, fma(qq.y, kx[x].y, fma(qq.z, kx[x].z, fma(qq.w, kx[x].w, s))));
+            }
+            d[qv][b] = KV_I8 != 0 ? s * ksc : s;
+        }
     }
     const uint jl = j0 + lane;          // the key whose scores this lane ends up with
     float pl[NQ], alpha[NQ];
@@ -217,29 +223,57 @@ void consume_block(uint j0, uint k1, bool fresh) {
         l[qv] = fma(l[qv], alpha[qv], lanes_sum(pl[qv]));
         m[qv] = mn;
     }
-    vec4 blk[NQ * VPL * CH];
-    [[unroll]] for (uint x = 0u; x < NQ * VPL * CH; ++x) blk[x] = vec4(0.0);
+    if (fresh) {
+        // this call's new rows (at most FUSED_APPEND_MAX_ROWS of them): one key at a time into a
+        // block sum. The GEMM order below made the fused int8 + RoPE + variants pipeline take
+        // over twice as long to compile on lavapipe (minutes), for a block that runs rarely
+        vec4 blk[NQ * VPL * CH];
+        [[unroll]] for (uint x = 0u; x < NQ * VPL * CH; ++x) blk[x] = vec4(0.0);
+        [[unroll]] for (uint b = 0u; b < WG; ++b) {
+            const float vsc = row_scale(false, 0u, min(j0 + b, k1 - 1u), true);
+            float p[NQ];
+            [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) p[qv] = subgroupShuffle(pl[qv], b) * vsc;
+            [[unroll]] for (uint i = 0u; i < VPL; ++i) {
+                vec4 vx[CH];
+                unpack_chunk(v_chunk(0u, min(j0 + b, k1 - 1u), i, true, vsc), vx);
+                [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
+                    [[unroll]] for (uint e = 0u; e < CH; ++e) {
+                        const uint x = (qv * VPL + i) * CH + e;
+                        blk[x] = fma(vec4(p[qv]), vx[e], blk[x]);
+                    }
+            }
+        }
+        [[unroll]] for (uint x = 0u; x < NQ * VPL * CH; ++x)
+            acc[x] = fma(acc[x], vec4(alpha[x / (VPL * CH)]), blk[x]);
+        return;
+    }
+    // cache rows: V as a small GEMM, acc[qv] = alpha*acc[qv] + sum_b p[qv][b] * V[b]. The
+    // block's V chunks are unpacked first, then each output element sums over the WG keys in a
+    // register: the carried accumulator is read and written once per block, and no partial sum
+    // goes through memory (llvmpipe splits fma into a multiply and an add, and a sum kept in
+    // memory adds a load and a store to each)
+    vec4 vx[WG * VPL * CH];
+    float vsc[WG];
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
         const uint j = min(j0 + b, k1 - 1u);
-        const uint row = fresh ? 0u : key_row(j, b, row_l);
-        const float vsc = row_scale(false, row, j, fresh);
-        float p[NQ];
-        [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) p[qv] = subgroupShuffle(pl[qv], b) * vsc;
+        const uint row = key_row(j, b, row_l);
+        vsc[b] = row_scale(false, row, j, false);
         [[unroll]] for (uint i = 0u; i < VPL; ++i) {
-            vec4 vx[CH];
-            unpack_chunk(v_chunk(row, j, i, fresh, vsc), vx);
-            [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
-                [[unroll]] for (uint e = 0u; e < CH; ++e) {
-                    const uint x = (qv * VPL + i) * CH + e;
-                    blk[x] = fma(vec4(p[qv]), vx[e], blk[x]);
-                }
+            vec4 t[CH];
+            unpack_chunk(v_chunk(row, j, i, false, vsc[b]), t);
+            [[unroll]] for (uint e = 0u; e < CH; ++e) vx[(b * VPL + i) * CH + e] = t[e];
         }
     }
-    [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
+    [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
+        float p[WG];
+        [[unroll]] for (uint b = 0u; b < WG; ++b) p[b] = subgroupShuffle(pl[qv], b) * vsc[b];
         [[unroll]] for (uint y = 0u; y < VPL * CH; ++y) {
+            vec4 sum = vec4(0.0);
+            [[unroll]] for (uint b = 0u; b < WG; ++b) sum = fma(vec4(p[b]), vx[b * VPL * CH + y], sum);
             const uint x = qv * VPL * CH + y;
-            acc[x] = fma(acc[x], vec4(alpha[qv]), blk[x]);
+            acc[x] = fma(acc[x], vec4(alpha[qv]), sum);
         }
+    }
 }
 
 // keys lo .. hi-1: those in the cache, then those appended by this call

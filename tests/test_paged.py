@@ -216,3 +216,41 @@ def test_verify_mode_and_memory_report(device, rng):
 def test_pool_larger_than_the_device_allows_is_refused(device):
     with pytest.raises(vkattn.DeviceLimitError, match="largest num_blocks for this shape"):
         vkattn.PagedKVCache(1 << 20, 64, 8, 128, device=device)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype,style", [("float16", "neox"), ("int8", "gptj")])
+def test_long_prefill_is_appended_first(device, rng, monkeypatch, kernel, dtype, style):
+    """A batch where a sequence brings more than FUSED_APPEND_MAX_ROWS tokens appends every new
+    token at its slot in a submission of its own, then attends from the pool: the rows stored
+    equal those of the same tokens sent in fused chunks, and the outputs match the reference."""
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    n0 = vkattn.tuning.FUSED_APPEND_MAX_ROWS
+    cfg = vkattn.RoPE(style=style)
+    hkv, group, d = 2, 2, 24
+    split, fused = (vkattn.PagedKVCache(40, 8, hkv, d, dtype=dtype, device=device, rope=cfg) for _ in range(2))
+    sids = [split.add_sequence() for _ in range(3)]
+    for s in sids:
+        fused.add_sequence(s)
+    for counts in ([5, 1, 2], [n0 + 1, 3, 2 * n0 + 7]):          # a fused batch, then a split one
+        past = [split.length(s) for s in sids]
+        total = sum(counts)
+        q = rng.standard_normal((hkv * group, total, d)).astype(np.float32)
+        k = rng.standard_normal((hkv, total, d)).astype(np.float32)
+        v = rng.standard_normal((hkv, total, d)).astype(np.float32)
+        out, lse = split.forward(sids, q, k, v, n_new=counts, return_lse=True, rope_q=True)
+        a = 0
+        for sid, p, n in zip(sids, past, counts):
+            for c0 in range(a, a + n, n0):                          # the same tokens, fused chunks
+                rows = slice(c0, min(c0 + n0, a + n))
+                fused.forward([sid], q[:, rows], k[:, rows], v[:, rows], n_new=[rows.stop - rows.start],
+                              rope_q=True)
+            ks, vs = split.read(sid)
+            k2, v2 = fused.read(sid)
+            assert np.array_equal(ks, k2) and np.array_equal(vs, v2), f"sequence {sid} stored other rows"
+            assert ks.shape[1] == p + n
+            qr = cfg.apply(q[:, a:a + n], np.arange(p, p + n), cfg.dim(d))
+            ref, ref_lse = attention(qr, ks, vs, return_lse=True)
+            assert_close(out[:, a:a + n], ref, dtype)
+            assert_close(lse[:, a:a + n], ref_lse, dtype)
+            a += n

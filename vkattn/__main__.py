@@ -61,7 +61,7 @@ def demo() -> int:
             print(f"{label}: MISMATCH vs numpy reference, max abs error {err:.3g}")
         return ok, err
 
-    # prefill: the prompt's K/V appended and its queries attended, causal, in one submission
+    # prefill: the prompt's K/V appended and its queries attended, causal (KVCache.forward)
     q = rng.standard_normal((hq, prompt, d), dtype=np.float32)
     k = rng.standard_normal((hkv, prompt, d), dtype=np.float32)
     v = rng.standard_normal((hkv, prompt, d), dtype=np.float32)

@@ -9,7 +9,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import reference
-from ._attn import RoPE, destroy, set_storage, token_bytes, unpack_rows
+from ._attn import RoPE, destroy, put_rows, set_storage, token_bytes, unpack_rows
 from .checks import check_bool, check_int
 from .compiler import compile_shader
 from .device import Device, default_device
@@ -140,6 +140,9 @@ class CacheBase:
             alibi_slopes=variant.alibi, return_lse=True)
         check_parity(out, ref, lse, ref_lse, self.dtype)
 
+    def _append_plan(self, n: int) -> "AppendPlan":
+        return self._plan(("append", n), lambda: AppendPlan(self, n))
+
     def _plan(self, key, make):
         """The plan for ``key`` from a small LRU, built by ``make()`` on a miss."""
         plan = self._plans.get(key)
@@ -206,3 +209,45 @@ class _SlotReadPlan:
 
     def destroy(self) -> None:
         destroy(self.rec, self.prog, self.ok, self.ov, self.params, self.oks, self.ovs)
+
+
+class AppendPlan:
+    """append.comp for batches of exactly ``n`` rows, each written at a slot the caller gives
+    (KVCache: its position; PagedKVCache: block table entry and offset): upload rows, slots and
+    rotary table, one dispatch."""
+
+    def __init__(self, c: CacheBase, n: int):
+        be, hkv = c.device.backend, c.num_kv_heads
+        self.n, self.c = n, c
+        self.nk = be.buffer(hkv * n * c._dk4 * c._ch * 4, np.float32, name="new_k")
+        self.nv = be.buffer(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
+        self.params = be.buffer(1 + n, np.uint32, name="append_slots")
+        self.rope = be.buffer(n * max(c._rope_dim, 4), np.float32, name="rope_table")
+        spirv = compile_shader("append", c._defines)
+        total = hkv * n * (c._dk4 + c._dv4)
+        groups = max(1, min(-(-total // WORKGROUP), c.device.max_workgroup_count[0]))
+        flags = c.rope.flags(False) if c.rope else 0
+        self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.params, self.rope, c._ks, c._vs],
+                               (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c._head_stride, hkv, n, flags,
+                                                max(c._rope_dim, 8)], writes=(0, 1, 6, 7), name="append")
+        inputs = [self.nk, self.nv, self.params] + ([self.rope] if c.rope else [])
+        self.rec = be.recording().upload(*inputs).dispatch(self.prog).build(c.timestamps)
+
+    def run(self, k, v, slots: np.ndarray, positions: np.ndarray | None = None) -> None:
+        """k (num_kv_heads, n, head_dim), v (num_kv_heads, n, v_head_dim); new row r goes to
+        ``slots[r]`` (distinct, checked by the caller) and is rotated at ``positions[r]``
+        (default: the slots, which are the positions of a KVCache)."""
+        c = self.c
+        put_rows(self.nk, k, c._dk4 * c._ch * 4)
+        put_rows(self.nv, v, c._dv4 * c._ch * 4)
+        p = self.params.view()
+        p[0] = self.n
+        p[1:1 + self.n] = slots
+        if c.rope:
+            pos = slots if positions is None else positions
+            self.rope.view()[:] = c.rope.table(np.asarray(pos), c._rope_dim).ravel()
+        self.rec.run()
+        c._last_rec = self.rec
+
+    def destroy(self) -> None:
+        destroy(self.rec, self.prog, self.nk, self.nv, self.params, self.rope)

@@ -4,17 +4,12 @@ from __future__ import annotations
 import numpy as np
 
 from .checks import check_array, check_bool, check_int, check_scale
-from .compiler import compile_shader
 from ._base import CacheBase
 from .device import Device
 from .errors import CacheFullError
-from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, put_rows
-from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP
+from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
+from .tuning import FUSED_APPEND_MAX_ROWS
 
-
-
-def _groups(total: int, device) -> int:
-    return max(1, min(-(-total // WORKGROUP), device.max_workgroup_count[0]))
 
 
 class KVCache(CacheBase):
@@ -64,7 +59,7 @@ class KVCache(CacheBase):
             k, v = self._check_kv(k, v)
             n = k.shape[1]
             self._check_fits(n)
-            self._append_plan(n).run(k, v, self._length)
+            self._append_plan(n).run(k, v, np.arange(self._length, self._length + n))
             self._length += n
 
     def attend(self, q: np.ndarray, causal: bool = True, scale: float | None = None, *,
@@ -180,9 +175,6 @@ class KVCache(CacheBase):
                     variant=variant, mask=mask, return_lse=check_bool("return_lse", return_lse),
                     rope_q=self._check_rope_q(rope_q))
 
-    def _append_plan(self, n: int) -> "_AppendPlan":
-        return self._plan(("append", n), lambda: _AppendPlan(self, n))
-
     def _forward_plans(self, hq, s, n_new, flags, words) -> tuple:
         """(append plan or None, attention plan) for a call with ``n_new`` new rows: up to
         FUSED_APPEND_MAX_ROWS are fused into the attention dispatch; more are appended by a
@@ -209,7 +201,7 @@ class KVCache(CacheBase):
         total = self._length + n
         append, plan = self._forward_plans(hq, s, n, flags, words)   # both built before either runs
         if append is not None:                  # the new rows go in first, in their own submission
-            append.run(k, v, self._length)
+            append.run(k, v, np.arange(self._length, total))
             k = v = None
         fused = 0 if k is None else n
         seq = SeqCall(past=total - fused, n_new=fused, q_start=0, q_len=s, mask=mask,
@@ -220,36 +212,3 @@ class KVCache(CacheBase):
         if self.verify:
             self._verify_rows(out, lse, q, *self.read(), self._length - s, call)
         return (out, lse) if call["return_lse"] else out
-
-class _AppendPlan:
-    """append.comp for batches of exactly ``n`` rows: upload rows + params, one dispatch."""
-
-    def __init__(self, c: KVCache, n: int):
-        be, hkv = c.device.backend, c.num_kv_heads
-        self.n, self.c = n, c
-        self.nk = be.buffer(hkv * n * c._dk4 * c._ch * 4, np.float32, name="new_k")
-        self.nv = be.buffer(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
-        self.params = be.buffer(8, np.uint32, name="append_params")
-        self.rope = be.buffer(n * max(c._rope_dim, 4), np.float32, name="rope_table")
-        spirv = compile_shader("append", c._defines)
-        groups = _groups(hkv * n * (c._dk4 + c._dv4), c.device)
-        flags = c.rope.flags(False) if c.rope else 0
-        self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.params, self.rope, c._ks, c._vs],
-                               (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c.capacity, hkv, n, flags,
-                                                max(c._rope_dim, 8)], writes=(0, 1, 6, 7), name="append")
-        inputs = [self.nk, self.nv, self.params] + ([self.rope] if c.rope else [])
-        self.rec = be.recording().upload(*inputs).dispatch(self.prog).build(c.timestamps)
-
-    def run(self, k, v, past: int) -> None:
-        c = self.c
-        put_rows(self.nk, k, c._dk4 * c._ch * 4)
-        put_rows(self.nv, v, c._dv4 * c._ch * 4)
-        p = self.params.view()
-        p[0], p[1] = past, self.n
-        if c.rope:
-            self.rope.view()[:] = c.rope.table(np.arange(past, past + self.n), c._rope_dim).ravel()
-        self.rec.run()
-        c._last_rec = self.rec
-
-    def destroy(self) -> None:
-        destroy(self.rec, self.prog, self.nk, self.nv, self.params, self.rope)

@@ -9,7 +9,7 @@ from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
 from .device import Device
 from .paging import BlockPool, UnknownSequenceError
-from .tuning import WORKGROUP
+from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP
 
 
 
@@ -129,8 +129,8 @@ class PagedKVCache(CacheBase):
                 causal: bool = True, scale: float | None = None, *, window: int | None = None,
                 n_sink: int = 0, mask=None, softcap: float | None = None,
                 alibi_slopes: np.ndarray | None = None, return_lse: bool = False, rope_q: bool = False):
-        """Append each sequence's new tokens and attend its queries to its whole cache, for the
-        whole batch in one submission (batch decode: one token each; chunked prefill: any).
+        """Append each sequence's new tokens and attend its queries to its whole cache, the whole
+        batch at once (batch decode: one token each; chunked prefill: any).
 
         seq_ids: distinct sequence ids; n_new: tokens per sequence (default 1 each).
         q: (num_qo_heads, sum(n_new), head_dim); k: (num_kv_heads, sum(n_new), head_dim);
@@ -139,7 +139,10 @@ class PagedKVCache(CacheBase):
         and the new tokens up to itself. Returns (num_qo_heads, sum(n_new), v_head_dim) float32
         (and the log-sum-exp (num_qo_heads, sum(n_new)) with ``return_lse``). Variants as in
         :meth:`KVCache.attend`; ``mask`` is a list with one (n_new_i, length_i + n_new_i) or
-        (num_qo_heads, n_new_i, length_i + n_new_i) array per sequence. Every check -- including
+        (num_qo_heads, n_new_i, length_i + n_new_i) array per sequence. When a sequence brings
+        more than ``vkattn.tuning.FUSED_APPEND_MAX_ROWS`` tokens, every new token is appended in a
+        submission of its own first and attended from the cache (as :meth:`KVCache.forward`);
+        otherwise the append is fused into the attention dispatch. Every check -- including
         that all new tokens fit in free blocks -- runs before anything is written: on any error
         no sequence changes. With the cache's ``rope``, new keys are rotated at their positions
         as they are stored, and the queries too with ``rope_q``.
@@ -168,9 +171,13 @@ class PagedKVCache(CacheBase):
                         variant=variant, rope_q=self._check_rope_q(rope_q))
             return_lse = check_bool("return_lse", return_lse)
             masks = self._check_masks(mask, hq, plan)
+            # more than FUSED_APPEND_MAX_ROWS new rows in a sequence: all new rows are appended by
+            # a submission of their own first and attended from the cache (KVCache._forward_plans)
+            split = max(counts) > FUSED_APPEND_MAX_ROWS
             seqs, start = [], 0
             for i, n in enumerate(counts):
-                seqs.append(SeqCall(past=plan.past[i], n_new=n, q_start=start, q_len=n, new_start=start,
+                seqs.append(SeqCall(past=plan.past[i] + (n if split else 0), n_new=0 if split else n,
+                                    q_start=start, q_len=n, new_start=start,
                                     table=np.asarray(plan.tables[i], np.uint32),
                                     mask=None if masks is None else masks[i], rope_row=start,
                                     rope_pos=plan.past[i]))
@@ -179,11 +186,16 @@ class PagedKVCache(CacheBase):
             words = AttnPlan.aux_need(len(seqs), total, hq, sum(len(t) for t in plan.tables),
                                       0 if masks is None else sum(m.size for m in masks))
             bucket = aux_bucket(words)
-            nseq = len(seqs)
-            attn = self._plan(("attn", hq, total, nseq, flags, bucket),
-                              lambda: AttnPlan(self, hq, total, total, nseq, flags, bucket, self.slots,
+            nseq, nn = len(seqs), 0 if split else total
+            attn = self._plan(("attn", hq, total, nn, nseq, flags, bucket),
+                              lambda: AttnPlan(self, hq, total, nn, nseq, flags, bucket, self.slots,
                                                decode=total == nseq, rope_dim=self._rope_dim))
-            out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant, write_new=True,
+            if split:                               # both plans are built before either runs
+                append = self._append_plan(total)
+                positions = np.concatenate([np.arange(p, p + n) for p, n in zip(plan.past, counts)])
+                append.run(k, v, self._slots_of(plan.tables, plan.past, counts), positions)
+                k = v = None
+            out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant, write_new=not split,
                                 rope=self.rope)
             plan.commit()
             if self.verify:
@@ -218,6 +230,16 @@ class PagedKVCache(CacheBase):
         if len({m.ndim for m in out}) > 1:
             raise ValueError("mask: expected every array broadcast over heads (2-D) or every one per head (3-D)")
         return out
+
+    def _slots_of(self, tables, past, counts) -> np.ndarray:
+        """Slot (cache row of kv head 0) of each new token, sequence after sequence: position
+        ``pos`` of a sequence is row ``pos % block_size`` of block ``table[pos // block_size]``."""
+        bs = self.block_size
+        out = []
+        for table, p, n in zip(tables, past, counts):
+            pos = np.arange(p, p + n)
+            out.append(np.asarray(table, np.int64)[pos // bs] * self._block_stride + pos % bs)
+        return np.concatenate(out)
 
     def _copy_block(self, src: int, dst: int, rows: int) -> None:
         """The device side of a BlockPool copy instruction (the first ``rows`` of ``src`` are

@@ -228,7 +228,9 @@ def test_long_prefill_is_appended_first(device, rng, monkeypatch, kernel, dtype,
     n0 = vkattn.tuning.FUSED_APPEND_MAX_ROWS
     cfg = vkattn.RoPE(style=style)
     hkv, group, d = 2, 2, 24
-    split, fused = (vkattn.PagedKVCache(40, 8, hkv, d, dtype=dtype, device=device, rope=cfg) for _ in range(2))
+    # verify mode on the split pool: its check (RoPE'd queries at their positions) must pass too
+    split, fused = (vkattn.PagedKVCache(40, 8, hkv, d, dtype=dtype, device=device, rope=cfg, verify=ver)
+                    for ver in (True, False))
     sids = [split.add_sequence() for _ in range(3)]
     for s in sids:
         fused.add_sequence(s)

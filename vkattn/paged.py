@@ -201,8 +201,8 @@ class PagedKVCache(CacheBase):
             if self.verify:
                 for sid, s in zip(plan.seq_ids, seqs):
                     rows = slice(s.q_start, s.q_start + s.q_len)
-                    self._verify_rows(out[:, rows], lse[:, rows], q[:, rows], *self.read(sid), s.past,
-                                      dict(call, mask=s.mask))
+                    self._verify_rows(out[:, rows], lse[:, rows], q[:, rows], *self.read(sid),
+                                      s.past + s.n_new - s.q_len, dict(call, mask=s.mask))
             return (out, lse) if return_lse else out
 
     def read(self, seq_id: int) -> tuple:

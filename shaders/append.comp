@@ -2,10 +2,10 @@
 // append.comp -- write n_new new K/V rows into the persistent cache, each at its slot.
 //
 // Contract
-//   kc, vc : cache rows of DK4|DV4 uvec4 (layout in common.glsl), written in place; the row of
-//            kv head h for slot t is t + h*HEAD_STRIDE
-//            KVCache: slot = position, HEAD_STRIDE = capacity
-//            PagedKVCache: slot = table[pos / bs]*HKV*bs + pos % bs, HEAD_STRIDE = bs
+//   kc, vc : blocks [*, HKV, BS, DK4|DV4] uvec4 (layout in common.glsl), written in place; slot s
+//            is row s % BS of block s / BS, as in gather_slots.comp
+//            KVCache: one block of BS = capacity rows, slot = position
+//            PagedKVCache: slot = table[pos / BS]*BS + pos % BS (paging.AppendPlan.slots)
 //   nk, nv : new rows, float32 [HKV, NNEW, DK4*CH|DV4*CH] vec4, zero padded
 //   params : [0] n_new (<= NNEW), [1 + r] slot of new row r (distinct slots)
 //   rope_tab: ROPE_K: rotary table row r for the position of new row r (rope.glsl)
@@ -20,7 +20,7 @@
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint DK4 = 16u;
 layout(constant_id = 2) const uint DV4 = 16u;
-layout(constant_id = 3) const uint HEAD_STRIDE = 1u;
+layout(constant_id = 3) const uint BS = 1u;
 layout(constant_id = 4) const uint HKV = 1u;
 layout(constant_id = 5) const uint NNEW = 1u;
 layout(constant_id = 6) const uint FLAGS = 0u;
@@ -36,6 +36,9 @@ layout(std430, binding = 6) writeonly buffer KS { float kscale[]; };   // KV_I8:
 layout(std430, binding = 7) writeonly buffer VS { float vscale[]; };
 
 #include "rope.glsl"
+
+// cache row of kv head h for slot s
+uint slot_row(uint s, uint h) { return ((s / BS) * HKV + h) * BS + s % BS; }
 
 // vec4 u of new row r of head h, rotated for K with ROPE_K
 vec4 new_val(bool is_k, uint h, uint r, uint u) {
@@ -58,7 +61,7 @@ void main() {
         float amax = 0.0;
         for (uint u = 0u; u < d4 * CH; ++u) amax = max(amax, vmax_abs(new_val(is_k, h, r, u)));
         const float scale = quant_scale(amax);
-        const uint row = params[1u + r] + h * HEAD_STRIDE;
+        const uint row = slot_row(params[1u + r], h);
         for (uint c = 0u; c < d4; ++c) {
             vec4 x[CH];
             for (uint e = 0u; e < CH; ++e) x[e] = quantise(new_val(is_k, h, r, c * CH + e), scale);
@@ -83,13 +86,13 @@ void main() {
                 x[e] = nk[row + u];
                 if (HAS(F_ROPE_K)) x[e] = rope_rotate(x[e], nk[row + rope_partner(u)], u, r);
             }
-            kc[(params[1u + r] + h * HEAD_STRIDE) * DK4 + c] = pack_chunk(x);
+            kc[slot_row(params[1u + r], h) * DK4 + c] = pack_chunk(x);
         } else {
             const uint iv = i - nk_words;
             const uint c = iv % DV4, r = (iv / DV4) % n_new, h = iv / (DV4 * n_new);
             const uint src = ((h * NNEW + r) * DV4 + c) * CH;
             for (uint e = 0u; e < CH; ++e) x[e] = nv[src + e];
-            vc[(params[1u + r] + h * HEAD_STRIDE) * DV4 + c] = pack_chunk(x);
+            vc[slot_row(params[1u + r], h) * DV4 + c] = pack_chunk(x);
         }
     }
 #endif

@@ -14,7 +14,7 @@ from .checks import check_bool, check_int
 from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, DeviceLimitError, VerificationError
-from .tuning import WORKGROUP
+from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP
 
 DTYPES = ("float16", "float32", "int8")
 MAX_PLANS = 8
@@ -140,8 +140,17 @@ class CacheBase:
             alibi_slopes=variant.alibi, return_lse=True)
         check_parity(out, ref, lse, ref_lse, self.dtype)
 
-    def _append_plan(self, n: int) -> "AppendPlan":
-        return self._plan(("append", n), lambda: AppendPlan(self, n))
+    @staticmethod
+    def _appends_first(most_new_rows: int) -> bool:
+        """Whether a forward whose largest sequence brings ``most_new_rows`` new rows appends them
+        in a submission of its own and then attends from the cache (more than
+        FUSED_APPEND_MAX_ROWS), instead of fusing the append into the attention dispatch. Two
+        submissions because kp records no barrier between two dispatches, so the attention cannot
+        read rows an earlier dispatch of the same submission wrote."""
+        return most_new_rows > FUSED_APPEND_MAX_ROWS
+
+    def _append_plan(self, n: int) -> "_SlotWritePlan":
+        return self._plan(("append", n), lambda: _SlotWritePlan(self, n))
 
     def _plan(self, key, make):
         """The plan for ``key`` from a small LRU, built by ``make()`` on a miss."""
@@ -211,10 +220,10 @@ class _SlotReadPlan:
         destroy(self.rec, self.prog, self.ok, self.ov, self.params, self.oks, self.ovs)
 
 
-class AppendPlan:
-    """append.comp for batches of exactly ``n`` rows, each written at a slot the caller gives
-    (KVCache: its position; PagedKVCache: block table entry and offset): upload rows, slots and
-    rotary table, one dispatch."""
+class _SlotWritePlan:
+    """append.comp for batches of exactly ``n`` rows, each written at a slot the caller gives, in
+    the slot numbering of _SlotReadPlan (KVCache: the position; PagedKVCache:
+    ``paging.AppendPlan.slots``): upload rows, slots and rotary table, one dispatch."""
 
     def __init__(self, c: CacheBase, n: int):
         be, hkv = c.device.backend, c.num_kv_heads
@@ -228,7 +237,7 @@ class AppendPlan:
         groups = max(1, min(-(-total // WORKGROUP), c.device.max_workgroup_count[0]))
         flags = c.rope.flags(False) if c.rope else 0
         self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.params, self.rope, c._ks, c._vs],
-                               (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c._head_stride, hkv, n, flags,
+                               (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c._block_size, hkv, n, flags,
                                                 max(c._rope_dim, 8)], writes=(0, 1, 6, 7), name="append")
         inputs = [self.nk, self.nv, self.params] + ([self.rope] if c.rope else [])
         self.rec = be.recording().upload(*inputs).dispatch(self.prog).build(c.timestamps)

@@ -8,7 +8,6 @@ from ._base import CacheBase
 from .device import Device
 from .errors import CacheFullError
 from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
-from .tuning import FUSED_APPEND_MAX_ROWS
 
 
 
@@ -176,12 +175,9 @@ class KVCache(CacheBase):
                     rope_q=self._check_rope_q(rope_q))
 
     def _forward_plans(self, hq, s, n_new, flags, words) -> tuple:
-        """(append plan or None, attention plan) for a call with ``n_new`` new rows: up to
-        FUSED_APPEND_MAX_ROWS are fused into the attention dispatch; more are appended by a
-        submission of their own (kp records no barrier between two dispatches, so the attention
-        cannot read the rows an earlier dispatch of the same submission wrote) and the attention
-        reads them from the cache."""
-        if n_new > FUSED_APPEND_MAX_ROWS:
+        """(append plan or None, attention plan) for a call with ``n_new`` new rows: fused into
+        the attention dispatch, or appended first (CacheBase._appends_first)."""
+        if self._appends_first(n_new):
             return self._append_plan(n_new), self._attn_plan(hq, s, 0, flags, words)
         return None, self._attn_plan(hq, s, n_new, flags, words)
 

@@ -9,7 +9,7 @@ from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
 from .device import Device
 from .paging import BlockPool, UnknownSequenceError
-from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP
+from .tuning import WORKGROUP
 
 
 
@@ -171,9 +171,7 @@ class PagedKVCache(CacheBase):
                         variant=variant, rope_q=self._check_rope_q(rope_q))
             return_lse = check_bool("return_lse", return_lse)
             masks = self._check_masks(mask, hq, plan)
-            # more than FUSED_APPEND_MAX_ROWS new rows in a sequence: all new rows are appended by
-            # a submission of their own first and attended from the cache (KVCache._forward_plans)
-            split = max(counts) > FUSED_APPEND_MAX_ROWS
+            split = self._appends_first(max(counts))   # append all new rows first, attend from the pool
             seqs, start = [], 0
             for i, n in enumerate(counts):
                 seqs.append(SeqCall(past=plan.past[i] + (n if split else 0), n_new=0 if split else n,
@@ -193,7 +191,7 @@ class PagedKVCache(CacheBase):
             if split:                               # both plans are built before either runs
                 append = self._append_plan(total)
                 positions = np.concatenate([np.arange(p, p + n) for p, n in zip(plan.past, counts)])
-                append.run(k, v, self._slots_of(plan.tables, plan.past, counts), positions)
+                append.run(k, v, np.concatenate([plan.slots(i) for i in range(nseq)]), positions)
                 k = v = None
             out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant, write_new=not split,
                                 rope=self.rope)
@@ -230,16 +228,6 @@ class PagedKVCache(CacheBase):
         if len({m.ndim for m in out}) > 1:
             raise ValueError("mask: expected every array broadcast over heads (2-D) or every one per head (3-D)")
         return out
-
-    def _slots_of(self, tables, past, counts) -> np.ndarray:
-        """Slot (cache row of kv head 0) of each new token, sequence after sequence: position
-        ``pos`` of a sequence is row ``pos % block_size`` of block ``table[pos // block_size]``."""
-        bs = self.block_size
-        out = []
-        for table, p, n in zip(tables, past, counts):
-            pos = np.arange(p, p + n)
-            out.append(np.asarray(table, np.int64)[pos // bs] * self._block_stride + pos % bs)
-        return np.concatenate(out)
 
     def _copy_block(self, src: int, dst: int, rows: int) -> None:
         """The device side of a BlockPool copy instruction (the first ``rows`` of ``src`` are

@@ -72,27 +72,30 @@ void main() {
         else vscale[row] = scale;
     }
 #else
+    // invocation i: chunk c of new row r of kv head h, for K (c < DK4) and for V (c < DV4), so a
+    // subgroup never runs a K and a V path side by side (SIMD drivers execute both sides of a
+    // divergent branch), and every index is a division by a specialisation constant
+    const uint NC = DK4 > DV4 ? DK4 : DV4;
     const uint n_new = params[0];
-    const uint nk_words = HKV * n_new * DK4;
-    const uint total = nk_words + HKV * n_new * DV4;
     const uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
-    for (uint i = gl_GlobalInvocationID.x; i < total; i += stride) {
+    for (uint i = gl_GlobalInvocationID.x; i < HKV * NNEW * NC; i += stride) {
+        const uint c = i % NC, r = (i / NC) % NNEW, h = i / (NC * NNEW);
+        if (r >= n_new) continue;
+        const uint row = slot_row(params[1u + r], h);
         vec4 x[CH];
-        if (i < nk_words) {
-            const uint c = i % DK4, r = (i / DK4) % n_new, h = i / (DK4 * n_new);
-            const uint row = (h * NNEW + r) * DK4 * CH;
+        if (c < DK4) {
+            const uint src = (h * NNEW + r) * DK4 * CH;
             for (uint e = 0u; e < CH; ++e) {
                 const uint u = c * CH + e;
-                x[e] = nk[row + u];
-                if (HAS(F_ROPE_K)) x[e] = rope_rotate(x[e], nk[row + rope_partner(u)], u, r);
+                x[e] = nk[src + u];
+                if (HAS(F_ROPE_K)) x[e] = rope_rotate(x[e], nk[src + rope_partner(u)], u, r);
             }
-            kc[slot_row(params[1u + r], h) * DK4 + c] = pack_chunk(x);
-        } else {
-            const uint iv = i - nk_words;
-            const uint c = iv % DV4, r = (iv / DV4) % n_new, h = iv / (DV4 * n_new);
+            kc[row * DK4 + c] = pack_chunk(x);
+        }
+        if (c < DV4) {
             const uint src = ((h * NNEW + r) * DV4 + c) * CH;
             for (uint e = 0u; e < CH; ++e) x[e] = nv[src + e];
-            vc[slot_row(params[1u + r], h) * DV4 + c] = pack_chunk(x);
+            vc[row * DV4 + c] = pack_chunk(x);
         }
     }
 #endif

@@ -5,11 +5,13 @@ there (Mesa 22.3, 2 vCPU Zen 4; perf/RESULTS.md): every buffer or shared-memory 
 loop over the lanes, inside loops even when the address is uniform, about 0.5 ns per 32-bit word
 streamed (`python -m perf loads`), which bounds decode; every write of a loop-carried value inside
 a loop is blended with the exec mask (so the kernels touch carried state once per key block); a
-barrier is a coroutine switch; constant xor shuffles are nearly free; a dispatch of more than one
-workgroup pays a thread-pool wake-up (an empty 8-workgroup dispatch 0.11-0.13 ms against 0.07 ms
-for one); a loop stops after 65535 iterations per invocation. So software devices get
-attn_lane.comp (one subgroup per workgroup, no shared memory, no barrier), few fat workgroups
-(enough splits for every core and no more) and a bound on keys per invocation. GPUs get attn.comp
+barrier is a coroutine switch; constant xor shuffles are nearly free; a loop runs as a do-while
+under the exec mask, so its body runs once more with every lane off when it ends (and once when it
+runs no iteration), and an `if` whose lanes are all off is not skipped either (a decode step at
+L=1 runs about 14 us of shader code per workgroup, session 6); a loop stops after 65535 iterations
+per invocation. So software devices get attn_lane.comp (one subgroup per workgroup, no shared
+memory, no barrier), few fat workgroups (enough splits for every core and no more: each one pays
+that fixed cost) and a bound on keys per invocation. GPUs get attn.comp
 with many workgroups in flight. Sizes that depend on the shape are derived from the device's
 limits (shared memory, workgroup size, probed subgroup), never assumed.
 """

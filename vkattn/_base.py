@@ -233,7 +233,7 @@ class _SlotWritePlan:
         self.params = be.buffer(1 + n, np.uint32, name="append_slots")
         self.rope = be.buffer(n * max(c._rope_dim, 4), np.float32, name="rope_table")
         spirv = compile_shader("append", c._defines)
-        total = hkv * n * (c._dk4 + c._dv4) if c._i8 else hkv * n * max(c._dk4, c._dv4)
+        total = 2 * hkv * n if c._i8 else hkv * n * max(c._dk4, c._dv4)   # append.comp: invocations
         groups = max(1, min(-(-total // WORKGROUP), c.device.max_workgroup_count[0]))
         flags = c.rope.flags(False) if c.rope else 0
         self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.params, self.rope, c._ks, c._vs],

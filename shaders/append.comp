@@ -1,5 +1,5 @@
 #version 450
-// append.comp -- write n_new new K/V rows into the persistent cache, each at its slot.
+// append.comp -- write NNEW new K/V rows into the persistent cache, each at its slot.
 //
 // Contract
 //   kc, vc : blocks [*, HKV, BS, DK4|DV4] uvec4 (layout in common.glsl), written in place; slot s
@@ -7,12 +7,12 @@
 //            KVCache: one block of BS = capacity rows, slot = position
 //            PagedKVCache: slot = table[pos / BS]*BS + pos % BS (paging.AppendPlan.slots)
 //   nk, nv : new rows, float32 [HKV, NNEW, DK4*CH|DV4*CH] vec4, zero padded
-//   params : [0] n_new (<= NNEW), [1 + r] slot of new row r (distinct slots)
+//   slots  : [r] slot of new row r (distinct slots); a plan is built for exactly NNEW rows
 //   rope_tab: ROPE_K: rotary table row r for the position of new row r (rope.glsl)
 //   kscale, vscale: KV_I8: float32 scale of each cache row (common.glsl, quantise)
 // numpy:  K[:, slots] = k_new.astype(storage);  V[:, slots] = v_new.astype(storage)
 //         (ROPE_K: k_new = reference.rope(k_new, positions) first)
-// Only the n_new rows per head are touched; the work is O(n_new), independent of the capacity.
+// Only the NNEW rows per head are touched; the work is O(NNEW), independent of the capacity.
 // The caller has checked that every slot lies in the cache before dispatching.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
@@ -30,7 +30,7 @@ layout(std430, binding = 0) writeonly buffer KC { uvec4 kc[]; };
 layout(std430, binding = 1) writeonly buffer VC { uvec4 vc[]; };
 layout(std430, binding = 2) readonly buffer NK { vec4 nk[]; };
 layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
-layout(std430, binding = 4) readonly buffer PARAMS { uint params[]; };
+layout(std430, binding = 4) readonly buffer SLOTS { uint slots[]; };
 layout(std430, binding = 5) readonly buffer ROPE { vec4 rope_tab[]; };
 layout(std430, binding = 6) writeonly buffer KS { float kscale[]; };   // KV_I8: scale per cache row
 layout(std430, binding = 7) writeonly buffer VS { float vscale[]; };
@@ -52,16 +52,15 @@ vec4 new_val(bool is_k, uint h, uint r, uint u) {
 void main() {
 #if KV_I8
     // one invocation per new row: its scale (max |x|), then its quantised chunks
-    const uint n_new = params[0];
     const uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
-    for (uint i = gl_GlobalInvocationID.x; i < 2u * HKV * n_new; i += stride) {
-        const bool is_k = i < HKV * n_new;
-        const uint hr = is_k ? i : i - HKV * n_new, h = hr / n_new, r = hr % n_new;
+    for (uint i = gl_GlobalInvocationID.x; i < 2u * HKV * NNEW; i += stride) {
+        const bool is_k = i < HKV * NNEW;
+        const uint hr = is_k ? i : i - HKV * NNEW, h = hr / NNEW, r = hr % NNEW;
         const uint d4 = is_k ? DK4 : DV4;
         float amax = 0.0;
         for (uint u = 0u; u < d4 * CH; ++u) amax = max(amax, vmax_abs(new_val(is_k, h, r, u)));
         const float scale = quant_scale(amax);
-        const uint row = slot_row(params[1u + r], h);
+        const uint row = slot_row(slots[r], h);
         for (uint c = 0u; c < d4; ++c) {
             vec4 x[CH];
             for (uint e = 0u; e < CH; ++e) x[e] = quantise(new_val(is_k, h, r, c * CH + e), scale);
@@ -76,12 +75,10 @@ void main() {
     // subgroup never runs a K and a V path side by side (SIMD drivers execute both sides of a
     // divergent branch), and every index is a division by a specialisation constant
     const uint NC = DK4 > DV4 ? DK4 : DV4;
-    const uint n_new = params[0];
     const uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     for (uint i = gl_GlobalInvocationID.x; i < HKV * NNEW * NC; i += stride) {
         const uint c = i % NC, r = (i / NC) % NNEW, h = i / (NC * NNEW);
-        if (r >= n_new) continue;
-        const uint row = slot_row(params[1u + r], h);
+        const uint row = slot_row(slots[r], h);
         vec4 x[CH];
         if (c < DK4) {
             const uint src = (h * NNEW + r) * DK4 * CH;

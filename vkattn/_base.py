@@ -230,16 +230,17 @@ class _SlotWritePlan:
         self.n, self.c = n, c
         self.nk = be.buffer(hkv * n * c._dk4 * c._ch * 4, np.float32, name="new_k")
         self.nv = be.buffer(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
-        self.params = be.buffer(1 + n, np.uint32, name="append_slots")
+        self.slots = be.buffer(n, np.uint32, name="append_slots")
         self.rope = be.buffer(n * max(c._rope_dim, 4), np.float32, name="rope_table")
         spirv = compile_shader("append", c._defines)
-        total = 2 * hkv * n if c._i8 else hkv * n * max(c._dk4, c._dv4)   # append.comp: invocations
+        # invocations append.comp loops over: one per row (int8), else one per row chunk of K and V
+        total = 2 * hkv * n if c._i8 else hkv * n * max(c._dk4, c._dv4)
         groups = max(1, min(-(-total // WORKGROUP), c.device.max_workgroup_count[0]))
         flags = c.rope.flags(False) if c.rope else 0
-        self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.params, self.rope, c._ks, c._vs],
+        self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.slots, self.rope, c._ks, c._vs],
                                (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c._block_size, hkv, n, flags,
                                                 max(c._rope_dim, 8)], writes=(0, 1, 6, 7), name="append")
-        inputs = [self.nk, self.nv, self.params] + ([self.rope] if c.rope else [])
+        inputs = [self.nk, self.nv, self.slots] + ([self.rope] if c.rope else [])
         self.rec = be.recording().upload(*inputs).dispatch(self.prog).build(c.timestamps)
 
     def run(self, k, v, slots: np.ndarray, positions: np.ndarray | None = None) -> None:
@@ -249,9 +250,7 @@ class _SlotWritePlan:
         c = self.c
         put_rows(self.nk, k, c._dk4 * c._ch * 4)
         put_rows(self.nv, v, c._dv4 * c._ch * 4)
-        p = self.params.view()
-        p[0] = self.n
-        p[1:1 + self.n] = slots
+        self.slots.view()[:] = slots
         if c.rope:
             pos = slots if positions is None else positions
             self.rope.view()[:] = c.rope.table(np.asarray(pos), c._rope_dim).ravel()
@@ -259,4 +258,4 @@ class _SlotWritePlan:
         c._last_rec = self.rec
 
     def destroy(self) -> None:
-        destroy(self.rec, self.prog, self.nk, self.nv, self.params, self.rope)
+        destroy(self.rec, self.prog, self.nk, self.nv, self.slots, self.rope)

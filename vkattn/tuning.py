@@ -11,9 +11,9 @@ runs no iteration), and an `if` whose lanes are all off is not skipped either (a
 L=1 runs about 14 us of shader code per workgroup, session 6); a loop stops after 65535 iterations
 per invocation. So software devices get attn_lane.comp (one subgroup per workgroup, no shared
 memory, no barrier), few fat workgroups (enough splits for every core and no more: each one pays
-that fixed cost) and a bound on keys per invocation. GPUs get attn.comp
-with many workgroups in flight. Sizes that depend on the shape are derived from the device's
-limits (shared memory, workgroup size, probed subgroup), never assumed.
+that fixed cost) and a bound on keys per invocation. GPUs get attn.comp with many workgroups in
+flight. Sizes that depend on the shape are derived from the device's limits (shared memory,
+workgroup size, probed subgroup), never assumed.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     print_table(rows, device.name)
     print(f"\nmachine copy bandwidth (read + write): {copy_bandwidth():.1f} GB/s")
     for r in rows:
-        if r.kernel in ("decode", "batch"):
+        if r.kernel in ("decode", "decode step", "batch"):
             print(f"  {r.case}: {r.value:.2f} GB/s = {100 * r.value / copy_bandwidth():.1f}% of copy bandwidth")
         if r.kernel == "loads":
             print(f"  {r.case}: {r.value:.3f} ns per word; the K/V loads of decode L=4096 alone would take "

@@ -1,5 +1,7 @@
 """Decode: one query token per q head over a cache of L positions (``attend``), per context and
-capacity. Reports effective K/V bandwidth (K/V bytes of the live length read per call / time)."""
+capacity; and the decode step of a model (``forward``: store the token's K/V row at position L-1,
+then attend all L, one submission; the cache is rolled back by one position before each call).
+Reports effective K/V bandwidth (K/V bytes of the live length read per call / time)."""
 from __future__ import annotations
 
 import os
@@ -60,4 +62,41 @@ def run(shape: Shape, device) -> list:
                             value=kv_bytes / (t["median_ms"] * 1e-3) / 1e9, verified=ok, device_ms=t["device_ms"],
                             torch_ms=tt, extra={"L": L, "capacity": cap, "kv_bytes": kv_bytes}))
             cache.close()
+        rows += decode_step(shape, device, L, rng)
     return rows
+
+
+def decode_step(shape: Shape, device, L: int, rng) -> list:
+    name = f"decode step L={L} (forward 1 token)"
+    if not selected(name):
+        return []
+    try:
+        cache = vkattn.KVCache(L, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype,
+                               device=device, timestamps=True)
+    except vkattn.DeviceLimitError as e:
+        print(f"skip {name}: {e}")
+        return []
+    k = rng.standard_normal((shape.kv_heads, L, shape.head_dim), dtype=np.float32)
+    v = rng.standard_normal((shape.kv_heads, L, shape.v_head_dim), dtype=np.float32)
+    cache.append(k[:, :L - 1], v[:, :L - 1])
+    k1, v1 = k[:, L - 1:], v[:, L - 1:]
+    k, v = round_to(k, shape.dtype), round_to(v, shape.dtype)
+    q = rng.standard_normal((shape.heads, 1, shape.head_dim), dtype=np.float32)
+    ref = attention(q, k, v)
+
+    def step():
+        cache.truncate(L - 1)
+        return cache.forward(q, k1, v1)
+
+    ok = check(step(), ref, shape.dtype)
+    t = time_calls(step, shape.iters, shape.warmup, device_of=cache)
+    tr = time_calls(lambda: attention(q, k, v), shape.iters, shape.warmup)
+    torch_ok, tt = torch_case(q, k, v, True, ref, shape.dtype, shape.iters, shape.warmup)
+    kv_bytes = cache.nbytes
+    cache.close()
+    return [Row(case=name, kernel="decode step",
+                shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim} dv={shape.v_head_dim} {shape.dtype}",
+                vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr["median_ms"],
+                speedup_vs_numpy=tr["median_ms"] / t["median_ms"], metric="GB/s",
+                value=kv_bytes / (t["median_ms"] * 1e-3) / 1e9, verified=ok and torch_ok, device_ms=t["device_ms"],
+                torch_ms=tt, extra={"L": L, "capacity": L, "kv_bytes": kv_bytes})]

@@ -1,4 +1,5 @@
-"""PNG plot of decode latency vs context length (vkattn at two capacities, numpy, torch)."""
+"""PNG plot of decode latency vs context length (vkattn at two capacities and the forward decode
+step, numpy, torch)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,6 +24,9 @@ def plot_decode(rows: list, path: Path, device_name: str):
         ax.plot(*zip(*pts), marker="o", label=label)
     base = [r for r in dec if r.extra["capacity"] == r.extra["L"]] or dec
     ax.plot(*zip(*sorted((r.extra["L"], r.numpy_ms) for r in base)), marker="s", ls="--", label="numpy reference")
+    step = sorted((r.extra["L"], r.vkattn_ms) for r in rows if r.kernel == "decode step")
+    if step:
+        ax.plot(*zip(*step), marker="x", label="vkattn decode step (forward: store 1 token + attend)")
     if all(r.torch_ms is not None for r in base):
         ax.plot(*zip(*sorted((r.extra["L"], r.torch_ms) for r in base)), marker="^", ls=":", label="torch CPU SDPA")
     ax.set_xscale("log", base=2)

@@ -141,25 +141,19 @@ uint qrow[NQ];      // row index within the sequence
 float slope[NQ];    // ALiBi slope * log2(e) of the head
 uint hh;            // its kv head
 
-// chunk (lane + i*WG) of key j's K or V row: from the cache (row given) or, fresh, from this
-// call's new rows. fresh is a constant at every call site, so each inlined copy keeps one path: a
-// branch around loads costs both paths on SIMD CPU drivers
-uvec4 k_chunk(uint row, uint j, uint i, bool fresh, float scale) {
-    const uint c = gl_LocalInvocationID.x + i * WG;
-    if (fresh) return new_chunk(true, hh, sq.new_start + j - sq.past, c, scale);
-    return kc[row * DK4 + min(c, DK4 - 1u)];
+// chunk (lane + i*WG) of cache row `row` of K or V; of this call's new rows, these are the
+// chunks this lane stored itself (main)
+uvec4 k_chunk(uint row, uint i) {
+    return kc[row * DK4 + min(gl_LocalInvocationID.x + i * WG, DK4 - 1u)];
 }
 
-uvec4 v_chunk(uint row, uint j, uint i, bool fresh, float scale) {
-    const uint c = gl_LocalInvocationID.x + i * WG;
-    if (fresh) return new_chunk(false, hh, sq.new_start + j - sq.past, c, scale);
-    return vc[row * DV4 + min(c, DV4 - 1u)];
+uvec4 v_chunk(uint row, uint i) {
+    return vc[row * DV4 + min(gl_LocalInvocationID.x + i * WG, DV4 - 1u)];
 }
 
-// KV_I8: the scale of key j's K or V row (1 otherwise)
-float row_scale(bool is_k, uint row, uint j, bool fresh) {
+// KV_I8: the scale of a cache row's K or V (1 otherwise)
+float row_scale(bool is_k, uint row) {
 #if KV_I8
-    if (fresh) return new_row_scale(is_k, hh, sq.new_start + j - sq.past);
     return is_k ? kscale[row] : vscale[row];
 #else
     return 1.0;
@@ -177,20 +171,21 @@ uint key_row(uint j, uint b, uint row_l) {
 // blends each write of a loop-carried value with it, so the block is branch-free and touches the
 // carried state (m, l, acc) once per block, not once per key. Each score and each V sum is one
 // register chain (llvmpipe splits fma into a multiply and an add; a sum kept in memory would add
-// a load and a store to each). Keys past k1 re-read row k1-1 with weight 0 instead of branching
-// around the read.
-void consume_block(uint j0, uint k1, bool fresh) {
+// a load and a store to each). Keys past k1 re-read row max(k1, 1) - 1 with weight 0 instead of
+// branching around the read (k1 = 0: an empty range, run once by consume_range).
+void consume_block(uint j0, uint k1) {
     const uint lane = gl_LocalInvocationID.x;
-    const uint row_l = (HAS(F_PAGED) && !fresh) ? cache_row(sq.bt, hh, min(j0 + lane, k1 - 1u)) : 0u;
+    const uint kl = max(k1, 1u) - 1u;   // the row keys past k1 read (weight 0)
+    const uint row_l = HAS(F_PAGED) ? cache_row(sq.bt, hh, min(j0 + lane, kl)) : 0u;
     float d[NQ][WG];
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
-        const uint j = min(j0 + b, k1 - 1u);
-        const uint row = fresh ? 0u : key_row(j, b, row_l);
-        const float ksc = row_scale(true, row, j, fresh);
+        const uint j = min(j0 + b, kl);
+        const uint row = key_row(j, b, row_l);
+        const float ksc = row_scale(true, row);
         vec4 kx[KPL * CH];
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
             vec4 t[CH];
-            unpack_chunk(k_chunk(row, j, i, fresh, ksc), t);
+            unpack_chunk(k_chunk(row, i), t);
             [[unroll]] for (uint e = 0u; e < CH; ++e)   // zero past the row's end (constant-folded)
                 kx[i * CH + e] = (DK4 % WG != 0u && lane + i * WG >= DK4) ? vec4(0.0) : t[e];
         }
@@ -214,7 +209,7 @@ void consume_block(uint j0, uint k1, bool fresh) {
         bool vis = jl < k1 && jl < vis_end[qv];
         if (HAS(F_WINDOW)) vis = vis && key_visible(jl, qpos[qv], false);
         float s = shape_score(d[qv][0], slope[qv], jl, qpos[qv]);
-        if (HAS(F_MASK)) s += mask_at(sq, hh * G + qv / BQ, qrow[qv], min(jl, k1 - 1u));
+        if (HAS(F_MASK)) s += mask_at(sq, hh * G + qv / BQ, qrow[qv], min(jl, kl));
         const float sc = vis ? s : NEG_INF;
         const float mn = max(m[qv], lanes_max(sc));
         const bool none = mn == NEG_INF;
@@ -223,31 +218,7 @@ void consume_block(uint j0, uint k1, bool fresh) {
         l[qv] = fma(l[qv], alpha[qv], lanes_sum(pl[qv]));
         m[qv] = mn;
     }
-    if (fresh) {
-        // this call's new rows (at most FUSED_APPEND_MAX_ROWS of them): one key at a time into a
-        // block sum. The GEMM order below made the fused int8 + RoPE + variants pipeline take
-        // over twice as long to compile on lavapipe (minutes), for a block that runs rarely
-        vec4 blk[NQ * VPL * CH];
-        [[unroll]] for (uint x = 0u; x < NQ * VPL * CH; ++x) blk[x] = vec4(0.0);
-        [[unroll]] for (uint b = 0u; b < WG; ++b) {
-            const float vsc = row_scale(false, 0u, min(j0 + b, k1 - 1u), true);
-            float p[NQ];
-            [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) p[qv] = subgroupShuffle(pl[qv], b) * vsc;
-            [[unroll]] for (uint i = 0u; i < VPL; ++i) {
-                vec4 vx[CH];
-                unpack_chunk(v_chunk(0u, min(j0 + b, k1 - 1u), i, true, vsc), vx);
-                [[unroll]] for (uint qv = 0u; qv < NQ; ++qv)
-                    [[unroll]] for (uint e = 0u; e < CH; ++e) {
-                        const uint x = (qv * VPL + i) * CH + e;
-                        blk[x] = fma(vec4(p[qv]), vx[e], blk[x]);
-                    }
-            }
-        }
-        [[unroll]] for (uint x = 0u; x < NQ * VPL * CH; ++x)
-            acc[x] = fma(acc[x], vec4(alpha[x / (VPL * CH)]), blk[x]);
-        return;
-    }
-    // cache rows: V as a small GEMM, acc[qv] = alpha*acc[qv] + sum_b p[qv][b] * V[b]. The
+    // V as a small GEMM, acc[qv] = alpha*acc[qv] + sum_b p[qv][b] * V[b]. The
     // block's V chunks are unpacked first, then each output element sums over the WG keys in a
     // register: the carried accumulator is read and written once per block, and no partial sum
     // goes through memory (llvmpipe splits fma into a multiply and an add, and a sum kept in
@@ -255,12 +226,12 @@ void consume_block(uint j0, uint k1, bool fresh) {
     vec4 vx[WG * VPL * CH];
     float vsc[WG];
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
-        const uint j = min(j0 + b, k1 - 1u);
+        const uint j = min(j0 + b, kl);
         const uint row = key_row(j, b, row_l);
-        vsc[b] = row_scale(false, row, j, false);
+        vsc[b] = row_scale(false, row);
         [[unroll]] for (uint i = 0u; i < VPL; ++i) {
             vec4 t[CH];
-            unpack_chunk(v_chunk(row, j, i, false, vsc[b]), t);
+            unpack_chunk(v_chunk(row, i), t);
             [[unroll]] for (uint e = 0u; e < CH; ++e) vx[(b * VPL + i) * CH + e] = t[e];
         }
     }
@@ -276,11 +247,17 @@ void consume_block(uint j0, uint k1, bool fresh) {
     }
 }
 
-// keys lo .. hi-1: those in the cache, then those appended by this call
+// keys lo .. hi-1, all in the cache by now. llvmpipe runs a loop body under the exec mask until
+// every lane has left, so a `for` loop costs one pass more than it iterates (the pass where the
+// test fails): this loop tests at the end of the block instead, and an empty range costs the one
+// pass it cost as a `for` (consume_block gives keys past its end weight 0 and reads row
+// max(k1, 1) - 1 for them; every sequence has a key 0, written before this loop runs)
 void consume_range(uint lo, uint hi) {
-    const uint mid = clamp(sq.past, lo, hi);
-    for (uint j0 = lo; j0 < mid; j0 += WG) consume_block(j0, mid, false);
-    for (uint j0 = mid; j0 < hi; j0 += WG) consume_block(j0, hi, true);
+    uint j0 = lo;
+    do {
+        consume_block(j0, hi);
+        j0 += WG;
+    } while (j0 < hi);
 }
 
 void main() {
@@ -295,9 +272,14 @@ void main() {
     const float qscale = uintBitsToFloat(aux[2]);
     const uint T = sq.past + sq.n_new, R = aux[10];
 
-    if (aux[3] != 0u) {   // fused append: this sequence's workgroups store its new rows w, w+nw, ..
-        const uint nw = SPLITS * ((sq.q_len + BQ - 1u) / BQ), w = qt * SPLITS + sp;
-        for (uint r = w; r < sq.n_new; r += nw) {
+    if (HAS(F_FRESH)) {
+        // fused append: every workgroup of the sequence stores all its new rows (identical values
+        // from each), lane l the chunks l, l+WG, .. -- the very chunks it reads back as keys
+        // (k_chunk, v_chunk), so the key loop needs no barrier and no second path for new keys.
+        // Every sequence of a FRESH plan has a new row; the row loop tests at its end (see
+        // consume_range)
+        uint r = 0u;
+        do {
             const uint row = cache_row(sq.bt, h, sq.past + r);
             const float ksc = new_row_scale(true, h, sq.new_start + r);
             const float vsc = new_row_scale(false, h, sq.new_start + r);
@@ -310,9 +292,10 @@ void main() {
                 if (c < DV4) vc[row * DV4 + c] = new_chunk(false, h, sq.new_start + r, c, vsc);
             }
 #if KV_I8
-            if (lane == 0u) { kscale[row] = ksc; vscale[row] = vsc; }
+            kscale[row] = ksc;   // every lane stores (and later reads) the same value
+            vscale[row] = vsc;
 #endif
-        }
+        } while (++r < sq.n_new);
     }
 
     uint kend = 0u;   // one past the last key any row of this workgroup sees

@@ -23,6 +23,7 @@ HEADER = 32
 SEQ_WORDS = 12
 F_PAGED, F_WINDOW, F_SOFTCAP, F_ALIBI, F_MASK = 1, 2, 4, 8, 16
 F_ROPE_K, F_ROPE_Q, F_ROPE_NEOX = 32, 64, 128
+F_FRESH = 256          # the plan carries new rows (nn > 0): the kernel keeps its fused-append code
 MIN_CHUNK = 64          # keys per split at least: short sequences of a batch use fewer splits
 
 
@@ -180,7 +181,7 @@ class AttnPlan:
         bindings = [c._k, c._v, self.nk, self.nv, self.q, self.aux, self.out if direct else self.part,
                     self.ml, self.lse_k, self.rope, c._ks, c._vs]
         # spec constants size the tiles and pick the variant; lengths travel in aux
-        spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, cfg.splits, flags]
+        spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, cfg.splits, flags | (F_FRESH if nn else 0)]
         if cfg.kernel == "tile":
             spec += [cfg.tq, cfg.kg]
         spec += [max(rope_dim, 8)]

@@ -28,10 +28,11 @@ LANE_NQ = 32            # query vectors per attn_lane.comp workgroup: every K/V 
 LANE_STATE_VEC4 = 256   # private vec4 (queries + accumulators) per lane in attn_lane.comp
 FUSED_APPEND_MAX_ROWS = 32   # KVCache.forward with more new rows (PagedKVCache.forward: a sequence
                         # with more) appends them in a submission of its own, then attends from the
-                        # cache: the fused kernel reads new rows as float32 (twice the words) and
-                        # re-rounds them, which costs more than one more round trip (prefill S=512
-                        # from empty on lavapipe: KVCache 98 -> 67.5 ms per call, PagedKVCache
-                        # 94-95 -> 58-60 ms)
+                        # cache: in the fused kernel every workgroup of a sequence stores all of its
+                        # new rows (attn_lane.comp: no barrier needed), so the stores grow with
+                        # rows x query tiles, which soon costs more than one more round trip
+                        # (before that design, prefill S=512 from empty on lavapipe: KVCache 98 ->
+                        # 67.5 ms per call, PagedKVCache 94-95 -> 58-60 ms)
 TILE_MAX_KEYS = 8192    # keys per attn.comp workgroup on a software device (~200 loop iterations per
                         # 64-key tile; measured wrong from ~20000 keys on lavapipe, which ends a loop
                         # after 65535 iterations per invocation). GPUs have no such cap.

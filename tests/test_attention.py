@@ -150,6 +150,33 @@ def test_capacity_and_split_count_do_not_change_results(device, rng, monkeypatch
             cache.close()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_fused_decode_steps_with_split_keys(device, rng, monkeypatch, dtype):
+    """forward of one token at a time from an empty cache with the keys split over 3 and 16
+    workgroups per kv head: in the lane kernel each of them stores the new row and reads it back
+    as a key. Every output matches the reference on the stored values, and the cache ends up
+    holding exactly what one append of the same tokens writes."""
+    hkv, hq, d, n = 3, 6, 40, 21
+    k = rng.standard_normal((hkv, n, d)).astype(np.float32)
+    v = rng.standard_normal((hkv, n, d)).astype(np.float32)
+    q = rng.standard_normal((hq, n, d)).astype(np.float32)
+    appended = vkattn.KVCache(32, hkv, d, dtype=dtype, device=device)
+    appended.append(k, v)
+    want_k, want_v = appended.read()
+    appended.close()
+    for splits in ("3", "16"):
+        monkeypatch.setenv("VKATTN_DECODE_SPLITS", splits)
+        cache = vkattn.KVCache(32, hkv, d, dtype=dtype, device=device)
+        for t in range(n):
+            out = cache.forward(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
+            kk, vv = cache.read()
+            assert_close(out, vkattn.reference.attention(q[:, t:t + 1], kk, vv), dtype)
+        kk, vv = cache.read()
+        np.testing.assert_array_equal(kk, want_k)
+        np.testing.assert_array_equal(vv, want_v)
+        cache.close()
+
+
 def test_large_logits_stay_finite_fp16(device, rng):
     cache = vkattn.KVCache(64, 1, 32, device=device)
     k = (rng.standard_normal((1, 50, 32)) * 100).astype(np.float32)   # |logits| up to ~1e4

@@ -46,6 +46,7 @@ layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
 layout(std430, binding = 4) readonly buffer QB { vec4 qbuf[]; };
 layout(std430, binding = 5) readonly buffer AUX { uint aux[]; };
 layout(std430, binding = 6) writeonly buffer OUT { float outbuf[]; };
+layout(std430, binding = 6) writeonly buffer OUT4 { vec4 outbuf4[]; };   // the same buffer by vec4
 layout(std430, binding = 7) writeonly buffer ML { vec2 mlbuf[]; };
 layout(std430, binding = 8) writeonly buffer LSE { float lsebuf[]; };
 layout(std430, binding = 9) readonly buffer ROPE { vec4 rope_tab[]; };
@@ -343,11 +344,16 @@ void main() {
         if (SPLITS == 1u) {
             const float inv = l[qv] > 0.0 ? 1.0 / l[qv] : 0.0;
             [[unroll]] for (uint i = 0u; i < VPL; ++i)
-                [[unroll]] for (uint e = 0u; e < CH; ++e)
-                    [[unroll]] for (uint x = 0u; x < 4u; ++x) {
-                        const uint d = ((lane + i * WG) * CH + e) * 4u + x;
-                        if (d < DV) outbuf[row * DV + d] = acc[(qv * VPL + i) * CH + e][x] * inv;
+                [[unroll]] for (uint e = 0u; e < CH; ++e) {
+                    const uint d = ((lane + i * WG) * CH + e) * 4u;
+                    const vec4 y = acc[(qv * VPL + i) * CH + e] * inv;
+                    if (DV % 4u == 0u) {         // whole vec4 stores (constant-folded choice)
+                        if (d < DV) outbuf4[(row * DV + d) / 4u] = y;
+                    } else {
+                        [[unroll]] for (uint x = 0u; x < 4u; ++x)
+                            if (d + x < DV) outbuf[row * DV + d + x] = y[x];
                     }
+                }
             if (lane == 0u) lsebuf[row] = l[qv] > 0.0 ? (m[qv] + log2(l[qv])) * LN2 : NEG_INF;
         } else {
             const uint base = (sp * nrows + row) * PV * 4u;
@@ -355,8 +361,7 @@ void main() {
                 const uint c = lane + i * WG;
                 if (c < DV4)
                     [[unroll]] for (uint e = 0u; e < CH; ++e)
-                        [[unroll]] for (uint x = 0u; x < 4u; ++x)
-                            outbuf[base + (c * CH + e) * 4u + x] = acc[(qv * VPL + i) * CH + e][x];
+                        outbuf4[base / 4u + c * CH + e] = acc[(qv * VPL + i) * CH + e];
             }
             if (lane == 0u) mlbuf[sp * nrows + row] = vec2(m[qv], l[qv]);
         }

@@ -8,7 +8,8 @@
 // ([HKV, NN, D*4*CH] vec4). Everything per call lives in one uint32 buffer, uploaded once:
 //
 //   aux[0 .. 31] header
-//     [0] NSEQ  [1] causal  [2] float bits of scale*log2(e)  [3] store new rows
+//     [0] NSEQ  [1] causal  [2] float bits of scale*log2(e)  [3] store new rows (attn.comp;
+//         attn_lane.comp stores them whenever FLAGS has F_FRESH)
 //     [4] head_stride, [5] block_stride: the cache row of head h, position j is
 //         KVCache (not PAGED): h*head_stride + j                        (head_stride = capacity)
 //         PagedKVCache: table[j / block_size]*block_stride + h*head_stride + j % block_size

@@ -34,69 +34,47 @@ def run(shape: Shape, device) -> list:
     rng = np.random.default_rng(0)
     for L in contexts:
         for cap in capacities(shape, L):
-            name = f"decode L={L} cap={cap}"
-            if not selected(name):
-                continue
-            try:
-                cache = vkattn.KVCache(cap, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype,
-                                       device=device, timestamps=True)
-            except vkattn.DeviceLimitError as e:
-                print(f"skip {name}: {e}")
-                continue
-            k = rng.standard_normal((shape.kv_heads, L, shape.head_dim), dtype=np.float32)
-            v = rng.standard_normal((shape.kv_heads, L, shape.v_head_dim), dtype=np.float32)
-            cache.append(k, v)
-            k, v = round_to(k, shape.dtype), round_to(v, shape.dtype)
-            q = rng.standard_normal((shape.heads, 1, shape.head_dim), dtype=np.float32)
-            ref = attention(q, k, v)
-            ok = check(cache.attend(q), ref, shape.dtype)
-            t = time_calls(lambda: cache.attend(q), shape.iters, shape.warmup, device_of=cache)
-            tr = time_calls(lambda: attention(q, k, v), shape.iters, shape.warmup)
-            torch_ok, tt = torch_case(q, k, v, True, ref, shape.dtype, shape.iters, shape.warmup)
-            ok = ok and torch_ok
-            kv_bytes = cache.nbytes * L / cap
-            rows.append(Row(case=name, kernel="decode",
-                            shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim} dv={shape.v_head_dim} {shape.dtype}",
-                            vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr["median_ms"],
-                            speedup_vs_numpy=tr["median_ms"] / t["median_ms"], metric="GB/s",
-                            value=kv_bytes / (t["median_ms"] * 1e-3) / 1e9, verified=ok, device_ms=t["device_ms"],
-                            torch_ms=tt, extra={"L": L, "capacity": cap, "kv_bytes": kv_bytes}))
-            cache.close()
-        rows += decode_step(shape, device, L, rng)
+            rows += _case(shape, device, rng, f"decode L={L} cap={cap}", L, cap, step=False)
+        rows += _case(shape, device, rng, f"decode step L={L} (forward 1 token)", L, L, step=True)
     return rows
 
 
-def decode_step(shape: Shape, device, L: int, rng) -> list:
-    name = f"decode step L={L} (forward 1 token)"
+def _case(shape: Shape, device, rng, name: str, L: int, cap: int, step: bool) -> list:
+    """``attend`` over L cached positions, or (``step``) ``forward`` storing position L-1 and
+    attending all L, the cache rolled back to L-1 positions before each call."""
     if not selected(name):
         return []
     try:
-        cache = vkattn.KVCache(L, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype,
+        cache = vkattn.KVCache(cap, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype,
                                device=device, timestamps=True)
     except vkattn.DeviceLimitError as e:
         print(f"skip {name}: {e}")
         return []
     k = rng.standard_normal((shape.kv_heads, L, shape.head_dim), dtype=np.float32)
     v = rng.standard_normal((shape.kv_heads, L, shape.v_head_dim), dtype=np.float32)
-    cache.append(k[:, :L - 1], v[:, :L - 1])
-    k1, v1 = k[:, L - 1:], v[:, L - 1:]
+    kept = L - 1 if step else L
+    if kept:
+        cache.append(k[:, :kept], v[:, :kept])
+    k_new, v_new = k[:, kept:], v[:, kept:]
     k, v = round_to(k, shape.dtype), round_to(v, shape.dtype)
     q = rng.standard_normal((shape.heads, 1, shape.head_dim), dtype=np.float32)
     ref = attention(q, k, v)
 
-    def step():
+    def call():
+        if not step:
+            return cache.attend(q)
         cache.truncate(L - 1)
-        return cache.forward(q, k1, v1)
+        return cache.forward(q, k_new, v_new)
 
-    ok = check(step(), ref, shape.dtype)
-    t = time_calls(step, shape.iters, shape.warmup, device_of=cache)
+    ok = check(call(), ref, shape.dtype)
+    t = time_calls(call, shape.iters, shape.warmup, device_of=cache)
     tr = time_calls(lambda: attention(q, k, v), shape.iters, shape.warmup)
     torch_ok, tt = torch_case(q, k, v, True, ref, shape.dtype, shape.iters, shape.warmup)
-    kv_bytes = cache.nbytes
+    kv_bytes = cache.nbytes * L / cap
     cache.close()
-    return [Row(case=name, kernel="decode step",
+    return [Row(case=name, kernel="decode step" if step else "decode",
                 shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim} dv={shape.v_head_dim} {shape.dtype}",
                 vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr["median_ms"],
                 speedup_vs_numpy=tr["median_ms"] / t["median_ms"], metric="GB/s",
                 value=kv_bytes / (t["median_ms"] * 1e-3) / 1e9, verified=ok and torch_ok, device_ms=t["device_ms"],
-                torch_ms=tt, extra={"L": L, "capacity": L, "kv_bytes": kv_bytes})]
+                torch_ms=tt, extra={"L": L, "capacity": cap, "kv_bytes": kv_bytes})]

@@ -7,9 +7,10 @@
 // WG: the lanes' partial dot products for the block are reduce-scattered with xor shuffles so that
 // lane b holds the scores of key b, the softmax update (one exp2 per query vector and block, SIMD
 // across the block's keys) runs on those, and the weights are broadcast back for the V
-// accumulation (for cache rows a small GEMM per block: each output element sums the block's keys
-// in a register). Every lane keeps the softmax state and its slice of the NQ accumulators in
-// private memory. No shared memory and no barrier. This suits drivers where a memory instruction
+// accumulation (a small GEMM per block: each output element sums the block's keys in a
+// register). Every lane keeps the softmax state and its slice of the NQ accumulators in private
+// memory. A call's new rows (FRESH plans) are stored first, by every workgroup of the sequence,
+// and then read like any cache row. No shared memory and no barrier. This suits drivers where a memory instruction
 // costs a per-lane loop while arithmetic and shuffles run SIMD-wide (lavapipe: subgroup 8); GPUs
 // use attn.comp. WG is the device's subgroup size, probed at plan time (a power of two, <= 16).
 //

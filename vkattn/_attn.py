@@ -191,7 +191,7 @@ class AttnPlan:
         rec = be.recording().upload(*inputs).dispatch(self.attn)
         self.reduce = None
         if not direct:
-            groups = max(1, min(-(-nrows * c.v_head_dim // WORKGROUP), dev.max_workgroup_count[0]))
+            groups = grid_groups(nrows * c.v_head_dim, dev)
             self.reduce = be.program(compile_shader("reduce"), [self.part, self.ml, self.out, self.lse],
                                      (groups, 1, 1), [WORKGROUP, cfg.splits, nrows, c.v_head_dim, pv4],
                                      writes=(2, 3), name="reduce")
@@ -302,6 +302,12 @@ def unpack_rows(c, words: np.ndarray, scales, d: int) -> np.ndarray:
 
 def _f32_bits(x: float) -> int:
     return int(np.float32(x).view(np.uint32))
+
+
+def grid_groups(invocations: int, device) -> int:
+    """Workgroups of WORKGROUP threads along x for a grid-stride loop over ``invocations``
+    (at least 1, at most the device's x limit; the shader loops over the rest)."""
+    return max(1, min(-(-invocations // WORKGROUP), device.max_workgroup_count[0]))
 
 
 def aux_bucket(words: int) -> int:

@@ -9,7 +9,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import reference
-from ._attn import RoPE, destroy, put_rows, set_storage, token_bytes, unpack_rows
+from ._attn import RoPE, destroy, grid_groups, put_rows, set_storage, token_bytes, unpack_rows
 from .checks import check_bool, check_int
 from .compiler import compile_shader
 from .device import Device, default_device
@@ -193,7 +193,7 @@ class _SlotReadPlan:
         self.params = be.buffer(1 + READ_ROWS, np.uint32, name="read_slots")
         self.oks = be.buffer(READ_ROWS * hkv if c._i8 else 1, np.float32, name="read_kscale")
         self.ovs = be.buffer(READ_ROWS * hkv if c._i8 else 1, np.float32, name="read_vscale")
-        groups = max(1, min(-(-READ_ROWS * hkv * max(c._dk4, c._dv4) // WORKGROUP), c.device.max_workgroup_count[0]))
+        groups = grid_groups(READ_ROWS * hkv * max(c._dk4, c._dv4), c.device)
         self.prog = be.program(compile_shader("gather_slots", {"KV_I8": int(c._i8)}),
                                [c._k, c._v, self.ok, self.ov, self.params, c._ks, c._vs, self.oks, self.ovs],
                                (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, hkv, c._block_size],
@@ -235,7 +235,7 @@ class _SlotWritePlan:
         spirv = compile_shader("append", c._defines)
         # invocations append.comp loops over: one per row (int8), else one per row chunk of K and V
         total = 2 * hkv * n if c._i8 else hkv * n * max(c._dk4, c._dv4)
-        groups = max(1, min(-(-total // WORKGROUP), c.device.max_workgroup_count[0]))
+        groups = grid_groups(total, c.device)
         flags = c.rope.flags(False) if c.rope else 0
         self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.slots, self.rope, c._ks, c._vs],
                                (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c._block_size, hkv, n, flags,

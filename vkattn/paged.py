@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._attn import F_PAGED, AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy
+from ._attn import F_PAGED, AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
 from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
@@ -247,7 +247,7 @@ class _CopyPlan:
         self.bs = c.num_kv_heads * c.block_size if c._i8 else 0
         self.params = be.buffer(12, np.uint32, name="copy_params")
         per_block = c.block_size * c.num_kv_heads * max(c._dk4, c._dv4)
-        groups = max(1, min(-(-per_block // WORKGROUP), c.device.max_workgroup_count[0]))
+        groups = grid_groups(per_block, c.device)
         self.prog = be.program(compile_shader("copy_rows"), [c._k, c._v, self.params, c._ks, c._vs],
                                (groups, 1, 1), [WORKGROUP], writes=(0, 1, 3, 4), name="copy_rows")
         self.rec = be.recording().upload(self.params).dispatch(self.prog).build(c.timestamps)

@@ -1,0 +1,44 @@
+// attn_fresh.glsl -- a call's new K/V rows (FRESH plans: the append fused into the attention
+// dispatch), shared by attn.comp and attn_lane.comp. Include after common.glsl,
+// attn_common.glsl and rope.glsl, with the DK4/DV4 spec constants, the nk/nv bindings and a
+// global `Seq sq` (the workgroup's sequence) declared.
+//
+//   nk, nv : float32 [HKV, NN, DK4*CH | DV4*CH] vec4 (NN = aux[11]), zero padded. New row nr of kv
+//            head h is position sq.past + nr - sq.new_start of the sequence; with ROPE_K its key
+//            is rotated with rotary-table row sq.rope_row + (that position - sq.rope_pos).
+// numpy (KV_I8): scale = max|row| / 127, word = roundEven(row / scale) (reference.quantize_int8);
+//        otherwise the row rounded to the storage dtype (reference.round_to).
+// The kernels store each new row into its cache slot before the key loop and read it back like
+// any cache row: each invocation stores exactly the words it later loads, so no barrier is needed
+// (other invocations and workgroups store the same values).
+
+// storage word c (< d4) of new row nr as CH float vec4, K rotated with ROPE_K
+void fresh_vals(bool is_k, uint h, uint nr, uint c, out vec4 y[CH]) {
+    const uint base = (h * aux[11] + nr) * (is_k ? DK4 : DV4) * CH;
+    [[unroll]] for (uint e = 0u; e < CH; ++e) {
+        const uint u = c * CH + e;
+        y[e] = is_k ? nk[base + u] : nv[base + u];
+        if (is_k && HAS(F_ROPE_K))
+            y[e] = rope_rotate(y[e], nk[base + rope_partner(u)], u,
+                               sq.rope_row + sq.past + nr - sq.new_start - sq.rope_pos);
+    }
+}
+
+// max |x| over storage word c of new row nr (KV_I8: the caller reduces it over the row)
+float fresh_amax(bool is_k, uint h, uint nr, uint c) {
+    vec4 y[CH];
+    fresh_vals(is_k, h, nr, c, y);
+    float a = 0.0;
+    [[unroll]] for (uint e = 0u; e < CH; ++e) a = max(a, vmax_abs(y[e]));
+    return a;
+}
+
+// storage word c of new row nr as stored (KV_I8: quantised with the row's scale)
+uvec4 fresh_word(bool is_k, uint h, uint nr, uint c, float scale) {
+    vec4 y[CH];
+    fresh_vals(is_k, h, nr, c, y);
+#if KV_I8
+    [[unroll]] for (uint e = 0u; e < CH; ++e) y[e] = quantise(y[e], scale);
+#endif
+    return pack_chunk(y);
+}

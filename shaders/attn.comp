@@ -39,6 +39,7 @@
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
 #endif
+#define HALF_NATIVE 1
 #include "common.glsl"
 
 layout(local_size_x_id = 0) in;
@@ -60,7 +61,8 @@ layout(std430, binding = 1) buffer VC { uvec4 vc[]; };
 layout(std430, binding = 2) readonly buffer NK { vec4 nk[]; };
 layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
 layout(std430, binding = 4) readonly buffer QB { vec4 qbuf[]; };
-layout(std430, binding = 5) coherent buffer AUX { uint aux[]; };
+layout(std430, binding = 5) readonly buffer AUX { uint aux[]; };
+layout(std430, binding = 5) coherent buffer AUXC { uint auxc[]; };   // the same buffer: split counters
 layout(std430, binding = 6) writeonly buffer OUT { float outbuf[]; };
 layout(std430, binding = 6) writeonly buffer OUT4 { vec4 outbuf4[]; };   // the same buffer by vec4
 layout(std430, binding = 7) coherent buffer PART { vec4 part[]; };
@@ -70,13 +72,31 @@ layout(std430, binding = 10) readonly buffer ROPE { vec4 rope_tab[]; };
 layout(std430, binding = 11) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row
 layout(std430, binding = 12) buffer VS { float vscale[]; };
 
+// A thread loads a row in units: the 16-byte storage word (float16: 8 values, float32: 4), or for
+// int8 half a word (8 bytes, 8 values), so an int8 key costs a thread no more registers than a
+// float16 one. UV: float vec4 per unit; DKU, DVU: units per K, V row.
+#if KV_I8
+#define UV 2u
+layout(std430, binding = 0) buffer KC2 { uvec2 kc2[]; };   // the same buffers by 8 bytes
+layout(std430, binding = 1) buffer VC2 { uvec2 vc2[]; };
+uvec2 k_unit(uint row, uint u) { return kc2[row * DK4 * 2u + u]; }
+uvec2 v_unit(uint row, uint u) { return vc2[row * DV4 * 2u + u]; }
+void unpack_unit(uvec2 w, out vec4 x[UV]) { x[0] = unpack_i8x4(w.x); x[1] = unpack_i8x4(w.y); }
+#else
+#define UV CH
+uvec4 k_unit(uint row, uint u) { return kc[row * DK4 + u]; }
+uvec4 v_unit(uint row, uint u) { return vc[row * DV4 + u]; }
+void unpack_unit(uvec4 w, out vec4 x[UV]) { unpack_chunk(w, x); }
+#endif
+
 #include "attn_common.glsl"
 #include "rope.glsl"
 
 const uint WG = gl_WorkGroupSize.x;
 const uint NQ = G * BQ;
-const uint KW = (DK4 + DS - 1u) / DS;   // K words per thread and key
-const uint VW = (DV4 + DS - 1u) / DS;   // V words per thread and key
+const uint DKU = DK4 * CH / UV, DVU = DV4 * CH / UV;
+const uint KW = (DKU + DS - 1u) / DS;   // K units per thread and key
+const uint VW = (DVU + DS - 1u) / DS;   // V units per thread and key
 const uint PV = DV4 * CH;               // vec4 per padded output row
 const uint MERGE = COLS > 1u ? COLS * NQ : 1u;
 
@@ -86,8 +106,8 @@ shared uint s_last;
 
 Seq sq;
 uint hh, lane_d, col, rg;
-vec4 qr[RPT * KW * CH];     // this thread's slice of its rows' scaled queries
-vec4 acc[RPT * VW * CH];    // .. and output accumulators
+vec4 qr[RPT * KW * UV];     // this thread's slice of its rows' scaled queries
+vec4 acc[RPT * VW * UV];    // .. and output accumulators
 float m[RPT], l[RPT];       // running max (log2 units) and sum per row
 uint vis_end[RPT];          // key j < vis_end passes the causal rule (0: not a row of this call)
 uint qpos[RPT], qrow[RPT];  // position and row index within the sequence
@@ -95,39 +115,49 @@ float slope[RPT];
 
 #include "attn_fresh.glsl"
 
+// sums / maxima over the DS threads of a key row (xor butterflies, written out: compilers do not
+// unroll a loop whose counter doubles, and a rolled butterfly costs a branch per step)
 float cluster_sum(float x) {
 #if TILE_SHUFFLE
-    [[unroll]] for (uint w = 1u; w < DS; w <<= 1) x += subgroupShuffleXor(x, w);
+    if (DS > 1u) x += subgroupShuffleXor(x, 1u);
+    if (DS > 2u) x += subgroupShuffleXor(x, 2u);
+    if (DS > 4u) x += subgroupShuffleXor(x, 4u);
+    if (DS > 8u) x += subgroupShuffleXor(x, 8u);
+    if (DS > 16u) x += subgroupShuffleXor(x, 16u);
 #endif
     return x;
 }
 
 float cluster_max(float x) {
 #if TILE_SHUFFLE
-    [[unroll]] for (uint w = 1u; w < DS; w <<= 1) x = max(x, subgroupShuffleXor(x, w));
+    if (DS > 1u) x = max(x, subgroupShuffleXor(x, 1u));
+    if (DS > 2u) x = max(x, subgroupShuffleXor(x, 2u));
+    if (DS > 4u) x = max(x, subgroupShuffleXor(x, 4u));
+    if (DS > 8u) x = max(x, subgroupShuffleXor(x, 8u));
+    if (DS > 16u) x = max(x, subgroupShuffleXor(x, 16u));
 #endif
     return x;
 }
 
-// word i of this thread in a row of d4 words (clamped: words past the row read its last word and
-// are zeroed by the caller)
-uint my_word(uint i, uint d4) { return min(lane_d + i * DS, d4 - 1u); }
-bool word_ok(uint i, uint d4) { return d4 % DS == 0u || lane_d + i * DS < d4; }
+// unit i of this thread in a row of n units (clamped: units past the row read its last unit and
+// are zeroed or skipped by the caller)
+uint my_unit(uint i, uint n) { return min(lane_d + i * DS, n - 1u); }
+bool unit_ok(uint i, uint n) { return n % DS == 0u || lane_d + i * DS < n; }
 
 // keys lo .. hi-1 (workgroup-uniform bounds); column col takes keys j0 + col*KB + i of each step
 void consume(uint lo, uint hi) {
     for (uint j0 = lo; j0 < hi; j0 += COLS * KB) {
         uint rows[KB];
         uint js[KB];
-        vec4 kx[KB * KW * CH];
+        vec4 kx[KB * KW * UV];
         [[unroll]] for (uint i = 0u; i < KB; ++i) {
             js[i] = j0 + col * KB + i;
             rows[i] = cache_row(sq.bt, hh, min(js[i], hi - 1u));
             [[unroll]] for (uint w = 0u; w < KW; ++w) {
-                vec4 t[CH];
-                unpack_chunk(kc[rows[i] * DK4 + my_word(w, DK4)], t);
-                [[unroll]] for (uint e = 0u; e < CH; ++e)
-                    kx[(i * KW + w) * CH + e] = word_ok(w, DK4) ? t[e] : vec4(0.0);
+                vec4 t[UV];
+                unpack_unit(k_unit(rows[i], my_unit(w, DKU)), t);
+                [[unroll]] for (uint e = 0u; e < UV; ++e)
+                    kx[(i * KW + w) * UV + e] = unit_ok(w, DKU) ? t[e] : vec4(0.0);
             }
         }
         float p[RPT * KB];
@@ -136,7 +166,7 @@ void consume(uint lo, uint hi) {
             float smax = NEG_INF;
             [[unroll]] for (uint i = 0u; i < KB; ++i) {
                 float dsum = 0.0;
-                [[unroll]] for (uint x = 0u; x < KW * CH; ++x) dsum += dot(qr[r * KW * CH + x], kx[i * KW * CH + x]);
+                [[unroll]] for (uint x = 0u; x < KW * UV; ++x) dsum += dot(qr[r * KW * UV + x], kx[i * KW * UV + x]);
                 dsum = cluster_sum(dsum);
 #if KV_I8
                 dsum *= kscale[rows[i]];
@@ -159,7 +189,7 @@ void consume(uint lo, uint hi) {
             }
             l[r] = l[r] * alpha + psum;
             m[r] = mn;
-            [[unroll]] for (uint x = 0u; x < VW * CH; ++x) acc[r * VW * CH + x] *= alpha;
+            [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] *= alpha;
         }
         [[unroll]] for (uint i = 0u; i < KB; ++i) {
 #if KV_I8
@@ -168,35 +198,52 @@ void consume(uint lo, uint hi) {
             const float vsc = 1.0;
 #endif
             [[unroll]] for (uint w = 0u; w < VW; ++w) {
-                vec4 t[CH];
-                unpack_chunk(vc[rows[i] * DV4 + my_word(w, DV4)], t);
+                vec4 t[UV];
+                unpack_unit(v_unit(rows[i], my_unit(w, DVU)), t);
                 [[unroll]] for (uint r = 0u; r < RPT; ++r) {
                     const float pw = p[r * KB + i] * vsc;
-                    [[unroll]] for (uint e = 0u; e < CH; ++e)
-                        acc[(r * VW + w) * CH + e] += pw * t[e];
+                    [[unroll]] for (uint e = 0u; e < UV; ++e)
+                        acc[(r * VW + w) * UV + e] += pw * t[e];
                 }
             }
         }
     }
 }
 
-// store the call's new rows of this sequence: this thread writes words lane_d + w*DS of every
-// row, exactly the words it reads back in consume (no barrier needed; other threads and
+// store the call's new rows of this sequence: this thread writes units lane_d + w*DS of every
+// row, exactly the units it reads back in consume (no barrier needed; other threads and
 // workgroups store the same values)
+float unit_amax(bool is_k, uint nr, uint u) {
+    float a = 0.0;
+    [[unroll]] for (uint e = 0u; e < UV; ++e) a = max(a, vmax_abs(fresh_vec4(is_k, hh, nr, u * UV + e)));
+    return a;
+}
+
+void store_unit(bool is_k, uint row, uint nr, uint u, float scale) {
+    vec4 y[UV];
+    [[unroll]] for (uint e = 0u; e < UV; ++e) y[e] = fresh_vec4(is_k, hh, nr, u * UV + e);
+#if KV_I8
+    const uvec2 w = uvec2(pack_i8x4(quantise(y[0], scale)), pack_i8x4(quantise(y[1], scale)));
+    if (is_k) kc2[row * DK4 * 2u + u] = w;
+    else vc2[row * DV4 * 2u + u] = w;
+#else
+    if (is_k) kc[row * DK4 + u] = pack_chunk(y);
+    else vc[row * DV4 + u] = pack_chunk(y);
+#endif
+}
+
 void store_fresh() {
     for (uint r = 0u; r < sq.n_new; ++r) {
         const uint row = cache_row(sq.bt, hh, sq.past + r);
         const uint nr = sq.new_start + r;
         float kamax = 0.0, vamax = 0.0;
 #if KV_I8
-        [[unroll]] for (uint w = 0u; w < KW; ++w) if (word_ok(w, DK4)) kamax = max(kamax, fresh_amax(true, hh, nr, my_word(w, DK4)));
-        [[unroll]] for (uint w = 0u; w < VW; ++w) if (word_ok(w, DV4)) vamax = max(vamax, fresh_amax(false, hh, nr, my_word(w, DV4)));
+        [[unroll]] for (uint w = 0u; w < KW; ++w) if (unit_ok(w, DKU)) kamax = max(kamax, unit_amax(true, nr, my_unit(w, DKU)));
+        [[unroll]] for (uint w = 0u; w < VW; ++w) if (unit_ok(w, DVU)) vamax = max(vamax, unit_amax(false, nr, my_unit(w, DVU)));
 #endif
         const float ksc = quant_scale(cluster_max(kamax)), vsc = quant_scale(cluster_max(vamax));
-        [[unroll]] for (uint w = 0u; w < KW; ++w)
-            if (word_ok(w, DK4)) kc[row * DK4 + my_word(w, DK4)] = fresh_word(true, hh, nr, my_word(w, DK4), ksc);
-        [[unroll]] for (uint w = 0u; w < VW; ++w)
-            if (word_ok(w, DV4)) vc[row * DV4 + my_word(w, DV4)] = fresh_word(false, hh, nr, my_word(w, DV4), vsc);
+        [[unroll]] for (uint w = 0u; w < KW; ++w) if (unit_ok(w, DKU)) store_unit(true, row, nr, my_unit(w, DKU), ksc);
+        [[unroll]] for (uint w = 0u; w < VW; ++w) if (unit_ok(w, DVU)) store_unit(false, row, nr, my_unit(w, DVU), vsc);
 #if KV_I8
         kscale[row] = ksc;
         vscale[row] = vsc;
@@ -208,8 +255,8 @@ void store_fresh() {
 void write_partial(uint r, uint orow, uint sp, uint nrows) {
     const uint base = (sp * nrows + orow) * PV;
     [[unroll]] for (uint w = 0u; w < VW; ++w)
-        if (word_ok(w, DV4))
-            [[unroll]] for (uint e = 0u; e < CH; ++e) part[base + my_word(w, DV4) * CH + e] = acc[(r * VW + w) * CH + e];
+        if (unit_ok(w, DVU))
+            [[unroll]] for (uint e = 0u; e < UV; ++e) part[base + my_unit(w, DVU) * UV + e] = acc[(r * VW + w) * UV + e];
     if (lane_d == 0u) mlbuf[sp * nrows + orow] = vec2(m[r], l[r]);
 }
 
@@ -217,10 +264,10 @@ void write_partial(uint r, uint orow, uint sp, uint nrows) {
 void write_out(uint r, uint orow) {
     const float inv = l[r] > 0.0 ? 1.0 / l[r] : 0.0;
     [[unroll]] for (uint w = 0u; w < VW; ++w)
-        if (word_ok(w, DV4))
-            [[unroll]] for (uint e = 0u; e < CH; ++e) {
-                const uint dd = (my_word(w, DV4) * CH + e) * 4u;
-                const vec4 y = acc[(r * VW + w) * CH + e] * inv;
+        if (unit_ok(w, DVU))
+            [[unroll]] for (uint e = 0u; e < UV; ++e) {
+                const uint dd = (my_unit(w, DVU) * UV + e) * 4u;
+                const vec4 y = acc[(r * VW + w) * UV + e] * inv;
                 if (DV % 4u == 0u) {          // whole vec4 stores (constant-folded choice)
                     if (dd < DV) outbuf4[(orow * DV + dd) / 4u] = y;
                 } else {
@@ -232,20 +279,22 @@ void write_out(uint r, uint orow) {
 }
 
 // the last workgroup of a tile: every split's partial of row r merged into out/lse
+// (rolled loops: unrolled over SPLITS they would hold every split's values in registers at once,
+// and the merge would set the kernel's register count)
 void merge_splits(uint r, uint orow, uint nrows) {
     float mx = NEG_INF;
-    for (uint s = 0u; s < SPLITS; ++s) mx = max(mx, mlbuf[s * nrows + orow].x);
+    [[dont_unroll]] for (uint s = 0u; s < SPLITS; ++s) mx = max(mx, mlbuf[s * nrows + orow].x);
     float lt = 0.0;
-    [[unroll]] for (uint x = 0u; x < VW * CH; ++x) acc[r * VW * CH + x] = vec4(0.0);
+    [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] = vec4(0.0);
     if (mx != NEG_INF)
-        for (uint s = 0u; s < SPLITS; ++s) {
+        [[dont_unroll]] for (uint s = 0u; s < SPLITS; ++s) {
             const vec2 ms = mlbuf[s * nrows + orow];
             const float wgt = exp2(ms.x - mx);      // 0 for a split that saw nothing
             lt += wgt * ms.y;
             const uint base = (s * nrows + orow) * PV;
             [[unroll]] for (uint w = 0u; w < VW; ++w)
-                [[unroll]] for (uint e = 0u; e < CH; ++e)
-                    acc[(r * VW + w) * CH + e] += wgt * part[base + my_word(w, DV4) * CH + e];
+                [[unroll]] for (uint e = 0u; e < UV; ++e)
+                    acc[(r * VW + w) * UV + e] += wgt * part[base + my_unit(w, DVU) * UV + e];
         }
     m[r] = mx;
     l[r] = lt;
@@ -280,14 +329,14 @@ void main() {
         l[r] = 0.0;
         const uint qbase = ((hh * G + g) * R + sq.q_start + min(row, sq.q_len - 1u)) * DK4 * CH;
         [[unroll]] for (uint w = 0u; w < KW; ++w)
-            [[unroll]] for (uint e = 0u; e < CH; ++e) {
-                const uint u = my_word(w, DK4) * CH + e;
-                vec4 x = (ok && word_ok(w, DK4)) ? qbuf[qbase + u] : vec4(0.0);
-                if (HAS(F_ROPE_Q) && ok && word_ok(w, DK4))
+            [[unroll]] for (uint e = 0u; e < UV; ++e) {
+                const uint u = my_unit(w, DKU) * UV + e;
+                vec4 x = (ok && unit_ok(w, DKU)) ? qbuf[qbase + u] : vec4(0.0);
+                if (HAS(F_ROPE_Q) && ok && unit_ok(w, DKU))
                     x = rope_rotate(x, qbuf[qbase + rope_partner(u)], u, sq.rope_row + qpos[r] - sq.rope_pos);
-                qr[(r * KW + w) * CH + e] = x * qscale;
+                qr[(r * KW + w) * UV + e] = x * qscale;
             }
-        [[unroll]] for (uint x = 0u; x < VW * CH; ++x) acc[r * VW * CH + x] = vec4(0.0);
+        [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] = vec4(0.0);
     }
 
     // keys of this split; past the tile's last row nothing is visible when causal
@@ -316,7 +365,7 @@ void main() {
             const float f = m[r] == NEG_INF ? 0.0 : exp2(m[r] - mx);
             m[r] = mx;
             l[r] *= f;
-            [[unroll]] for (uint x = 0u; x < VW * CH; ++x) acc[r * VW * CH + x] *= f;
+            [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] *= f;
         }
         barrier();
         [[unroll]] for (uint r = 0u; r < RPT; ++r) {
@@ -324,9 +373,9 @@ void main() {
             if (qv >= NQ) continue;
             if (lane_d == 0u) s_l[col * NQ + qv] = l[r];
             [[unroll]] for (uint w = 0u; w < VW; ++w)
-                if (word_ok(w, DV4))
-                    [[unroll]] for (uint e = 0u; e < CH; ++e)
-                        s_acc[(col * NQ + qv) * PV + my_word(w, DV4) * CH + e] = acc[(r * VW + w) * CH + e];
+                if (unit_ok(w, DVU))
+                    [[unroll]] for (uint e = 0u; e < UV; ++e)
+                        s_acc[(col * NQ + qv) * PV + my_unit(w, DVU) * UV + e] = acc[(r * VW + w) * UV + e];
         }
         barrier();
         if (col == 0u)
@@ -335,8 +384,8 @@ void main() {
                 for (uint c2 = 1u; c2 < COLS; ++c2) {
                     l[r] += s_l[c2 * NQ + qv];
                     [[unroll]] for (uint w = 0u; w < VW; ++w)
-                        [[unroll]] for (uint e = 0u; e < CH; ++e)
-                            acc[(r * VW + w) * CH + e] += s_acc[(c2 * NQ + qv) * PV + my_word(w, DV4) * CH + e];
+                        [[unroll]] for (uint e = 0u; e < UV; ++e)
+                            acc[(r * VW + w) * UV + e] += s_acc[(c2 * NQ + qv) * PV + my_unit(w, DVU) * UV + e];
                 }
             }
     }
@@ -357,7 +406,7 @@ void main() {
     // partials are made visible before the counter moves; acquire: the last one reads them after)
     memoryBarrierBuffer();
     barrier();
-    if (t == 0u) s_last = atomicAdd(aux[aux[17] + hh * gl_NumWorkGroups.y + y], 1u);
+    if (t == 0u) s_last = atomicAdd(auxc[aux[17] + hh * gl_NumWorkGroups.y + y], 1u);
     barrier();
     if (s_last != SPLITS - 1u) return;
     memoryBarrierBuffer();

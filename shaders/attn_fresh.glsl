@@ -12,33 +12,31 @@
 // any cache row: each invocation stores exactly the words it later loads, so no barrier is needed
 // (other invocations and workgroups store the same values).
 
-// storage word c (< d4) of new row nr as CH float vec4, K rotated with ROPE_K
-void fresh_vals(bool is_k, uint h, uint nr, uint c, out vec4 y[CH]) {
+// vec4 u of new row nr (u < DK4*CH or DV4*CH), K rotated with ROPE_K
+vec4 fresh_vec4(bool is_k, uint h, uint nr, uint u) {
     const uint base = (h * aux[11] + nr) * (is_k ? DK4 : DV4) * CH;
-    [[unroll]] for (uint e = 0u; e < CH; ++e) {
-        const uint u = c * CH + e;
-        y[e] = is_k ? nk[base + u] : nv[base + u];
-        if (is_k && HAS(F_ROPE_K))
-            y[e] = rope_rotate(y[e], nk[base + rope_partner(u)], u,
-                               sq.rope_row + sq.past + nr - sq.new_start - sq.rope_pos);
-    }
+    if (!is_k) return nv[base + u];
+    vec4 y = nk[base + u];
+    if (HAS(F_ROPE_K))
+        y = rope_rotate(y, nk[base + rope_partner(u)], u, sq.rope_row + sq.past + nr - sq.new_start - sq.rope_pos);
+    return y;
 }
 
 // max |x| over storage word c of new row nr (KV_I8: the caller reduces it over the row)
 float fresh_amax(bool is_k, uint h, uint nr, uint c) {
-    vec4 y[CH];
-    fresh_vals(is_k, h, nr, c, y);
     float a = 0.0;
-    [[unroll]] for (uint e = 0u; e < CH; ++e) a = max(a, vmax_abs(y[e]));
+    [[unroll]] for (uint e = 0u; e < CH; ++e) a = max(a, vmax_abs(fresh_vec4(is_k, h, nr, c * CH + e)));
     return a;
 }
 
 // storage word c of new row nr as stored (KV_I8: quantised with the row's scale)
 uvec4 fresh_word(bool is_k, uint h, uint nr, uint c, float scale) {
     vec4 y[CH];
-    fresh_vals(is_k, h, nr, c, y);
+    [[unroll]] for (uint e = 0u; e < CH; ++e) {
+        y[e] = fresh_vec4(is_k, h, nr, c * CH + e);
 #if KV_I8
-    [[unroll]] for (uint e = 0u; e < CH; ++e) y[e] = quantise(y[e], scale);
+        y[e] = quantise(y[e], scale);
 #endif
+    }
     return pack_chunk(y);
 }

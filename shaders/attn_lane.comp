@@ -45,7 +45,8 @@ layout(std430, binding = 1) buffer VC { uvec4 vc[]; };
 layout(std430, binding = 2) readonly buffer NK { vec4 nk[]; };
 layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
 layout(std430, binding = 4) readonly buffer QB { vec4 qbuf[]; };
-layout(std430, binding = 5) coherent buffer AUX { uint aux[]; };
+layout(std430, binding = 5) readonly buffer AUX { uint aux[]; };
+layout(std430, binding = 5) coherent buffer AUXC { uint auxc[]; };   // the same buffer: split counters
 layout(std430, binding = 6) writeonly buffer OUT { float outbuf[]; };
 layout(std430, binding = 6) writeonly buffer OUT4 { vec4 outbuf4[]; };   // the same buffer by vec4
 layout(std430, binding = 7) coherent buffer PART { vec4 part[]; };
@@ -358,7 +359,7 @@ void main() {
     memoryBarrierBuffer();
     subgroupBarrier();
     uint done = 0u;
-    if (lane == 0u) done = atomicAdd(aux[aux[17] + h * gl_NumWorkGroups.y + y], 1u);
+    if (lane == 0u) done = atomicAdd(auxc[aux[17] + h * gl_NumWorkGroups.y + y], 1u);
     if (subgroupShuffle(done, 0u) != SPLITS - 1u) return;
     memoryBarrierBuffer();
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {

@@ -23,11 +23,14 @@ from dataclasses import dataclass
 WORKGROUP = 64          # threads of the grid-stride kernels (append, gather, copy); attn.comp's target
                         # workgroup size (a decode tile with fewer threads takes key columns)
 TILE_MAX_WG = 256       # attn.comp threads per workgroup at most
-TILE_CLUSTER = 16       # attn.comp threads per key row at most (16 x 16-byte loads: one 256-byte row
-                        # of float16 head_dim 128 per load instruction and cluster)
+TILE_CLUSTER = 32       # attn.comp threads per key row at most (a float16 head_dim-128 row is 16
+                        # units of 16 bytes: one 256-byte run per load instruction and cluster)
 TILE_ROW_FLOATS = 80    # attn.comp prefill: register floats per thread for its rows' query and
-                        # accumulator slices (+ max, sum); sets the rows per thread
-TILE_KB = 2             # attn.comp keys per column and step, loaded before use
+                        # accumulator slices (+ max, sum); sets the rows per thread, at most
+TILE_MAX_RPT = 4        # .. this many (RADV navi21 / gfx1100 / vega10, perf gpu: float16 head_dim
+                        # 128 prefill 108-112 VGPRs at 4 rows and one key per step)
+TILE_KB_DECODE = 2      # attn.comp keys per column and step, loaded before use: decode 2 (two keys
+TILE_KB_PREFILL = 1     # of loads in flight at 56-60 VGPRs), prefill 1 (its rows need the registers)
 PREFILL_NQ = 32         # query vectors (heads x rows) per prefill workgroup, before shrinking
 LANE_NQ = 32            # query vectors per attn_lane.comp workgroup: every K/V load serves this many
                         # (prefill S=512, d 128 on lavapipe: 16 -> 121 ms, 32 -> 95 ms, 64 -> 104 ms)
@@ -131,19 +134,20 @@ def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacit
     K/V load serves several rows), key columns to fill a WORKGROUP-thread workgroup."""
     from .errors import DeviceLimitError
 
+    uv = 2 if ch == 4 else ch            # float vec4 per load unit: int8 rows are read by 8 bytes
+    dku, dvu = dk4 * ch // uv, dv4 * ch // uv
     ds = 1
-    while ds < min(max(dk4, dv4), TILE_CLUSTER, device.tile_cluster()):
+    while ds < min(max(dku, dvu), TILE_CLUSTER, device.tile_cluster()):
         ds *= 2
-    kw, vw = -(-dk4 // ds), -(-dv4 // ds)
-    row_floats = (kw + vw) * ch * 4 + 2
+    row_floats = (-(-dku // ds) + -(-dvu // ds)) * uv * 4 + 2
     max_wg = min(TILE_MAX_WG, device.max_workgroup_size)
     if s == 1:
-        bq, rpt = 1, 1
+        bq, rpt, kb = 1, 1, TILE_KB_DECODE
         while ds * -(-group // rpt) > max_wg:
             rpt *= 2
     else:
-        rpt = 1
-        while 2 * rpt * row_floats <= TILE_ROW_FLOATS:
+        rpt, kb = 1, TILE_KB_PREFILL
+        while 2 * rpt * row_floats <= TILE_ROW_FLOATS and 2 * rpt <= TILE_MAX_RPT:
             rpt *= 2
         bq = 1                      # a power of two: whole subgroups even when s is odd
         while bq < s and 2 * bq * group <= PREFILL_NQ:
@@ -161,7 +165,7 @@ def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacit
     splits = decode_splits(device, "tile", num_kv_heads, capacity) if s == 1 else 1
     if device.is_software:
         splits = max(splits, -(-capacity // TILE_MAX_KEYS))
-    cfg = AttnConfig(kernel="tile", wg=threads * cols, bq=bq, splits=splits, ds=ds, rpt=rpt, cols=cols, kb=TILE_KB)
+    cfg = AttnConfig(kernel="tile", wg=threads * cols, bq=bq, splits=splits, ds=ds, rpt=rpt, cols=cols, kb=kb)
     need = cfg.shared_bytes(group, dv4, ch)
     if need > device.max_shared_memory:
         raise DeviceLimitError(f"attention tile needs {need} bytes of shared memory; the device has "

@@ -298,6 +298,12 @@ _VK_RESULT_NAMES = {
     -7: "VK_ERROR_EXTENSION_NOT_PRESENT",
     -8: "VK_ERROR_FEATURE_NOT_PRESENT",
     -9: "VK_ERROR_INCOMPATIBLE_DRIVER",
+    -10: "VK_ERROR_TOO_MANY_OBJECTS",
+    -11: "VK_ERROR_FORMAT_NOT_SUPPORTED",
+    -13: "VK_ERROR_UNKNOWN",
+    -1000012000: "VK_ERROR_INVALID_SHADER_NV",
+    -1000069000: "VK_ERROR_OUT_OF_POOL_MEMORY",
+    1000297000: "VK_PIPELINE_COMPILE_REQUIRED",
 }
 
 _DEVICE_TYPES = {
@@ -398,14 +404,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.vkGetPhysicalDeviceMemoryProperties.restype = None
 
 
-def _create_instance(lib: ctypes.CDLL) -> c_void_p:
+def _create_instance(lib: ctypes.CDLL, api_version: int = _API_VERSION_1_1) -> c_void_p:
     app = VkApplicationInfo(
         sType=_STYPE_APPLICATION_INFO,
         pApplicationName=b"vkattn",
         applicationVersion=1,
         pEngineName=b"vkattn",
         engineVersion=1,
-        apiVersion=_API_VERSION_1_1,
+        apiVersion=api_version,
     )
     info = VkInstanceCreateInfo(
         sType=_STYPE_INSTANCE_CREATE_INFO, pApplicationInfo=ctypes.pointer(app)

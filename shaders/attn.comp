@@ -38,6 +38,7 @@
 #if TILE_SHUFFLE
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_KHR_shader_subgroup_vote : require
 #endif
 #define HALF_NATIVE 1
 #include "common.glsl"
@@ -99,6 +100,10 @@ const uint KW = (DKU + DS - 1u) / DS;   // K units per thread and key
 const uint VW = (DVU + DS - 1u) / DS;   // V units per thread and key
 const uint PV = DV4 * CH;               // vec4 per padded output row
 const uint MERGE = COLS > 1u ? COLS * NQ : 1u;
+// running max of a row that has seen no key: the most negative finite float, below every finite
+// score, so exp2(-inf score - max) = 0 and no -inf - -inf case needs a test
+#define M_EMPTY uintBitsToFloat(0xff7fffffu)
+const uint LAZY_RESCALE = 8u;           // vec4 accumulators per thread from which the rescale is skipped
 
 shared float s_m[MERGE], s_l[MERGE];
 shared vec4 s_acc[COLS > 1u ? MERGE * PV : 1u];
@@ -139,6 +144,15 @@ float cluster_max(float x) {
     return x;
 }
 
+// a wave-uniform test where subgroups are usable (a branch the whole subgroup takes or skips)
+bool any_lane(bool x) {
+#if TILE_SHUFFLE
+    return subgroupAny(x);
+#else
+    return x;
+#endif
+}
+
 // unit i of this thread in a row of n units (clamped: units past the row read its last unit and
 // are zeroed or skipped by the caller)
 uint my_unit(uint i, uint n) { return min(lane_d + i * DS, n - 1u); }
@@ -160,7 +174,8 @@ void consume(uint lo, uint hi) {
                     kx[(i * KW + w) * UV + e] = unit_ok(w, DKU) ? t[e] : vec4(0.0);
             }
         }
-        float p[RPT * KB];
+        float p[RPT * KB], alphas[RPT];
+        bool grew = false;
         [[unroll]] for (uint r = 0u; r < RPT; ++r) {
             float s[KB];
             float smax = NEG_INF;
@@ -180,17 +195,23 @@ void consume(uint lo, uint hi) {
                 smax = max(smax, s[i]);
             }
             const float mn = max(m[r], smax);
-            const bool none = mn == NEG_INF;
-            const float alpha = none ? 1.0 : exp2(m[r] - mn);
+            const float alpha = exp2(m[r] - mn);
             float psum = 0.0;
             [[unroll]] for (uint i = 0u; i < KB; ++i) {
-                p[r * KB + i] = none ? 0.0 : exp2(s[i] - mn);
+                p[r * KB + i] = exp2(s[i] - mn);
                 psum += p[r * KB + i];
             }
             l[r] = l[r] * alpha + psum;
             m[r] = mn;
-            [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] *= alpha;
+            alphas[r] = alpha;
+            grew = grew || alpha != 1.0;
         }
+        // a row's max grows rarely after its first keys: the whole subgroup skips the rescale
+        // unless one of its rows grew -- where there is enough to skip (a branch around fewer
+        // instructions is turned into selects, which cost more than the multiplies)
+        if (RPT * VW * UV < LAZY_RESCALE || any_lane(grew))
+            [[unroll]] for (uint r = 0u; r < RPT; ++r)
+                [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] *= alphas[r];
         [[unroll]] for (uint i = 0u; i < KB; ++i) {
 #if KV_I8
             const float vsc = vscale[rows[i]];
@@ -282,12 +303,11 @@ void write_out(uint r, uint orow) {
 // (rolled loops: unrolled over SPLITS they would hold every split's values in registers at once,
 // and the merge would set the kernel's register count)
 void merge_splits(uint r, uint orow, uint nrows) {
-    float mx = NEG_INF;
+    float mx = M_EMPTY;
     [[dont_unroll]] for (uint s = 0u; s < SPLITS; ++s) mx = max(mx, mlbuf[s * nrows + orow].x);
     float lt = 0.0;
     [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] = vec4(0.0);
-    if (mx != NEG_INF)
-        [[dont_unroll]] for (uint s = 0u; s < SPLITS; ++s) {
+    [[dont_unroll]] for (uint s = 0u; s < SPLITS; ++s) {
             const vec2 ms = mlbuf[s * nrows + orow];
             const float wgt = exp2(ms.x - mx);      // 0 for a split that saw nothing
             lt += wgt * ms.y;
@@ -325,7 +345,7 @@ void main() {
         qpos[r] = T - sq.q_len + row;
         vis_end[r] = ok ? (causal ? qpos[r] + 1u : T) : 0u;
         slope[r] = HAS(F_ALIBI) ? uintBitsToFloat(aux[aux[15] + hh * G + g]) : 0.0;
-        m[r] = NEG_INF;
+        m[r] = M_EMPTY;
         l[r] = 0.0;
         const uint qbase = ((hh * G + g) * R + sq.q_start + min(row, sq.q_len - 1u)) * DK4 * CH;
         [[unroll]] for (uint w = 0u; w < KW; ++w)
@@ -360,9 +380,9 @@ void main() {
         barrier();
         [[unroll]] for (uint r = 0u; r < RPT; ++r) {
             const uint qv = min(rg * RPT + r, NQ - 1u);
-            float mx = NEG_INF;
+            float mx = M_EMPTY;
             for (uint c2 = 0u; c2 < COLS; ++c2) mx = max(mx, s_m[c2 * NQ + qv]);
-            const float f = m[r] == NEG_INF ? 0.0 : exp2(m[r] - mx);
+            const float f = exp2(m[r] - mx);
             m[r] = mx;
             l[r] *= f;
             [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] *= f;

@@ -257,12 +257,7 @@ class AttnPlan:
             f[alibi_off:free] = variant.alibi * np.float32(_LOG2E)
         recs = np.zeros((nseq, SEQ_WORDS), np.uint32)
         for i, s in enumerate(seqs):
-            total = s.past + s.n_new
-            kstart = 0
-            if variant.window is not None:
-                kstart = max(0, total - s.q_len + 1 - variant.window)
-            span = max(total - kstart, 1)
-            chunk = max(-(-span // cfg.splits), min(MIN_CHUNK, span))
+            kstart, chunk = split_keys(s.past + s.n_new, s.q_len, variant.window, cfg.splits)
             bt = 0
             if s.table is not None:
                 bt = free
@@ -290,6 +285,14 @@ class AttnPlan:
     def destroy(self) -> None:
         destroy(self.rec, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,
                 self.ml, self.rope)
+
+
+def split_keys(total: int, q_len: int, window: int | None, splits: int) -> tuple:
+    """(kstart, chunk): the first key the splits of a sequence of ``total`` keys cover (past any
+    row's window) and the keys per split (at least MIN_CHUNK, or all of them when fewer)."""
+    kstart = 0 if window is None else max(0, total - q_len + 1 - window)
+    span = max(total - kstart, 1)
+    return kstart, max(-(-span // splits), min(MIN_CHUNK, span))
 
 
 def set_storage(c) -> None:

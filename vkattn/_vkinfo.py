@@ -63,6 +63,7 @@ _STYPE_INSTANCE_CREATE_INFO = 1
 _STYPE_PHYSICAL_DEVICE_PROPERTIES_2 = 1000059001
 _STYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES = 1000094000
 _STYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES = 1000168000
+_STYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES = 1000196000
 _MEMORY_HEAP_DEVICE_LOCAL_BIT = 0x1
 _MAX_PHYSICAL_DEVICE_NAME_SIZE = 256
 _UUID_SIZE = 16
@@ -75,6 +76,7 @@ def _make_api_version(major: int, minor: int, patch: int = 0) -> int:
 
 
 _API_VERSION_1_1 = _make_api_version(1, 1)
+_API_VERSION_1_2 = _make_api_version(1, 2)
 
 
 class VkPhysicalDeviceLimits(Structure):
@@ -240,6 +242,17 @@ class VkPhysicalDeviceMaintenance3Properties(Structure):
     ]
 
 
+class VkPhysicalDeviceDriverProperties(Structure):
+    _fields_ = [
+        ("sType", VkStructureType),
+        ("pNext", c_void_p),
+        ("driverID", c_uint32),
+        ("driverName", c_char * 256),
+        ("driverInfo", c_char * 256),
+        ("conformanceVersion", c_uint8 * 4),
+    ]
+
+
 class VkApplicationInfo(Structure):
     _fields_ = [
         ("sType", VkStructureType),
@@ -355,6 +368,8 @@ class DeviceInfo:
     timestamp_period: float
     timestamp_compute_and_graphics: bool
     device_local_bytes: int
+    driver_name: str = ""       # VkPhysicalDeviceDriverProperties (Vulkan 1.2 devices)
+    driver_info: str = ""
 
     @property
     def is_software(self) -> bool:
@@ -466,6 +481,10 @@ class _RawProperties:
             pNext=ctypes.cast(byref(self.subgroup), c_void_p),
         )
         self.memory = VkPhysicalDeviceMemoryProperties()
+        # Vulkan 1.2 core: asked for in a chain of its own, only of devices that have 1.2
+        self.driver = VkPhysicalDeviceDriverProperties(sType=_STYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES)
+        self.props2_driver = VkPhysicalDeviceProperties2(
+            sType=_STYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=ctypes.cast(byref(self.driver), c_void_p))
 
     @property
     def properties(self) -> VkPhysicalDeviceProperties:
@@ -480,7 +499,7 @@ def _query_raw() -> list[_RawProperties]:
         raise VulkanUnavailableError(
             f"The Vulkan loader is incomplete ({exc}). {_INSTALL_HINT}"
         ) from exc
-    instance = _create_instance(lib)
+    instance = _create_instance(lib, _API_VERSION_1_2)
     try:
         get_props2 = _properties2_fn(lib, instance)
         raws = []
@@ -489,6 +508,8 @@ def _query_raw() -> list[_RawProperties]:
             lib.vkGetPhysicalDeviceProperties(device, byref(raw.props2.properties))
             if get_props2 is not None and raw.properties.apiVersion >= _API_VERSION_1_1:
                 get_props2(device, byref(raw.props2))
+            if get_props2 is not None and raw.properties.apiVersion >= _API_VERSION_1_2:
+                get_props2(device, byref(raw.props2_driver))
             lib.vkGetPhysicalDeviceMemoryProperties(device, byref(raw.memory))
             raws.append(raw)
         return raws
@@ -520,6 +541,8 @@ def _device_info(index: int, raw: _RawProperties) -> DeviceInfo:
         timestamp_period=float(limits.timestampPeriod),
         timestamp_compute_and_graphics=bool(limits.timestampComputeAndGraphics),
         device_local_bytes=sum(h.size for h in heaps if h.flags & _MEMORY_HEAP_DEVICE_LOCAL_BIT),
+        driver_name=raw.driver.driverName.decode("utf-8", errors="replace"),
+        driver_info=raw.driver.driverInfo.decode("utf-8", errors="replace"),
     )
 
 
@@ -556,15 +579,26 @@ def _describe(info: DeviceInfo) -> str:
         f"wg_size={wg} storage_range={info.max_storage_buffer_range} "
         f"max_alloc={info.max_memory_allocation_size} device_local={info.device_local_bytes} "
         f"timestamp_period={info.timestamp_period:g}ns"
+        + (f" driver={info.driver_name} {info.driver_info}" if info.driver_name else "")
     )
 
 
-def main() -> int:
+def main(argv: Optional[list] = None) -> int:
+    """One line per device; ``--json``: a JSON list of the DeviceInfo fields (for a parent process
+    that needs another environment's devices, e.g. RADV's null hardware)."""
+    import json
+    import sys
+    from dataclasses import asdict
+
+    argv = sys.argv[1:] if argv is None else argv
     try:
         devices = query_devices()
     except VulkanUnavailableError as exc:
-        print(f"Vulkan unavailable: {exc}")
+        print(json.dumps({"error": str(exc)}) if "--json" in argv else f"Vulkan unavailable: {exc}")
         return 1
+    if "--json" in argv:
+        print(json.dumps([asdict(d) for d in devices]))
+        return 0
     for info in devices:
         print(_describe(info))
     return 0

@@ -117,7 +117,7 @@ from ._vkinfo import (VkBool32, VkFlags, VkPhysicalDevice, VkPhysicalDevicePrope
 
 __all__ = ["Job", "Executable", "JobResult", "CompileResult", "DeviceSupport", "FEATURES",
            "DEFAULT_FAMILIES", "compile_stats", "device_support", "family_stats",
-           "available_families", "radeon_icd", "radv_waves_per_simd", "spirv_bindings",
+           "available_families", "family_device_info", "radeon_icd", "radv_waves_per_simd", "spirv_bindings",
            "format_table", "main"]
 
 NULL_DEVICE = "Null hardware"
@@ -1044,6 +1044,27 @@ def family_stats(families: Iterable[str], jobs, features: Iterable[str] = (), ir
 
 
 _family_cache: dict = {}
+
+
+def family_device_info(family: str, env: Optional[dict] = None, timeout: float = 60.0):
+    """The DeviceInfo (vkattn._vkinfo) of RADV's null hardware for ``family``, read in a child
+    process with the environment of :func:`family_stats`; None where RADV or the family is absent.
+    What ``perf gpu`` plans pipelines against (limits, subgroup size and operations)."""
+    from ._vkinfo import DeviceInfo
+    icd = radeon_icd()
+    if icd is None:
+        return None
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vkinfo.py")
+    try:
+        proc = subprocess.run([sys.executable, "-I", "-S", script, "--json"], capture_output=True,
+                              text=True, timeout=timeout, env=_child_env(family, icd, env))
+        found = json.loads(proc.stdout or "null")
+    except (subprocess.TimeoutExpired, ValueError):
+        return None
+    for d in found if isinstance(found, list) else []:
+        if d["name"].startswith(NULL_DEVICE):
+            return DeviceInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    return None
 
 
 def available_families(candidates: Iterable[str] = DEFAULT_FAMILIES,

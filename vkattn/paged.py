@@ -263,7 +263,7 @@ class _CopyPlan:
 
 def copy_pipeline(dev, c) -> Pipeline:
     """copy_rows.comp of _CopyPlan (fork / truncate of a shared partial block)."""
-    per_block = c.block_size * c.num_kv_heads * max(c._dk4, c._dv4)
+    per_block = c._block_size * c.num_kv_heads * max(c._dk4, c._dv4)
     return Pipeline("copy_rows", "copy_rows", {}, (WORKGROUP,), (grid_groups(per_block, dev), 1, 1), 5)
 
 

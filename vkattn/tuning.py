@@ -31,6 +31,8 @@ TILE_MAX_RPT = 4        # .. this many (RADV navi21 / gfx1100 / vega10, perf gpu
                         # 128 prefill 108-112 VGPRs at 4 rows and one key per step)
 TILE_KB_DECODE = 2      # attn.comp keys per column and step, loaded before use: decode 2 (two keys
 TILE_KB_PREFILL = 1     # of loads in flight at 56-60 VGPRs), prefill 1 (its rows need the registers)
+TILE_TARGET_WGS = 256   # attn.comp with s > 1: split the keys until about this many workgroups run
+TILE_SPLIT_KEYS = 512   # .. but give each split this many keys of the capacity at least
 PREFILL_NQ = 32         # query vectors (heads x rows) per prefill workgroup, before shrinking
 LANE_NQ = 32            # query vectors per attn_lane.comp workgroup: every K/V load serves this many
                         # (prefill S=512, d 128 on lavapipe: 16 -> 121 ms, 32 -> 95 ms, 64 -> 104 ms)
@@ -162,7 +164,12 @@ def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacit
     if threads > device.max_workgroup_size:
         raise DeviceLimitError(f"attention tile needs {threads} threads; the device allows {device.max_workgroup_size}")
     cols = max(1, min(WORKGROUP, max_wg) // threads)
-    splits = decode_splits(device, "tile", num_kv_heads, capacity) if s == 1 else 1
+    if s == 1:
+        splits = decode_splits(device, "tile", num_kv_heads, capacity)
+    else:       # a few query tiles over a long past (a chunk, speculative verify): split the keys too
+        want = 2 * (os.cpu_count() or 1) if device.is_software else TILE_TARGET_WGS
+        tiles = num_kv_heads * -(-s // bq)
+        splits = max(1, min(32, -(-want // tiles), -(-capacity // TILE_SPLIT_KEYS)))
     if device.is_software:
         splits = max(splits, -(-capacity // TILE_MAX_KEYS))
     cfg = AttnConfig(kernel="tile", wg=threads * cols, bq=bq, splits=splits, ds=ds, rpt=rpt, cols=cols, kb=kb)

@@ -22,6 +22,9 @@ def main(argv=None) -> int:
     if argv == ["gpubench"]:            # the perf cases on a Vulkan GPU, torch on the same GPU
         from . import gpubench
         return gpubench.main()
+    if argv == ["features"]:            # what the features kp leaves off would change (compiler study)
+        from . import features
+        return features.main()
     names = argv or list(SCRIPTS)
     bad = [n for n in names if n not in SCRIPTS]
     if bad:

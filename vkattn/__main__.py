@@ -163,6 +163,10 @@ def devices() -> int:
 
 
 def main(argv=None) -> int:
+    import logging
+    # say so when a pipeline is built for the first time (seconds on lavapipe): nobody should think
+    # the demo hangs
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     argv = sys.argv[1:] if argv is None else argv
     cmd = argv[0] if argv else "demo"
     if cmd == "demo":

@@ -25,6 +25,7 @@ import numpy as np
 
 import kp
 
+from .compiler import first_build, log
 from .errors import SyncHazardError
 
 _DTYPES = {np.dtype(np.uint32), np.dtype(np.float32)}
@@ -33,8 +34,10 @@ _DTYPES = {np.dtype(np.uint32), np.dtype(np.float32)}
 class Backend:
     """One ``kp.Manager`` on one physical device."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, device_key: str = "", software: bool = False):
         self.index = index
+        self.device_key = device_key or f"device {index}"
+        self.software = software
         self._mgr = kp.Manager(index)
 
     def buffer(self, size: int, dtype=np.uint32, host_visible: bool = True, name: str = "") -> "Buffer":
@@ -101,6 +104,11 @@ class Program:
         if want != len(self.bindings):    # kp would bind past the descriptor set and crash
             raise ValueError(f"{name}: the shader declares {want} buffer bindings, {len(self.bindings)} given")
         spec = np.asarray(spec, dtype=np.uint32)
+        if first_build(backend.device_key, spirv, spec):
+            log.info("vkattn: building the %s pipeline (spec %s) for the first time on %s%s; the driver caches it "
+                     "afterwards", name, ",".join(map(str, spec.tolist())), backend.device_key.split(" | ")[0],
+                     ": lavapipe compiles it to machine code on its first dispatch, which can take seconds"
+                     if backend.software else "")
         self._algo = backend._mgr.algorithm(
             [b._t for b in self.bindings], spirv, list(self.groups), spec, np.zeros(0, np.uint32))
 

@@ -8,6 +8,7 @@ every ``.glsl`` include, the defines and the compiler's version, so editing any 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -20,6 +21,8 @@ from .errors import ShaderCompileError
 
 TARGET_ENV = "vulkan1.1"
 _memo: dict = {}
+_seen: dict = {}
+log = logging.getLogger("vkattn")
 
 
 def shader_dir():
@@ -93,3 +96,29 @@ def _run_glslang(name: str, src_dir, defines: dict) -> bytes:
             msg = (res.stdout + res.stderr).strip()
             raise ShaderCompileError(f"shader {name!r} (defines {defines}) failed to compile:\n{msg}")
         return out.read_bytes()
+
+
+def first_build(device_key: str, spirv: bytes, spec) -> bool:
+    """Whether this pipeline (SPIR-V + specialisation constants) is new to this device and driver
+    as far as this machine has seen (a list under cache_dir(), one per device key); records it.
+    Drivers cache what they compile, so a pipeline seen before builds quickly; a new one can take
+    seconds on lavapipe, which compiles it to machine code on its first dispatch."""
+    key = hashlib.sha256(bytes(spirv) + repr(tuple(int(x) for x in spec)).encode()).hexdigest()[:24]
+    path = cache_dir() / f"pipelines-{hashlib.sha256(device_key.encode()).hexdigest()[:16]}.txt"
+    seen = _seen.get(path)
+    if seen is None:
+        try:
+            seen = set(path.read_text().split())
+        except OSError:
+            seen = set()
+        _seen[path] = seen
+    if key in seen:
+        return False
+    seen.add(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(key + "\n")
+    except OSError:
+        pass
+    return True

@@ -75,7 +75,8 @@ class Device(_Limits):
             raise ValueError(f"index: expected an int in [0, {len(devices)}), got {index!r}")
         self.info: DeviceInfo = devices[index]
         self.index = index
-        self._backend = _kp.Backend(index)
+        key = f"{self.info.name} | {self.info.driver_name} {self.info.driver_info} {self.info.driver_version}"
+        self._backend = _kp.Backend(index, key, self.info.is_software)
         self._lane_subgroup = None
         self._tile_cluster = None
 

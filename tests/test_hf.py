@@ -175,6 +175,74 @@ def test_half_precision_models(dtype):
     assert rel_err(vk.scores[:1], eager.scores[:1]) <= 2e-2
 
 
+def test_batch_repeat_reorder_select_and_crop_match_a_dynamic_cache():
+    """The batch operations transformers has on a Cache, on a left-padded batch, each followed by a
+    decode step whose logits must equal eager attention over a DynamicCache given the same calls."""
+    model = model_for("llama")
+    ids, mask = prompts(3, [PROMPT, 4, 7])
+    caches = {"vkattn": VkattnCache(model.config, 40, batch_size=6, dtype="float32"),
+              "eager": transformers.DynamicCache(config=model.config)}
+    g = torch.Generator().manual_seed(5)
+
+    def step(tokens):
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -tokens.shape[1]:]
+        logits = {}
+        for impl, cache in caches.items():
+            model.set_attn_implementation(impl)
+            with torch.no_grad():
+                logits[impl] = model(tokens, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]
+        assert rel_err([logits["vkattn"]], [logits["eager"]]) <= 1e-4
+        assert caches["vkattn"].get_seq_length() == caches["eager"].get_seq_length() == mask.shape[1]
+
+    def decode():
+        nonlocal mask
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        step(torch.randint(3, VOCAB, (mask.shape[0], 1), generator=g))
+
+    step(ids)                                                 # an empty cache takes 3 of its 6 rows
+    for cache in caches.values():
+        cache.batch_repeat_interleave(2)
+    mask = mask.repeat_interleave(2, dim=0)
+    decode()
+    beams = torch.tensor([5, 0, 0, 3, 2, 1])
+    for cache in caches.values():
+        cache.reorder_cache(beams)
+    mask = mask[beams]
+    decode()
+    keep = torch.tensor([False, True, False, False, True, True])
+    for cache in caches.values():
+        cache.batch_select_indices(keep)
+    mask = mask[keep]
+    decode()
+    for cache in caches.values():
+        cache.crop(-2)
+    mask = mask[:, :-2]
+    decode()
+    assert [caches["vkattn"].layers[0]._store.pool.length(s) for s in caches["vkattn"].layers[0]._store.ids] == \
+        [int(n) for n in mask.sum(1)]
+    with pytest.raises(ValueError, match="batch_size: the cache was built for 6"):
+        caches["vkattn"].batch_repeat_interleave(3)
+
+
+def test_staged_rows_are_appended_when_the_attention_does_not_come():
+    """update() only stages; a second update, crop or reorder appends what was staged first."""
+    model = model_for("llama")
+    cache = VkattnCache(model.config, 16, dtype="float32")
+    g = torch.Generator().manual_seed(2)
+    k1, v1, k2, v2 = (torch.randn(1, 2, n, 16, generator=g) for n in (3, 3, 2, 2))
+    assert cache.update(k1, v1, 0)[0] is k1                  # the new rows, unchanged
+    cache.update(k2, v2, 0)
+    assert cache.get_seq_length(0) == 5 and cache.layers[0]._store.cache.length == 3
+    cache.crop(0)
+    k, v = cache.layers[0]._store.cache.read()
+    np.testing.assert_array_equal(k[None], torch.cat([k1, k2], dim=2).numpy())
+    np.testing.assert_array_equal(v[None], torch.cat([v1, v2], dim=2).numpy())
+    with pytest.raises(TypeError, match="pass past_key_values"):          # keys that were not staged
+        vkattn.hf.vkattn_attention(model.model.layers[0].self_attn, torch.zeros(1, 4, 1, 16), k1, v1, None)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.layers[0]._store.cache.length == 0
+
+
 def read_all(cache):
     return [(layer.get_seq_length(), layer._store.cache.length, *map(np.copy, layer._store.cache.read()))
             for layer in cache.layers]

@@ -296,6 +296,8 @@ def test_errors_name_the_argument():
         VkattnCache(model.config, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="max_cache_len"):
         VkattnCache(model.config, 0)
+    with pytest.raises(ValueError, match=r"key_states: expected \(batch, 4, n, 16\) from the config"):
+        generate(model, "vkattn", ids[:1], cache=VkattnCache(model_for("gpt2").config, 64))
     right = mask.flip(1)                                     # right padding
     with pytest.raises(ValueError, match="left padding only"):
         generate(model, "vkattn", ids, right, VkattnCache(model.config, 64, batch_size=2))

@@ -93,8 +93,9 @@ class VkattnCache(Cache):
                             f"{type(config).__name__}")
         max_cache_len = check_int("max_cache_len", max_cache_len, 1)
         batch_size = check_int("batch_size", batch_size, 1)
-        dtype = _CACHE_DTYPES.get(dtype, dtype)
-        if dtype not in ("float16", "float32", "int8"):
+        if isinstance(dtype, torch.dtype):
+            dtype = _CACHE_DTYPES.get(dtype, str(dtype))
+        if not isinstance(dtype, str) or dtype not in ("float16", "float32", "int8"):
             raise TypeError(f"dtype: expected 'float16', 'float32' or 'int8' (torch.float16 / torch.float32), got "
                             f"{dtype!r}; bfloat16 models work with any of them (converted at the boundary)")
         text = config.get_text_config(decoder=True)

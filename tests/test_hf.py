@@ -224,6 +224,25 @@ def test_batch_repeat_reorder_select_and_crop_match_a_dynamic_cache():
         caches["vkattn"].batch_repeat_interleave(3)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_decode_step_is_one_submission_per_layer(batch, monkeypatch):
+    """update() and the attention of a decode step make one vkattn submission per layer (the
+    append fused into the attention); nothing is read back but the attention output."""
+    model = model_for("gemma2")
+    model.set_attn_implementation("vkattn")
+    ids, mask = prompts(batch, [PROMPT, 5, 9][:batch])
+    cache = VkattnCache(model.config, 32, batch_size=batch, dtype="float32")
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        runs = []
+        real_run = vkattn._kp.Recording.run
+        monkeypatch.setattr(vkattn._kp.Recording, "run", lambda rec: (runs.append(rec), real_run(rec))[1])
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        model(ids[:, -1:], attention_mask=mask, past_key_values=cache)
+    assert len(runs) == len(cache.layers) == 2
+    assert all(type(layer._store).__name__ == ("_SingleStore" if batch == 1 else "_PagedStore") for layer in cache.layers)
+
+
 def test_staged_rows_are_appended_when_the_attention_does_not_come():
     """update() only stages; a second update, crop or reorder appends what was staged first."""
     model = model_for("llama")

@@ -5,7 +5,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-hf install demo test test-validation perf clean
+.PHONY: setup setup-hf install demo test test-validation perf gpu-report gpu-bench clean
 setup:
 	@bash scripts/setup.sh
 
@@ -27,6 +27,12 @@ test-validation: setup
 
 perf: setup
 	$(PY) -m perf
+
+gpu-report: setup      # registers, spills, LDS, waves per AMD family from RADV's compiler: no GPU needed
+	$(PY) -m perf gpu
+
+gpu-bench: setup       # the perf cases on this machine's Vulkan GPU (VKATTN_DEVICE picks one)
+	$(PY) -m perf gpubench
 
 clean:
 	rm -rf $(VENV) build *.egg-info perf/out

@@ -1,5 +1,7 @@
 """``python -m perf [decode|prefill|append|overhead|batch|loads|hf ...]``: run the perf cases, print a table, write
-perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py)."""
+perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py).
+``python -m perf gpu``: the GPU compiler report (perf/gpu.py), without a GPU.
+``python -m perf gpubench``: the perf cases on a Vulkan GPU (perf/gpubench.py, ``make gpu-bench``)."""
 from __future__ import annotations
 
 import sys
@@ -15,6 +17,15 @@ SCRIPTS = {"decode": decode, "prefill": prefill, "append": append, "overhead": o
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["gpu"]:                 # the compiler report: no device of its own, a table of its own
+        from . import gpu
+        return gpu.main()
+    if argv == ["gpubench"]:            # the perf cases on a Vulkan GPU, torch on the same GPU
+        from . import gpubench
+        return gpubench.main()
+    if argv == ["features"]:            # what the features kp leaves off would change (compiler study)
+        from . import features
+        return features.main()
     names = argv or list(SCRIPTS)
     bad = [n for n in names if n not in SCRIPTS]
     if bad:

@@ -115,27 +115,37 @@ def time_calls(fn, iters: int, warmup: int, device_of=None) -> dict:
 
 
 def torch_case(q, k, v, causal: bool, ref, dtype: str, iters: int, warmup: int):
-    """torch's CPU scaled_dot_product_attention on the same values (float32 tensors made once):
-    (its result matches ``ref``, median ms), or (True, None) when torch is not installed.
-    vkattn's causal rows are the last s positions (bottom-right aligned): with a past that is an
-    explicit mask, since torch's ``is_causal`` aligns top-left."""
+    """torch's scaled_dot_product_attention on the same values (tensors made once): (its result
+    matches ``ref``, median ms), or (True, None) when torch is not installed. On the CPU in float32;
+    with VKATTN_PERF_TORCH_DEVICE=cuda (``perf gpubench`` sets it where torch sees a CUDA or ROCm
+    GPU) on that GPU, in float16 for a float16 cache, timed to completion (synchronised), and
+    checked at float16 tolerance there. vkattn's causal rows are the last s positions
+    (bottom-right aligned): with a past that is an explicit mask, since torch's ``is_causal``
+    aligns top-left."""
     try:
         import torch
         import torch.nn.functional as F
     except ImportError:
         return True, None
-    qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(x))[None] for x in (q, k, v))
+    dev = os.environ.get("VKATTN_PERF_TORCH_DEVICE", "cpu")
+    half = dev != "cpu" and dtype == "float16"
+    qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(x))[None].to(dev, torch.float16 if half else torch.float32)
+                  for x in (q, k, v))
     s, n = q.shape[1], k.shape[1]
     mask = None
     if causal and s > 1 and s < n:
-        mask = torch.from_numpy(np.arange(n)[None, :] <= np.arange(s)[:, None] + (n - s))
+        mask = torch.from_numpy(np.arange(n)[None, :] <= np.arange(s)[:, None] + (n - s)).to(dev)
     kw = dict(attn_mask=mask, is_causal=causal and s > 1 and s == n, enable_gqa=q.shape[0] != k.shape[0])
+    sync = torch.cuda.synchronize if dev != "cpu" else (lambda: None)
 
     def run():
         with torch.no_grad():
-            return F.scaled_dot_product_attention(qt, kt, vt, **kw)
+            out = F.scaled_dot_product_attention(qt, kt, vt, **kw)
+        sync()
+        return out
 
-    ok = check(run()[0].numpy(), ref, dtype)
+    got = run()[0].float().cpu().numpy()
+    ok = check(got, ref, dtype) if not half else bool(np.allclose(got, ref, atol=2e-3, rtol=2e-3))
     return ok, time_calls(run, iters, warmup)["median_ms"]
 
 
@@ -177,10 +187,10 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def print_table(rows: list, device_name: str) -> None:
+def print_table(rows: list, device_name: str, torch_label: str = "torch") -> None:
     print(f"\ndevice: {device_name}")
     head = (f"{'case':34} {'vkattn ms':>10} {'(min)':>8} {'device ms':>9} {'numpy ms':>9} {'x numpy':>8} "
-            f"{'torch ms':>9} {'x torch':>8} {'metric':>16}  ok")
+            f"{torch_label + ' ms':>9} {'x ' + torch_label:>8} {'metric':>16}  ok")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -192,13 +202,14 @@ def print_table(rows: list, device_name: str) -> None:
               f"{r.speedup_vs_numpy:8.2f} {tt} {metric:>16}  {'yes' if r.verified else 'NO'}")
 
 
-def write_results(rows: list, device_name: str, copy_gbs: float | None = None) -> Path:
+def write_results(rows: list, device_name: str, copy_gbs: float | None = None, stem: str = "results",
+                  extra: dict | None = None) -> Path:
     out = Path(os.environ.get("VKATTN_PERF_OUT") or Path(__file__).parent / "out")
     out.mkdir(parents=True, exist_ok=True)
     data = {"device": device_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "copy_bandwidth_gbs": copy_gbs,
-            "rows": [asdict(r) for r in rows]}
-    (out / "results.json").write_text(json.dumps(data, indent=2))
-    with open(out / "results.csv", "w", newline="") as f:
+            **(extra or {}), "rows": [asdict(r) for r in rows]}
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2))
+    with open(out / f"{stem}.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["device"] + list(asdict(rows[0]).keys()) if rows else ["device"])
         for r in rows:

@@ -1,7 +1,7 @@
 """Per-step overhead: decode at a tiny context vs a bare Kompute round trip in the same run.
 
 The bare round trip is the floor any Vulkan call from Python pays here: one recorded sequence
-(upload 64 bytes, one trivial dispatch, download 64 bytes) re-evaluated.
+(upload 64 bytes, one trivial dispatch copying 64 bytes, download 64 bytes) re-evaluated.
 """
 from __future__ import annotations
 
@@ -16,14 +16,16 @@ from .common import Row, Shape, check, env_int, selected, time_calls
 
 def bare_round_trip_ms(device, iters: int, warmup: int) -> dict:
     be = device.backend
-    src, ml, dst = be.buffer(16, np.float32, name="src"), be.buffer(2, np.float32, name="ml"), be.buffer(16, np.float32, name="dst")
-    lse = be.buffer(1, np.float32, name="lse")
-    ml.view()[:] = (0.0, 1.0)
-    prog = be.program(compile_shader("reduce"), [src, ml, dst, lse], (1, 1, 1), [16, 1, 1, 16, 16], writes=(2, 3),
-                      name="copy")
-    rec = be.recording().upload(src, ml).dispatch(prog).download(dst).build()
+    src, dst = be.buffer(16, np.uint32, name="src"), be.buffer(16, np.uint32, name="dst")
+    params = be.buffer(5, np.uint32, name="params")
+    params.view()[:] = (4, 0, 1, 2, 3)
+    unused = [be.buffer(1, np.float32, name="unused") for _ in range(4)]
+    # gather_slots.comp as a plain copy of 4 uvec4 words (one kv head, slot = row)
+    prog = be.program(compile_shader("gather_slots"), [src, src, dst, dst, params] + unused, (1, 1, 1),
+                      [64, 1, 1, 1, 1 << 20], writes=(2, 3, 7, 8), name="copy")
+    rec = be.recording().upload(src, params).dispatch(prog).download(dst).build()
     t = time_calls(rec.run, iters, warmup)
-    for o in (rec, prog, src, ml, dst, lse):
+    for o in [rec, prog, src, dst, params] + unused:
         o.destroy()
     return t
 

@@ -1,5 +1,5 @@
 #version 450
-// attn.comp -- flash attention over the persistent cache (plus optional new rows), one dispatch;
+// attn.comp -- flash attention over the persistent cache (plus a call's new rows), one dispatch;
 // the GPU kernel (CPU Vulkan drivers use attn_lane.comp). Per-call values, the sequences of a
 // batch and the score rules (window, sinks, softcap, ALiBi, mask) are in aux: attn_common.glsl.
 //
@@ -10,25 +10,37 @@
 //     * query rows qt*BQ .. qt*BQ+BQ-1 of the q_len_i rows of sequence i,
 //     * keys kstart_i + sp*chunk_i .. (+ chunk_i) of its T_i = past_i + n_new_i positions.
 //   kc, vc   : cache uvec4 rows, row of (head, slot) from aux (common.glsl, attn_common.glsl).
-//              Keys j < past_i come from here.
-//   nk, nv   : new rows, float32 [HKV, NN, DK4*CH|DV4*CH] vec4. Keys past_i <= j < T_i come from
-//              here (row new_start_i + j - past_i), rounded to the storage dtype; when aux[3] != 0
-//              the workgroups of the sequence also store them into its cache slots. No workgroup
-//              reads those slots in this dispatch, so the fused append cannot race with attention.
+//              FRESH plans first store the call's new rows (nk, nv: float32 [HKV, NN, DK4*CH |
+//              DV4*CH] vec4, rounded / quantised as stored) into their slots, then read them back
+//              like any cache row.
 //   q        : float32 [HKV*G, R, DK4*CH] vec4, zero padded
-//   out      : SPLITS == 1: float32 [HKV*G, R, DV], normalised; lse float32 [HKV*G, R]
-//              SPLITS  > 1: float32 [SPLITS, HKV*G*R, DV4*CH*4] un-normalised partial sums
-//   ml       : SPLITS  > 1: vec2 [SPLITS, HKV*G*R] running (max, sum), max in log2 units
-// numpy, one q head of one sequence (SPLITS == 1):
+//   out      : float32 [HKV*G, R, DV] normalised (a row that sees nothing gives zeros, never NaN)
+//   lse      : float32 [HKV*G, R] natural log-sum-exp of the row's scores (-inf: nothing seen)
+//   part, ml : SPLITS > 1: each split's un-normalised sums, float32 [SPLITS, HKV*G*R, DV4*CH*4],
+//              and (running max in log2 units, running sum) vec2 [SPLITS, HKV*G*R]. The last
+//              workgroup of a tile to finish (a device-scope counter in aux, zeroed by the call's
+//              upload) merges them into out and lse: one dispatch, no host round trip.
+// numpy, one q head of one sequence:
 //   s = scale * q @ K[:T].T (+ variants, invisible keys -inf);  out = softmax(s) @ V[:T]
-//   (a row that sees no key gives zeros, never NaN)
 //
-// Per tile of BK = WG keys: thread t scores key t against the NQ = G*BQ query vectors (pre-scaled,
-// in shared memory); NQ threads update the running max and sum (online softmax, exp2 domain);
-// then thread (c, qg, kg) accumulates V chunk c for query vectors qg, qg+TQ, ... over keys
-// kg, kg+KG, ... of the tile. KG > 1 (decode) spreads keys over threads; the KG partial sums
-// are added through shared memory once at the end. fp32 accumulation throughout.
+// Thread layout. A key row is read by a cluster of DS adjacent threads: thread d of the cluster
+// loads the uvec4 words d, d+DS, .. of the row, so a cluster reads one contiguous run of DS*16
+// bytes per load (coalesced), and the partial dot products are summed over the cluster with xor
+// shuffles (DS <= the subgroup size; TILE_SHUFFLE 0: DS = 1, one thread per whole row). Thread
+// t = d + DS*(c + COLS*rg): column c of COLS walks its own keys, row group rg owns query vectors
+// rg*RPT .. rg*RPT+RPT-1 (qv = g*BQ + row). Every thread keeps its slice of its rows' scaled
+// queries and output accumulators, and their running max and sum, in registers: the key loop has
+// no shared memory and no barrier. KB keys per column and step are loaded before they are used
+// (memory-level parallelism). COLS > 1 merges the columns through shared memory once at the end.
+// Per key and thread: KW = ceil(DK4/DS) + VW = ceil(DV4/DS) 16-byte loads. fp32 accumulation.
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
+#if TILE_SHUFFLE
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_KHR_shader_subgroup_vote : require
+#endif
+#define HALF_NATIVE 1
 #include "common.glsl"
 
 layout(local_size_x_id = 0) in;
@@ -39,9 +51,11 @@ layout(constant_id = 4) const uint DV4 = 16u;    // uvec4 per V row
 layout(constant_id = 5) const uint DV = 128u;    // v_head_dim (unpadded)
 layout(constant_id = 6) const uint SPLITS = 1u;  // key splits (grid x)
 layout(constant_id = 7) const uint FLAGS = 0u;   // variants (attn_common.glsl)
-layout(constant_id = 8) const uint TQ = 1u;      // query groups in the V phase
-layout(constant_id = 9) const uint KG = 1u;      // key groups in the V phase
-layout(constant_id = 10) const uint ROPE_DIM = 8u;  // rotated elements (ROPE_K / ROPE_Q)
+layout(constant_id = 8) const uint ROPE_DIM = 8u;  // rotated elements (ROPE_K / ROPE_Q)
+layout(constant_id = 9) const uint DS = 1u;      // threads per key row (a power of two)
+layout(constant_id = 10) const uint RPT = 1u;    // query vectors per thread
+layout(constant_id = 11) const uint COLS = 1u;   // key columns per workgroup
+layout(constant_id = 12) const uint KB = 1u;     // keys per column and step
 
 layout(std430, binding = 0) buffer KC { uvec4 kc[]; };
 layout(std430, binding = 1) buffer VC { uvec4 vc[]; };
@@ -49,268 +63,379 @@ layout(std430, binding = 2) readonly buffer NK { vec4 nk[]; };
 layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
 layout(std430, binding = 4) readonly buffer QB { vec4 qbuf[]; };
 layout(std430, binding = 5) readonly buffer AUX { uint aux[]; };
+layout(std430, binding = 5) coherent buffer AUXC { uint auxc[]; };   // the same buffer: split counters
 layout(std430, binding = 6) writeonly buffer OUT { float outbuf[]; };
-layout(std430, binding = 7) writeonly buffer ML { vec2 mlbuf[]; };
-layout(std430, binding = 8) writeonly buffer LSE { float lsebuf[]; };
-layout(std430, binding = 9) readonly buffer ROPE { vec4 rope_tab[]; };
-layout(std430, binding = 10) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row
-layout(std430, binding = 11) buffer VS { float vscale[]; };
+layout(std430, binding = 6) writeonly buffer OUT4 { vec4 outbuf4[]; };   // the same buffer by vec4
+layout(std430, binding = 7) coherent buffer PART { vec4 part[]; };
+layout(std430, binding = 8) coherent buffer ML { vec2 mlbuf[]; };
+layout(std430, binding = 9) writeonly buffer LSE { float lsebuf[]; };
+layout(std430, binding = 10) readonly buffer ROPE { vec4 rope_tab[]; };
+layout(std430, binding = 11) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row
+layout(std430, binding = 12) buffer VS { float vscale[]; };
+
+// A thread loads a row in units: the 16-byte storage word (float16: 8 values, float32: 4), or for
+// int8 half a word (8 bytes, 8 values), so an int8 key costs a thread no more registers than a
+// float16 one. UV: float vec4 per unit; DKU, DVU: units per K, V row.
+#if KV_I8
+#define UV 2u
+layout(std430, binding = 0) buffer KC2 { uvec2 kc2[]; };   // the same buffers by 8 bytes
+layout(std430, binding = 1) buffer VC2 { uvec2 vc2[]; };
+uvec2 k_unit(uint row, uint u) { return kc2[row * DK4 * 2u + u]; }
+uvec2 v_unit(uint row, uint u) { return vc2[row * DV4 * 2u + u]; }
+void unpack_unit(uvec2 w, out vec4 x[UV]) { x[0] = unpack_i8x4(w.x); x[1] = unpack_i8x4(w.y); }
+#else
+#define UV CH
+uvec4 k_unit(uint row, uint u) { return kc[row * DK4 + u]; }
+uvec4 v_unit(uint row, uint u) { return vc[row * DV4 + u]; }
+void unpack_unit(uvec4 w, out vec4 x[UV]) { unpack_chunk(w, x); }
+#endif
 
 #include "attn_common.glsl"
 #include "rope.glsl"
 
 const uint WG = gl_WorkGroupSize.x;
-const uint BK = WG;
 const uint NQ = G * BQ;
-const uint QPT = (NQ + TQ - 1u) / TQ;
-const uint PK = DK4 * CH;
-const uint PV = DV4 * CH;
-const uint RED = (KG > 1u) ? WG * QPT * CH : 1u;
+const uint DKU = DK4 * CH / UV, DVU = DV4 * CH / UV;
+const uint KW = (DKU + DS - 1u) / DS;   // K units per thread and key
+const uint VW = (DVU + DS - 1u) / DS;   // V units per thread and key
+const uint PV = DV4 * CH;               // vec4 per padded output row
+const uint MERGE = COLS > 1u ? COLS * NQ : 1u;
+// running max of a row that has seen no key: the most negative finite float, below every finite
+// score, so exp2(-inf score - max) = 0 and no -inf - -inf case needs a test
+#define M_EMPTY uintBitsToFloat(0xff7fffffu)
+const uint LAZY_RESCALE = 8u;           // vec4 accumulators per thread from which the rescale is skipped
 
-shared vec4 sq[NQ * PK];
-shared float ss[NQ * BK];
-shared float sm[NQ];
-shared float sl[NQ];
-shared float salpha[NQ];
-shared uint srow[BK];
-shared float svsc[BK];   // KV_I8: V scale of each key of the tile
-shared vec4 sred[RED];
+shared float s_m[MERGE], s_l[MERGE];
+shared vec4 s_acc[COLS > 1u ? MERGE * PV : 1u];
+shared uint s_last;
 
-Seq seq;
-uint hh, qt;
+Seq sq;
+uint hh, lane_d, col, rg;
+vec4 qr[RPT * KW * UV];     // this thread's slice of its rows' scaled queries
+vec4 acc[RPT * VW * UV];    // .. and output accumulators
+float m[RPT], l[RPT];       // running max (log2 units) and sum per row
+uint vis_end[RPT];          // key j < vis_end passes the causal rule (0: not a row of this call)
+uint qpos[RPT], qrow[RPT];  // position and row index within the sequence
+float slope[RPT];
 
-// vec4 u of new row r of nk (rotated with ROPE_K at its position)
-vec4 new_k(uint r, uint u) {
-    const uint row = (hh * aux[11] + r) * PK;
-    vec4 x = nk[row + u];
-    if (HAS(F_ROPE_K)) x = rope_rotate(x, nk[row + rope_partner(u)], u, seq.rope_row + seq.past + r - seq.new_start - seq.rope_pos);
+#include "attn_fresh.glsl"
+
+// sums / maxima over the DS threads of a key row (xor butterflies, written out: compilers do not
+// unroll a loop whose counter doubles, and a rolled butterfly costs a branch per step)
+float cluster_sum(float x) {
+#if TILE_SHUFFLE
+    if (DS > 1u) x += subgroupShuffleXor(x, 1u);
+    if (DS > 2u) x += subgroupShuffleXor(x, 2u);
+    if (DS > 4u) x += subgroupShuffleXor(x, 4u);
+    if (DS > 8u) x += subgroupShuffleXor(x, 8u);
+    if (DS > 16u) x += subgroupShuffleXor(x, 16u);
+#endif
     return x;
 }
 
-vec4 new_v(uint r, uint u) { return nv[(hh * aux[11] + r) * PV + u]; }
+float cluster_max(float x) {
+#if TILE_SHUFFLE
+    if (DS > 1u) x = max(x, subgroupShuffleXor(x, 1u));
+    if (DS > 2u) x = max(x, subgroupShuffleXor(x, 2u));
+    if (DS > 4u) x = max(x, subgroupShuffleXor(x, 4u));
+    if (DS > 8u) x = max(x, subgroupShuffleXor(x, 8u));
+    if (DS > 16u) x = max(x, subgroupShuffleXor(x, 16u));
+#endif
+    return x;
+}
 
-// KV_I8: quantisation scale of new row r (1 otherwise)
-float new_scale(bool is_k, uint r) {
-#if KV_I8
-    float amax = 0.0;
-    for (uint u = 0u; u < (is_k ? PK : PV); ++u) amax = max(amax, vmax_abs(is_k ? new_k(r, u) : new_v(r, u)));
-    return quant_scale(amax);
+// a wave-uniform test where subgroups are usable (a branch the whole subgroup takes or skips)
+bool any_lane(bool x) {
+#if TILE_SHUFFLE
+    return subgroupAny(x);
 #else
-    return 1.0;
+    return x;
 #endif
 }
 
-// chunk c of new row r in storage form (rounded / quantised with scale)
-uvec4 new_chunk(bool is_k, uint r, uint c, float scale) {
-    vec4 y[CH];
-    for (uint e = 0u; e < CH; ++e) {
-        y[e] = is_k ? new_k(r, c * CH + e) : new_v(r, c * CH + e);
+// unit i of this thread in a row of n units (clamped: units past the row read its last unit and
+// are zeroed or skipped by the caller)
+uint my_unit(uint i, uint n) { return min(lane_d + i * DS, n - 1u); }
+bool unit_ok(uint i, uint n) { return n % DS == 0u || lane_d + i * DS < n; }
+
+// keys lo .. hi-1 (workgroup-uniform bounds); column col takes keys j0 + col*KB + i of each step
+void consume(uint lo, uint hi) {
+    for (uint j0 = lo; j0 < hi; j0 += COLS * KB) {
+        uint rows[KB];
+        uint js[KB];
+        vec4 kx[KB * KW * UV];
+        [[unroll]] for (uint i = 0u; i < KB; ++i) {
+            js[i] = j0 + col * KB + i;
+            rows[i] = cache_row(sq.bt, hh, min(js[i], hi - 1u));
+            [[unroll]] for (uint w = 0u; w < KW; ++w) {
+                vec4 t[UV];
+                unpack_unit(k_unit(rows[i], my_unit(w, DKU)), t);
+                [[unroll]] for (uint e = 0u; e < UV; ++e)
+                    kx[(i * KW + w) * UV + e] = unit_ok(w, DKU) ? t[e] : vec4(0.0);
+            }
+        }
+        float p[RPT * KB], alphas[RPT];
+        bool grew = false;
+        [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+            float s[KB];
+            float smax = NEG_INF;
+            [[unroll]] for (uint i = 0u; i < KB; ++i) {
+                float dsum = 0.0;
+                [[unroll]] for (uint x = 0u; x < KW * UV; ++x) dsum += dot(qr[r * KW * UV + x], kx[i * KW * UV + x]);
+                dsum = cluster_sum(dsum);
 #if KV_I8
-        y[e] = quantise(y[e], scale);
+                dsum *= kscale[rows[i]];
 #endif
-    }
-    return pack_chunk(y);
-}
-
-// K/V chunk c of key j (cache row `row` or new row), as stored (KV_I8: before the scale)
-void load_k(uint row, uint j, uint c, float scale, out vec4 x[CH]) {
-    if (j < seq.past) unpack_chunk(kc[row * DK4 + c], x);
-    else unpack_chunk(new_chunk(true, seq.new_start + j - seq.past, c, scale), x);
-}
-
-void load_v(uint row, uint j, uint c, float scale, out vec4 x[CH]) {
-    if (j < seq.past) unpack_chunk(vc[row * DV4 + c], x);
-    else unpack_chunk(new_chunk(false, seq.new_start + j - seq.past, c, scale), x);
-}
-
-float key_scale(bool is_k, uint row, uint j) {
+                const uint j = js[i];
+                bool vis = j < hi && j < vis_end[r];
+                if (HAS(F_WINDOW)) vis = vis && key_visible(j, qpos[r], false);
+                float sc = shape_score(dsum, slope[r], j, qpos[r]);
+                if (HAS(F_MASK)) sc += mask_at(sq, hh * G + (rg * RPT + r) / BQ, qrow[r], min(j, hi - 1u));
+                s[i] = vis ? sc : NEG_INF;
+                smax = max(smax, s[i]);
+            }
+            const float mn = max(m[r], smax);
+            const float alpha = exp2(m[r] - mn);
+            float psum = 0.0;
+            [[unroll]] for (uint i = 0u; i < KB; ++i) {
+                p[r * KB + i] = exp2(s[i] - mn);
+                psum += p[r * KB + i];
+            }
+            l[r] = l[r] * alpha + psum;
+            m[r] = mn;
+            alphas[r] = alpha;
+            grew = grew || alpha != 1.0;
+        }
+        // a row's max grows rarely after its first keys: the whole subgroup skips the rescale
+        // unless one of its rows grew -- where there is enough to skip (a branch around fewer
+        // instructions is turned into selects, which cost more than the multiplies)
+        if (RPT * VW * UV < LAZY_RESCALE || any_lane(grew))
+            [[unroll]] for (uint r = 0u; r < RPT; ++r)
+                [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] *= alphas[r];
+        [[unroll]] for (uint i = 0u; i < KB; ++i) {
 #if KV_I8
-    if (j >= seq.past) return new_scale(is_k, seq.new_start + j - seq.past);
-    return is_k ? kscale[row] : vscale[row];
+            const float vsc = vscale[rows[i]];
 #else
-    return 1.0;
+            const float vsc = 1.0;
 #endif
+            [[unroll]] for (uint w = 0u; w < VW; ++w) {
+                vec4 t[UV];
+                unpack_unit(v_unit(rows[i], my_unit(w, DVU)), t);
+                [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+                    const float pw = p[r * KB + i] * vsc;
+                    [[unroll]] for (uint e = 0u; e < UV; ++e)
+                        acc[(r * VW + w) * UV + e] += pw * t[e];
+                }
+            }
+        }
+    }
 }
 
-void store_new_rows(uint sp, uint t) {
-    const uint nw = SPLITS * ((seq.q_len + BQ - 1u) / BQ);
-    for (uint r = qt * SPLITS + sp; r < seq.n_new; r += nw) {
-        const uint row = cache_row(seq.bt, hh, seq.past + r);
-        const float ksc = new_scale(true, seq.new_start + r), vsc = new_scale(false, seq.new_start + r);
-        for (uint c = t; c < DK4 + DV4; c += WG) {
-            if (c < DK4) kc[row * DK4 + c] = new_chunk(true, seq.new_start + r, c, ksc);
-            else vc[row * DV4 + c - DK4] = new_chunk(false, seq.new_start + r, c - DK4, vsc);
-        }
+// store the call's new rows of this sequence: this thread writes units lane_d + w*DS of every
+// row, exactly the units it reads back in consume (no barrier needed; other threads and
+// workgroups store the same values)
+float unit_amax(bool is_k, uint nr, uint u) {
+    float a = 0.0;
+    [[unroll]] for (uint e = 0u; e < UV; ++e) a = max(a, vmax_abs(fresh_vec4(is_k, hh, nr, u * UV + e)));
+    return a;
+}
+
+void store_unit(bool is_k, uint row, uint nr, uint u, float scale) {
+    vec4 y[UV];
+    [[unroll]] for (uint e = 0u; e < UV; ++e) y[e] = fresh_vec4(is_k, hh, nr, u * UV + e);
 #if KV_I8
-        if (t == 0u) { kscale[row] = ksc; vscale[row] = vsc; }
+    const uvec2 w = uvec2(pack_i8x4(quantise(y[0], scale)), pack_i8x4(quantise(y[1], scale)));
+    if (is_k) kc2[row * DK4 * 2u + u] = w;
+    else vc2[row * DV4 * 2u + u] = w;
+#else
+    if (is_k) kc[row * DK4 + u] = pack_chunk(y);
+    else vc[row * DV4 + u] = pack_chunk(y);
+#endif
+}
+
+void store_fresh() {
+    for (uint r = 0u; r < sq.n_new; ++r) {
+        const uint row = cache_row(sq.bt, hh, sq.past + r);
+        const uint nr = sq.new_start + r;
+        float kamax = 0.0, vamax = 0.0;
+#if KV_I8
+        [[unroll]] for (uint w = 0u; w < KW; ++w) if (unit_ok(w, DKU)) kamax = max(kamax, unit_amax(true, nr, my_unit(w, DKU)));
+        [[unroll]] for (uint w = 0u; w < VW; ++w) if (unit_ok(w, DVU)) vamax = max(vamax, unit_amax(false, nr, my_unit(w, DVU)));
+#endif
+        const float ksc = quant_scale(cluster_max(kamax)), vsc = quant_scale(cluster_max(vamax));
+        [[unroll]] for (uint w = 0u; w < KW; ++w) if (unit_ok(w, DKU)) store_unit(true, row, nr, my_unit(w, DKU), ksc);
+        [[unroll]] for (uint w = 0u; w < VW; ++w) if (unit_ok(w, DVU)) store_unit(false, row, nr, my_unit(w, DVU), vsc);
+#if KV_I8
+        kscale[row] = ksc;
+        vscale[row] = vsc;
 #endif
     }
 }
 
-// keys k0 .. k1-1 in tiles of BK (workgroup-uniform bounds: every thread reaches the barriers)
-void consume(uint k0, uint k1, uint t, uint cv, uint qg, uint kg, bool vact, inout vec4 acc[QPT][CH]) {
-    const bool causal = aux[1] != 0u;
-    const uint T = seq.past + seq.n_new;
-    for (uint j0 = k0; j0 < k1; j0 += BK) {
-        const uint n = min(BK, k1 - j0);
-        {
-            const uint j = j0 + t;
-            const uint row = (t < n && j < seq.past) ? cache_row(seq.bt, hh, j) : 0u;
-            srow[t] = row;
-            float dots[NQ];
-            for (uint qv = 0u; qv < NQ; ++qv) dots[qv] = 0.0;
-            if (t < n) {
-                const float ksc = key_scale(true, row, j);
-                if (KV_I8 != 0) svsc[t] = key_scale(false, row, j);
-                for (uint c = 0u; c < DK4; ++c) {
-                    vec4 kx[CH];
-                    load_k(row, j, c, ksc, kx);
-                    for (uint qv = 0u; qv < NQ; ++qv)
-                        for (uint e = 0u; e < CH; ++e) dots[qv] += dot(sq[qv * PK + c * CH + e], kx[e]);
+// row r's state: a split's un-normalised partial (SPLITS > 1) ...
+void write_partial(uint r, uint orow, uint sp, uint nrows) {
+    const uint base = (sp * nrows + orow) * PV;
+    [[unroll]] for (uint w = 0u; w < VW; ++w)
+        if (unit_ok(w, DVU))
+            [[unroll]] for (uint e = 0u; e < UV; ++e) part[base + my_unit(w, DVU) * UV + e] = acc[(r * VW + w) * UV + e];
+    if (lane_d == 0u) mlbuf[sp * nrows + orow] = vec2(m[r], l[r]);
+}
+
+// ... or normalised into out and lse
+void write_out(uint r, uint orow) {
+    const float inv = l[r] > 0.0 ? 1.0 / l[r] : 0.0;
+    [[unroll]] for (uint w = 0u; w < VW; ++w)
+        if (unit_ok(w, DVU))
+            [[unroll]] for (uint e = 0u; e < UV; ++e) {
+                const uint dd = (my_unit(w, DVU) * UV + e) * 4u;
+                const vec4 y = acc[(r * VW + w) * UV + e] * inv;
+                if (DV % 4u == 0u) {          // whole vec4 stores (constant-folded choice)
+                    if (dd < DV) outbuf4[(orow * DV + dd) / 4u] = y;
+                } else {
+                    [[unroll]] for (uint x = 0u; x < 4u; ++x)
+                        if (dd + x < DV) outbuf[orow * DV + dd + x] = y[x];
                 }
-                if (KV_I8 != 0) for (uint qv = 0u; qv < NQ; ++qv) dots[qv] *= ksc;
             }
-            for (uint qv = 0u; qv < NQ; ++qv) {
-                const uint r = qt * BQ + qv % BQ;
-                const uint p = T - seq.q_len + r;
-                float sc = NEG_INF;
-                if (t < n && r < seq.q_len && key_visible(j, p, causal)) {
-                    const float slope = HAS(F_ALIBI) ? uintBitsToFloat(aux[aux[15] + hh * G + qv / BQ]) : 0.0;
-                    sc = shape_score(dots[qv], slope, j, p);
-                    if (HAS(F_MASK)) sc += mask_at(seq, hh * G + qv / BQ, r, j);
-                }
-                ss[qv * BK + t] = sc;
-            }
+    if (lane_d == 0u) lsebuf[orow] = l[r] > 0.0 ? (m[r] + log2(l[r])) * LN2 : NEG_INF;
+}
+
+// the last workgroup of a tile: every split's partial of row r merged into out/lse
+// (rolled loops: unrolled over SPLITS they would hold every split's values in registers at once,
+// and the merge would set the kernel's register count)
+void merge_splits(uint r, uint orow, uint nrows) {
+    float mx = M_EMPTY;
+    [[dont_unroll]] for (uint s = 0u; s < SPLITS; ++s) mx = max(mx, mlbuf[s * nrows + orow].x);
+    float lt = 0.0;
+    [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] = vec4(0.0);
+    [[dont_unroll]] for (uint s = 0u; s < SPLITS; ++s) {
+            const vec2 ms = mlbuf[s * nrows + orow];
+            const float wgt = exp2(ms.x - mx);      // 0 for a split that saw nothing
+            lt += wgt * ms.y;
+            const uint base = (s * nrows + orow) * PV;
+            [[unroll]] for (uint w = 0u; w < VW; ++w)
+                [[unroll]] for (uint e = 0u; e < UV; ++e)
+                    acc[(r * VW + w) * UV + e] += wgt * part[base + my_unit(w, DVU) * UV + e];
         }
-        barrier();
-        for (uint qv = t; qv < NQ; qv += WG) {
-            float mt = NEG_INF;
-            for (uint k = 0u; k < n; ++k) mt = max(mt, ss[qv * BK + k]);
-            const float mold = sm[qv];
-            const float mnew = max(mold, mt);
-            float alpha = 1.0, lsum = 0.0;
-            if (mnew != NEG_INF) {
-                alpha = exp2(mold - mnew);
-                for (uint k = 0u; k < n; ++k) {
-                    const float p = exp2(ss[qv * BK + k] - mnew);
-                    ss[qv * BK + k] = p;
-                    lsum += p;
-                }
-            } else {
-                for (uint k = 0u; k < n; ++k) ss[qv * BK + k] = 0.0;
-            }
-            sm[qv] = mnew;
-            sl[qv] = sl[qv] * alpha + lsum;
-            salpha[qv] = alpha;
-        }
-        barrier();
-        if (vact) {
-            for (uint k = 0u; k < QPT; ++k) {
-                const uint qv = qg + k * TQ;
-                if (qv < NQ)
-                    for (uint e = 0u; e < CH; ++e) acc[k][e] *= salpha[qv];
-            }
-            for (uint kk = kg; kk < n; kk += KG) {
-                vec4 vx[CH];
-                const float vsc = KV_I8 != 0 ? svsc[kk] : 1.0;
-                load_v(srow[kk], j0 + kk, cv, vsc, vx);
-                for (uint k = 0u; k < QPT; ++k) {
-                    const uint qv = qg + k * TQ;
-                    if (qv < NQ) {
-                        const float p = ss[qv * BK + kk] * vsc;
-                        for (uint e = 0u; e < CH; ++e) acc[k][e] += p * vx[e];
-                    }
-                }
-            }
-        }
-        barrier();
-    }
+    m[r] = mx;
+    l[r] = lt;
 }
 
 void main() {
     const uint sp = gl_WorkGroupID.x, y = gl_WorkGroupID.y;
     hh = gl_WorkGroupID.z;
-    const uint h = hh;
     const uint t = gl_LocalInvocationID.x;
+    lane_d = t % DS;
+    col = (t / DS) % COLS;
+    rg = t / (DS * COLS);
     if (y >= aux[14]) return;                 // the grid is sized for the largest batch
-    seq = load_seq(aux[aux[13] + 2u * y]);
-    qt = aux[aux[13] + 2u * y + 1u];
+    sq = load_seq(aux[aux[13] + 2u * y]);
+    const uint qt = aux[aux[13] + 2u * y + 1u];
     const bool causal = aux[1] != 0u;
     const float qscale = uintBitsToFloat(aux[2]);
-    const uint T = seq.past + seq.n_new, R = aux[10];
-    const uint NROWS = gl_NumWorkGroups.z * G * R;
+    const uint T = sq.past + sq.n_new, R = aux[10];
+    const uint nrows = gl_NumWorkGroups.z * G * R;
 
-    if (aux[3] != 0u) store_new_rows(sp, t);
+    if (HAS(F_FRESH)) store_fresh();
 
-    for (uint i = t; i < NQ * PK; i += WG) {
-        const uint qv = i / PK, e = i % PK;
-        const uint r = qt * BQ + qv % BQ;
-        const uint qbase = ((h * G + qv / BQ) * R + seq.q_start + r) * PK;
-        vec4 x = (r < seq.q_len) ? qbuf[qbase + e] : vec4(0.0);
-        if (HAS(F_ROPE_Q) && r < seq.q_len)
-            x = rope_rotate(x, qbuf[qbase + rope_partner(e)], e, seq.rope_row + T - seq.q_len + r - seq.rope_pos);
-        sq[i] = x * qscale;
+    [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+        const uint qv = rg * RPT + r;
+        const uint g = min(qv, NQ - 1u) / BQ, row = qt * BQ + qv % BQ;
+        const bool ok = qv < NQ && row < sq.q_len;
+        qrow[r] = row;
+        qpos[r] = T - sq.q_len + row;
+        vis_end[r] = ok ? (causal ? qpos[r] + 1u : T) : 0u;
+        slope[r] = HAS(F_ALIBI) ? uintBitsToFloat(aux[aux[15] + hh * G + g]) : 0.0;
+        m[r] = M_EMPTY;
+        l[r] = 0.0;
+        const uint qbase = ((hh * G + g) * R + sq.q_start + min(row, sq.q_len - 1u)) * DK4 * CH;
+        [[unroll]] for (uint w = 0u; w < KW; ++w)
+            [[unroll]] for (uint e = 0u; e < UV; ++e) {
+                const uint u = my_unit(w, DKU) * UV + e;
+                vec4 x = (ok && unit_ok(w, DKU)) ? qbuf[qbase + u] : vec4(0.0);
+                if (HAS(F_ROPE_Q) && ok && unit_ok(w, DKU))
+                    x = rope_rotate(x, qbuf[qbase + rope_partner(u)], u, sq.rope_row + qpos[r] - sq.rope_pos);
+                qr[(r * KW + w) * UV + e] = x * qscale;
+            }
+        [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] = vec4(0.0);
     }
-    for (uint i = t; i < NQ; i += WG) { sm[i] = NEG_INF; sl[i] = 0.0; }
 
     // keys of this split; past the tile's last row nothing is visible when causal
     uint kend = T;
-    if (causal) kend = T - seq.q_len + min(seq.q_len, qt * BQ + BQ);
-    const uint a = min(kend, seq.kstart + sp * seq.chunk), b = min(kend, a + seq.chunk);
-
-    const uint cv = t % DV4, vr = t / DV4;
-    const uint qg = vr % TQ, kg = vr / TQ;
-    const bool vact = vr < TQ * KG;
-    vec4 acc[QPT][CH];
-    for (uint k = 0u; k < QPT; ++k)
-        for (uint e = 0u; e < CH; ++e) acc[k][e] = vec4(0.0);
-    barrier();
-
+    if (causal) kend = T - sq.q_len + min(sq.q_len, qt * BQ + BQ);
+    const uint a = min(kend, sq.kstart + sp * sq.chunk), b = min(kend, a + sq.chunk);
     if (HAS(F_WINDOW)) {
         const uint win = aux[7], sinks = aux[8];
-        const uint pmin = T - seq.q_len + qt * BQ;              // the tile's first row
+        const uint pmin = T - sq.q_len + qt * BQ;              // the tile's first row
         const uint wlo = pmin + 1u > win ? pmin + 1u - win : 0u;
-        if (sp == 0u) consume(0u, min(sinks, min(seq.kstart, kend)), t, cv, qg, kg, vact, acc);
-        consume(a, min(b, sinks), t, cv, qg, kg, vact, acc);
-        consume(max(a, max(sinks, wlo)), b, t, cv, qg, kg, vact, acc);
+        if (sp == 0u) consume(0u, min(sinks, min(sq.kstart, kend)));   // sinks below kstart
+        consume(a, min(b, sinks));
+        consume(max(a, max(sinks, wlo)), b);
     } else {
-        consume(a, b, t, cv, qg, kg, vact, acc);
+        consume(a, b);
     }
 
-    if (KG > 1u) {
-        if (vact && kg > 0u)
-            for (uint k = 0u; k < QPT; ++k)
-                for (uint e = 0u; e < CH; ++e) sred[(t * QPT + k) * CH + e] = acc[k][e];
+    if (COLS > 1u) {      // merge the columns: rescale to the common max, sum in shared memory
+        [[unroll]] for (uint r = 0u; r < RPT; ++r)
+            if (lane_d == 0u && rg * RPT + r < NQ) s_m[col * NQ + rg * RPT + r] = m[r];
         barrier();
-        if (vact && kg == 0u)
-            for (uint g2 = 1u; g2 < KG; ++g2) {
-                const uint t2 = (g2 * TQ + qg) * DV4 + cv;
-                for (uint k = 0u; k < QPT; ++k)
-                    for (uint e = 0u; e < CH; ++e) acc[k][e] += sred[(t2 * QPT + k) * CH + e];
+        [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+            const uint qv = min(rg * RPT + r, NQ - 1u);
+            float mx = M_EMPTY;
+            for (uint c2 = 0u; c2 < COLS; ++c2) mx = max(mx, s_m[c2 * NQ + qv]);
+            const float f = exp2(m[r] - mx);
+            m[r] = mx;
+            l[r] *= f;
+            [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] *= f;
+        }
+        barrier();
+        [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+            const uint qv = rg * RPT + r;
+            if (qv >= NQ) continue;
+            if (lane_d == 0u) s_l[col * NQ + qv] = l[r];
+            [[unroll]] for (uint w = 0u; w < VW; ++w)
+                if (unit_ok(w, DVU))
+                    [[unroll]] for (uint e = 0u; e < UV; ++e)
+                        s_acc[(col * NQ + qv) * PV + my_unit(w, DVU) * UV + e] = acc[(r * VW + w) * UV + e];
+        }
+        barrier();
+        if (col == 0u)
+            [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+                const uint qv = min(rg * RPT + r, NQ - 1u);
+                for (uint c2 = 1u; c2 < COLS; ++c2) {
+                    l[r] += s_l[c2 * NQ + qv];
+                    [[unroll]] for (uint w = 0u; w < VW; ++w)
+                        [[unroll]] for (uint e = 0u; e < UV; ++e)
+                            acc[(r * VW + w) * UV + e] += s_acc[(c2 * NQ + qv) * PV + my_unit(w, DVU) * UV + e];
+                }
             }
     }
 
-    if (!vact || kg != 0u) return;
-    for (uint k = 0u; k < QPT; ++k) {
-        const uint qv = qg + k * TQ;
-        const uint r = qt * BQ + qv % BQ;
-        if (qv >= NQ || r >= seq.q_len) continue;
-        const uint row = (h * G + qv / BQ) * R + seq.q_start + r;
-        if (SPLITS == 1u) {
-            const float l = sl[qv];
-            const float inv = l > 0.0 ? 1.0 / l : 0.0;
-            for (uint e = 0u; e < CH; ++e)
-                for (uint i = 0u; i < 4u; ++i) {
-                    const uint d = (cv * CH + e) * 4u + i;
-                    if (d < DV) outbuf[row * DV + d] = acc[k][e][i] * inv;
-                }
-            if (cv == 0u) lsebuf[row] = l > 0.0 ? (sm[qv] + log2(l)) * LN2 : NEG_INF;
-        } else {
-            const uint base = (sp * NROWS + row) * PV * 4u;
-            for (uint e = 0u; e < CH; ++e)
-                for (uint i = 0u; i < 4u; ++i)
-                    outbuf[base + (cv * CH + e) * 4u + i] = acc[k][e][i];
-            if (cv == 0u) mlbuf[sp * NROWS + row] = vec2(sm[qv], sl[qv]);
+    // rows of this thread that exist (column 0 holds the merged state)
+    [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+        const uint qv = rg * RPT + r;
+        if (col == 0u && qv < NQ && qrow[r] < sq.q_len)
+        {
+            const uint orow = (hh * G + qv / BQ) * R + sq.q_start + qrow[r];
+            if (SPLITS > 1u) write_partial(r, orow, sp, nrows);
+            else write_out(r, orow);
+        }
+    }
+    if (SPLITS == 1u) return;
+
+    // split-K: the last workgroup of this tile to get here merges the splits (release: our
+    // partials are made visible before the counter moves; acquire: the last one reads them after)
+    memoryBarrierBuffer();
+    barrier();
+    if (t == 0u) s_last = atomicAdd(auxc[aux[17] + hh * gl_NumWorkGroups.y + y], 1u);
+    barrier();
+    if (s_last != SPLITS - 1u) return;
+    memoryBarrierBuffer();
+    [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+        const uint qv = rg * RPT + r;
+        if (col == 0u && qv < NQ && qrow[r] < sq.q_len) {
+            const uint orow = (hh * G + qv / BQ) * R + sq.q_start + qrow[r];
+            merge_splits(r, orow, nrows);
+            write_out(r, orow);
         }
     }
 }

@@ -8,8 +8,7 @@
 // ([HKV, NN, D*4*CH] vec4). Everything per call lives in one uint32 buffer, uploaded once:
 //
 //   aux[0 .. 31] header
-//     [0] NSEQ  [1] causal  [2] float bits of scale*log2(e)  [3] store new rows (attn.comp;
-//         attn_lane.comp stores them whenever FLAGS has F_FRESH)
+//     [0] NSEQ  [1] causal  [2] float bits of scale*log2(e)  [3] unused (0)
 //     [4] head_stride, [5] block_stride: the cache row of head h, position j is
 //         KVCache (not PAGED): h*head_stride + j                        (head_stride = capacity)
 //         PagedKVCache: table[j / block_size]*block_stride + h*head_stride + j % block_size
@@ -20,7 +19,10 @@
 //     [11] NN (rows per head of nk/nv)  [12] offset of the sequence records  [13] offset of the
 //     tile table  [14] number of tiles  [15] offset of the ALiBi slopes (float bits of
 //     slope*log2(e) per q head, ALIBI)  [16] 1: each sequence's mask is per q head (MASK;
-//     0: one mask broadcast over heads)
+//     0: one mask broadcast over heads)  [17] offset of the split-K counters (SPLITS > 1): one
+//     uint per (kv head h, tile y) at aux[17] + h * tiles + y, zero when the call starts (they
+//     follow the aux words the host writes, so every upload zeroes them); the kernels count the
+//     workgroups of a tile that have written their partials, and the last one merges them
 //   sequence record i (SEQ_WORDS words at aux[12] + SEQ_WORDS*i)
 //     [0] past  [1] n_new  [2] q_start  [3] q_len  [4] chunk (keys per split)
 //     [5] offset of its block table (PAGED)  [6] kstart (first key the splits cover)

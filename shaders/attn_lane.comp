@@ -18,10 +18,10 @@
 //   grid (SPLITS, tiles, HKV); workgroup (sp, y, h): tile y of the aux tile table = (sequence i,
 //   query tile qt) -> its rows qt*BQ .. of sequence i, the G query heads of kv head h, keys
 //   kstart_i + sp*chunk_i .. (+ chunk_i) of the sequence's T_i = past_i + n_new_i keys
-//   SPLITS == 1: out float32 [HKV*G, R, DV] normalised (a row that sees nothing gives zeros),
-//                lse float32 [HKV*G, R] natural log-sum-exp of the scores (-inf: nothing seen)
-//   SPLITS  > 1: out float32 [SPLITS, HKV*G*R, DV4*CH*4] partial sums, ml vec2 [SPLITS, HKV*G*R]
-//                (running max in log2 units, running sum) for reduce.comp
+//   out float32 [HKV*G, R, DV] normalised (a row that sees nothing gives zeros), lse float32
+//   [HKV*G, R] natural log-sum-exp of the scores (-inf: nothing seen). SPLITS > 1: each split
+//   writes its partial (part, ml as in attn.comp) and the last workgroup of the tile to finish
+//   (a counter in aux) merges them into out and lse, in the same dispatch
 // numpy, q head h*G+g, row r of a sequence, split keys J (scores as in attn_common.glsl):
 //   s = scale * K[J] @ q[r] (+ variants, invisible -inf);  m = s.max();  p = exp(s - m);  acc = p @ V[J]
 #extension GL_GOOGLE_include_directive : require
@@ -46,13 +46,15 @@ layout(std430, binding = 2) readonly buffer NK { vec4 nk[]; };
 layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
 layout(std430, binding = 4) readonly buffer QB { vec4 qbuf[]; };
 layout(std430, binding = 5) readonly buffer AUX { uint aux[]; };
+layout(std430, binding = 5) coherent buffer AUXC { uint auxc[]; };   // the same buffer: split counters
 layout(std430, binding = 6) writeonly buffer OUT { float outbuf[]; };
 layout(std430, binding = 6) writeonly buffer OUT4 { vec4 outbuf4[]; };   // the same buffer by vec4
-layout(std430, binding = 7) writeonly buffer ML { vec2 mlbuf[]; };
-layout(std430, binding = 8) writeonly buffer LSE { float lsebuf[]; };
-layout(std430, binding = 9) readonly buffer ROPE { vec4 rope_tab[]; };
-layout(std430, binding = 10) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row
-layout(std430, binding = 11) buffer VS { float vscale[]; };
+layout(std430, binding = 7) coherent buffer PART { vec4 part[]; };
+layout(std430, binding = 8) coherent buffer ML { vec2 mlbuf[]; };
+layout(std430, binding = 9) writeonly buffer LSE { float lsebuf[]; };
+layout(std430, binding = 10) readonly buffer ROPE { vec4 rope_tab[]; };
+layout(std430, binding = 11) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row
+layout(std430, binding = 12) buffer VS { float vscale[]; };
 
 #include "attn_common.glsl"
 #include "rope.glsl"
@@ -66,28 +68,7 @@ const uint PV = DV4 * CH;
 
 Seq sq;             // this workgroup's sequence
 
-// chunk c of row r of nk/nv as floats (new keys rotated with ROPE_K); zeros past the row's end
-void new_vals(bool is_k, uint h, uint r, uint c, out vec4 y[CH]) {
-    const uint d4 = is_k ? DK4 : DV4;
-    const uint row = (h * aux[11] + r) * d4 * CH;
-    [[unroll]] for (uint e = 0u; e < CH; ++e) {
-        const uint u = c * CH + e;
-        y[e] = c >= d4 ? vec4(0.0) : (is_k ? nk[row + u] : nv[row + u]);
-        if (is_k && HAS(F_ROPE_K) && c < d4)
-            y[e] = rope_rotate(y[e], nk[row + rope_partner(u)], u, sq.rope_row + sq.past + r - sq.new_start - sq.rope_pos);
-    }
-}
-
-// the same chunk in storage form; KV_I8 quantises with the row's scale
-uvec4 new_chunk(bool is_k, uint h, uint r, uint c, float scale) {
-    if (c >= (is_k ? DK4 : DV4)) return uvec4(0u);
-    vec4 y[CH];
-    new_vals(is_k, h, r, c, y);
-#if KV_I8
-    [[unroll]] for (uint e = 0u; e < CH; ++e) y[e] = quantise(y[e], scale);
-#endif
-    return pack_chunk(y);
-}
+#include "attn_fresh.glsl"
 
 // xor butterflies over the WG lanes (CPU drivers make these in-register shuffles), written out
 // rather than looped: lavapipe caps the loop iterations of one invocation
@@ -118,20 +99,19 @@ void scatter_step(inout float a[WG], uint w) {
     }
 }
 
+// KV_I8: quantisation scale of new row nr (every lane gets it: max over the lanes' words)
+float new_row_scale(bool is_k, uint h, uint nr) {
 #if KV_I8
-// KV_I8: quantisation scale of new row r (every lane gets it: max over the lanes' chunks)
-float new_row_scale(bool is_k, uint h, uint r) {
     float amax = 0.0;
     [[unroll]] for (uint i = 0u; i < (is_k ? KPL : VPL); ++i) {
-        vec4 y[CH];
-        new_vals(is_k, h, r, gl_LocalInvocationID.x + i * WG, y);
-        [[unroll]] for (uint e = 0u; e < CH; ++e) amax = max(amax, vmax_abs(y[e]));
+        const uint c = gl_LocalInvocationID.x + i * WG;
+        if (c < (is_k ? DK4 : DV4)) amax = max(amax, fresh_amax(is_k, h, nr, c));
     }
     return quant_scale(lanes_max(amax));
-}
 #else
-float new_row_scale(bool is_k, uint h, uint r) { return 1.0; }
+    return 1.0;
 #endif
+}
 
 // per-invocation state: its slice of the NQ scaled queries and accumulators, softmax state
 vec4 q[NQ * KPL * CH];
@@ -262,6 +242,24 @@ void consume_range(uint lo, uint hi) {
     } while (j0 < hi);
 }
 
+// query vector qv normalised into out row `row` and its log-sum-exp
+void write_out(uint qv, uint row) {
+    const uint lane = gl_LocalInvocationID.x;
+    const float inv = l[qv] > 0.0 ? 1.0 / l[qv] : 0.0;
+    [[unroll]] for (uint i = 0u; i < VPL; ++i)
+        [[unroll]] for (uint e = 0u; e < CH; ++e) {
+            const uint d = ((lane + i * WG) * CH + e) * 4u;
+            const vec4 y = acc[(qv * VPL + i) * CH + e] * inv;
+            if (DV % 4u == 0u) {         // whole vec4 stores (constant-folded choice)
+                if (d < DV) outbuf4[(row * DV + d) / 4u] = y;
+            } else {
+                [[unroll]] for (uint x = 0u; x < 4u; ++x)
+                    if (d + x < DV) outbuf[row * DV + d + x] = y[x];
+            }
+        }
+    if (lane == 0u) lsebuf[row] = l[qv] > 0.0 ? (m[qv] + log2(l[qv])) * LN2 : NEG_INF;
+}
+
 void main() {
     const uint sp = gl_WorkGroupID.x, y = gl_WorkGroupID.y;
     hh = gl_WorkGroupID.z;
@@ -282,16 +280,16 @@ void main() {
         // consume_range)
         uint r = 0u;
         do {
-            const uint row = cache_row(sq.bt, h, sq.past + r);
-            const float ksc = new_row_scale(true, h, sq.new_start + r);
-            const float vsc = new_row_scale(false, h, sq.new_start + r);
+            const uint row = cache_row(sq.bt, h, sq.past + r), nr = sq.new_start + r;
+            const float ksc = new_row_scale(true, h, nr);
+            const float vsc = new_row_scale(false, h, nr);
             [[unroll]] for (uint i = 0u; i < KPL; ++i) {
                 const uint c = lane + i * WG;
-                if (c < DK4) kc[row * DK4 + c] = new_chunk(true, h, sq.new_start + r, c, ksc);
+                if (c < DK4) kc[row * DK4 + c] = fresh_word(true, h, nr, c, ksc);
             }
             [[unroll]] for (uint i = 0u; i < VPL; ++i) {
                 const uint c = lane + i * WG;
-                if (c < DV4) vc[row * DV4 + c] = new_chunk(false, h, sq.new_start + r, c, vsc);
+                if (c < DV4) vc[row * DV4 + c] = fresh_word(false, h, nr, c, vsc);
             }
 #if KV_I8
             kscale[row] = ksc;   // every lane stores (and later reads) the same value
@@ -339,32 +337,50 @@ void main() {
 
     const uint nrows = gl_NumWorkGroups.z * G * R;
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
-        const uint g = qv / BQ, r = qt * BQ + qv % BQ;
+        const uint r = qt * BQ + qv % BQ;
         if (r >= sq.q_len) continue;
-        const uint row = (h * G + g) * R + sq.q_start + r;
+        const uint row = (h * G + qv / BQ) * R + sq.q_start + r;
         if (SPLITS == 1u) {
-            const float inv = l[qv] > 0.0 ? 1.0 / l[qv] : 0.0;
-            [[unroll]] for (uint i = 0u; i < VPL; ++i)
-                [[unroll]] for (uint e = 0u; e < CH; ++e) {
-                    const uint d = ((lane + i * WG) * CH + e) * 4u;
-                    const vec4 y = acc[(qv * VPL + i) * CH + e] * inv;
-                    if (DV % 4u == 0u) {         // whole vec4 stores (constant-folded choice)
-                        if (d < DV) outbuf4[(row * DV + d) / 4u] = y;
-                    } else {
-                        [[unroll]] for (uint x = 0u; x < 4u; ++x)
-                            if (d + x < DV) outbuf[row * DV + d + x] = y[x];
-                    }
-                }
-            if (lane == 0u) lsebuf[row] = l[qv] > 0.0 ? (m[qv] + log2(l[qv])) * LN2 : NEG_INF;
+            write_out(qv, row);
         } else {
-            const uint base = (sp * nrows + row) * PV * 4u;
+            const uint base = (sp * nrows + row) * PV;
             [[unroll]] for (uint i = 0u; i < VPL; ++i) {
                 const uint c = lane + i * WG;
                 if (c < DV4)
-                    [[unroll]] for (uint e = 0u; e < CH; ++e)
-                        outbuf4[base / 4u + c * CH + e] = acc[(qv * VPL + i) * CH + e];
+                    [[unroll]] for (uint e = 0u; e < CH; ++e) part[base + c * CH + e] = acc[(qv * VPL + i) * CH + e];
             }
             if (lane == 0u) mlbuf[sp * nrows + row] = vec2(m[qv], l[qv]);
         }
+    }
+    if (SPLITS == 1u) return;
+
+    // split-K: the last workgroup of this tile to get here merges every split's partial (our
+    // partials are made visible before the counter moves; the last one reads the others' after)
+    memoryBarrierBuffer();
+    subgroupBarrier();
+    uint done = 0u;
+    if (lane == 0u) done = atomicAdd(auxc[aux[17] + h * gl_NumWorkGroups.y + y], 1u);
+    if (subgroupShuffle(done, 0u) != SPLITS - 1u) return;
+    memoryBarrierBuffer();
+    [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
+        const uint r = qt * BQ + qv % BQ;
+        if (r >= sq.q_len) continue;
+        const uint row = (h * G + qv / BQ) * R + sq.q_start + r;
+        float mx = NEG_INF;
+        for (uint s = 0u; s < SPLITS; ++s) mx = max(mx, mlbuf[s * nrows + row].x);
+        float lt = 0.0;
+        [[unroll]] for (uint i = 0u; i < VPL * CH; ++i) acc[qv * VPL * CH + i] = vec4(0.0);
+        for (uint s = 0u; s < SPLITS; ++s) {
+            const vec2 ms = mlbuf[s * nrows + row];
+            const float wgt = mx == NEG_INF ? 0.0 : exp2(ms.x - mx);   // 0 for a split that saw nothing
+            lt += wgt * ms.y;
+            const uint base = (s * nrows + row) * PV;
+            [[unroll]] for (uint i = 0u; i < VPL; ++i)
+                [[unroll]] for (uint e = 0u; e < CH; ++e)
+                    acc[(qv * VPL + i) * CH + e] += wgt * part[base + min(lane + i * WG, DV4 - 1u) * CH + e];
+        }
+        m[qv] = mx;
+        l[qv] = lt;
+        write_out(qv, row);
     }
 }

@@ -18,6 +18,9 @@
 #ifndef KV_I8
 #define KV_I8 0
 #endif
+#ifndef HALF_NATIVE
+#define HALF_NATIVE 0   // 1: unpackHalf2x16 (GPUs convert halves in one instruction); 0: the integer
+#endif                  // form below (llvmpipe)
 
 #if KV_I8
 #define CH 4u
@@ -33,7 +36,7 @@
 
 // uvec4 storage word -> CH float vec4
 #if KV_F16
-// IEEE half -> float for finite values with integer ops: move exponent and mantissa into place
+// IEEE half -> float for finite values with integer ops (attn_lane.comp, append: lavapipe): move exponent and mantissa into place
 // and rescale by 2^112 (this also turns half subnormals into the right floats). The cache holds no
 // Inf/NaN (rejected at the door).
 vec4 halves_to_float(uvec4 h) {
@@ -42,11 +45,21 @@ vec4 halves_to_float(uvec4 h) {
 }
 #endif
 
+// four int8 (low byte first) <-> a float vec4 of integers -127 .. 127
+vec4 unpack_i8x4(uint w) { return vec4((ivec4(w) << ivec4(24, 16, 8, 0)) >> 24); }
+
+uint pack_i8x4(vec4 x) {
+    const uvec4 b = uvec4(ivec4(x) & 0xff);
+    return b.x | (b.y << 8) | (b.z << 16) | (b.w << 24);
+}
+
 // (KV_I8: the int8 values, still to be multiplied by the row's scale)
 void unpack_chunk(uvec4 w, out vec4 x[CH]) {
 #if KV_I8
-    for (uint e = 0u; e < 4u; ++e)
-        x[e] = vec4((ivec4(w[e]) << ivec4(24, 16, 8, 0)) >> 24);
+    for (uint e = 0u; e < 4u; ++e) x[e] = unpack_i8x4(w[e]);
+#elif KV_F16 && HALF_NATIVE
+    x[0] = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+    x[1] = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
 #elif KV_F16
     x[0] = halves_to_float(uvec4(w.x & 0xffffu, w.x >> 16, w.y & 0xffffu, w.y >> 16));
     x[1] = halves_to_float(uvec4(w.z & 0xffffu, w.z >> 16, w.w & 0xffffu, w.w >> 16));
@@ -59,12 +72,7 @@ void unpack_chunk(uvec4 w, out vec4 x[CH]) {
 // quantised integers -127 .. 127, see quantise)
 uvec4 pack_chunk(vec4 x[CH]) {
 #if KV_I8
-    uvec4 w;
-    for (uint e = 0u; e < 4u; ++e) {
-        const uvec4 b = uvec4(ivec4(x[e]) & 0xff);
-        w[e] = b.x | (b.y << 8) | (b.z << 16) | (b.w << 24);
-    }
-    return w;
+    return uvec4(pack_i8x4(x[0]), pack_i8x4(x[1]), pack_i8x4(x[2]), pack_i8x4(x[3]));
 #elif KV_F16
     return uvec4(packHalf2x16(x[0].xy), packHalf2x16(x[0].zw),
                  packHalf2x16(x[1].xy), packHalf2x16(x[1].zw));

@@ -13,17 +13,17 @@ from vkattn import compiler
 
 def main() -> None:
     mgr = kp.Manager()
-    spirv = compiler.compile_shader("reduce")          # out[i] = part[i] for one split, l = 1 (+ lse)
-    part = mgr.tensor_t(np.ones(64, np.float32))
-    ml = mgr.tensor_t(np.array([0.0, 1.0], np.float32))
-    mid = mgr.tensor_t(np.zeros(64, np.float32))
-    out = mgr.tensor_t(np.zeros(64, np.float32))
-    lse1, lse2 = mgr.tensor_t(np.zeros(1, np.float32)), mgr.tensor_t(np.zeros(1, np.float32))
-    spec, push = np.array([64, 1, 1, 64, 64], np.uint32), np.zeros(0, np.uint32)
-    first = mgr.algorithm([part, ml, mid, lse1], spirv, [1, 1, 1], spec, push)
-    second = mgr.algorithm([mid, ml, out, lse2], spirv, [1, 1, 1], spec, push)
+    spirv = compiler.compile_shader("gather_slots")    # dst[i] = src[params[1 + i]], uvec4 words
+    src = mgr.tensor_t(np.arange(64, dtype=np.uint32))
+    mid = mgr.tensor_t(np.zeros(64, np.uint32))
+    out = mgr.tensor_t(np.zeros(64, np.uint32))
+    params = mgr.tensor_t(np.array([16] + list(range(16)), np.uint32))
+    unused = [mgr.tensor_t(np.zeros(1, np.float32)) for _ in range(4)]
+    spec, push = np.array([64, 1, 1, 1, 1 << 20], np.uint32), np.zeros(0, np.uint32)
+    first = mgr.algorithm([src, src, mid, mid, params] + unused, spirv, [1, 1, 1], spec, push)
+    second = mgr.algorithm([mid, mid, out, out, params] + unused, spirv, [1, 1, 1], spec, push)
     seq = mgr.sequence()
-    seq.record(kp.OpTensorSyncDevice([part, ml])).record(kp.OpAlgoDispatch(first))
+    seq.record(kp.OpTensorSyncDevice([src, params])).record(kp.OpAlgoDispatch(first))
     seq.record(kp.OpAlgoDispatch(second)).record(kp.OpTensorSyncLocal([out])).eval()
 
 

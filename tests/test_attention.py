@@ -297,3 +297,56 @@ def test_forward_fused_and_separate_append(device, rng, monkeypatch, kernel, dty
         ref, ref_lse = vkattn.reference.attention(qr, ks, vs, return_lse=True, **kw)
         assert_close(out, ref, dtype)
         assert_close(lse, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_split_decode_merges_on_the_device(device, rng, monkeypatch, kernel, dtype):
+    # split-K decode: one submission, one dispatch, and the only download is the output (+ lse):
+    # the splits' partials stay on the device and the last workgroup of each tile merges them.
+    # Many steps in a row, so the per-tile counters must come back to zero every call.
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "7")
+    cache = vkattn.KVCache(900, 2, 48, dtype=dtype, device=device)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, 600)
+    cache.append(k, v)
+    mirror.append(k, v)
+    for step in range(12):
+        k, v = rand_kv(rng, cache, 1)
+        q = rand_q(rng, cache, 3, 1)
+        out, lse = cache.forward(q, k, v, return_lse=True)
+        mirror.append(k, v)
+        ref, ref_lse = vkattn.reference.attention(q, mirror.k, mirror.v, return_lse=True)
+        assert_close(out, ref, dtype)
+        assert_close(lse, ref_lse, dtype)
+    plan = next(p for p in cache._plans.values() if hasattr(p, "cfg"))
+    assert plan.cfg.splits == 7
+    assert plan.rec.ops == ["upload q,aux,new_k,new_v", plan.attn.name, "download out,lse"]
+    assert not plan.part.host_visible and not plan.ml.host_visible
+    cache.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_tile_chunk_splits_keys(device, rng, monkeypatch, dtype):
+    # attn.comp splits the keys of a few query tiles over a long past as well (a chunk, a
+    # speculative verify): the splits' partials are merged on the device like decode's
+    monkeypatch.setenv("VKATTN_KERNEL", "tile")
+    cache = vkattn.KVCache(1500, 1, 64, dtype=dtype, device=device)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, 1200)
+    cache.append(k, v)
+    mirror.append(k, v)
+    for s in (9, 3):
+        k, v = rand_kv(rng, cache, s)
+        q = rand_q(rng, cache, 4, s)
+        out, lse = cache.forward(q, k, v, return_lse=True)
+        mirror.append(k, v)
+        ref, ref_lse = vkattn.reference.attention(q, mirror.k, mirror.v, return_lse=True)
+        assert_close(out, ref, dtype)
+        assert_close(lse, ref_lse, dtype)
+        q = rand_q(rng, cache, 4, 5)
+        assert_close(cache.attend(q, causal=False), mirror.ref(q, causal=False), dtype)
+    plans = [p for p in cache._plans.values() if hasattr(p, "cfg")]
+    assert all(p.cfg.splits > 1 for p in plans) and any(p.rows > 1 for p in plans)
+    cache.close()

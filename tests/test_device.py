@@ -54,39 +54,47 @@ def test_spirv_disk_cache(tmp_path, monkeypatch):
     calls = []
     real = compiler._run_glslang
     monkeypatch.setattr(compiler, "_run_glslang", lambda *a: calls.append(a) or real(*a))
-    a = compiler.compile_shader("reduce")
+    a = compiler.compile_shader("copy_rows")
     assert a[:4] == b"\x03\x02\x23\x07" and len(calls) == 1
-    assert len(list(tmp_path.glob("reduce-*.spv"))) == 1
+    assert len(list(tmp_path.glob("copy_rows-*.spv"))) == 1
     monkeypatch.setattr(compiler, "_memo", {})
-    assert compiler.compile_shader("reduce") == a and len(calls) == 1     # from disk
+    assert compiler.compile_shader("copy_rows") == a and len(calls) == 1     # from disk
     compiler.compile_shader("append", {"KV_F16": 0})
     compiler.compile_shader("append", {"KV_F16": 1})
     assert len(calls) == 3                                                # defines are in the key
 
 
+def gather_program(be, src, dst, params, name):
+    """gather_slots.comp as a plain word copy: dst[i] = src[params[1 + i]] (uvec4 words), K and V
+    views of the same buffers, no scales."""
+    dummies = [be.buffer(1, np.float32, name=f"{name}_unused{i}") for i in range(4)]
+    prog = be.program(compiler.compile_shader("gather_slots"), [src, src, dst, dst, params] + dummies, (1, 1, 1),
+                      [64, 1, 1, 1, 1 << 20], writes=(2, 3, 7, 8), name=name)
+    return prog, dummies
+
+
 def test_recording_rejects_unordered_dispatches(device):
     be = device.backend
-    spirv = compiler.compile_shader("reduce")
-    part, ml, out = be.buffer(64, np.float32), be.buffer(2, np.float32), be.buffer(64, np.float32)
-    out2, lse, lse2 = be.buffer(64, np.float32), be.buffer(1, np.float32), be.buffer(1, np.float32)
-    spec = [64, 1, 1, 64, 64]
-    writer = be.program(spirv, [part, ml, out, lse], (1, 1, 1), spec, writes=(2, 3), name="writer")
-    reader = be.program(spirv, [out, ml, out2, lse2], (1, 1, 1), spec, writes=(2, 3), name="reader")
+    src, mid, out = (be.buffer(64, np.uint32, name=n) for n in ("src", "mid", "out"))
+    params = be.buffer(17, np.uint32, name="params")
+    writer, d1 = gather_program(be, src, mid, params, "writer")
+    reader, d2 = gather_program(be, mid, out, params, "reader")
     with pytest.raises(vkattn.SyncHazardError, match="written by an earlier dispatch"):
         be.recording().dispatch(writer).dispatch(reader)          # read-after-write
     with pytest.raises(vkattn.SyncHazardError, match="an earlier dispatch used"):
         be.recording().dispatch(reader).dispatch(writer)          # write-after-read
     with pytest.raises(vkattn.SyncHazardError, match="upload"):
-        be.recording().dispatch(writer).upload(part)              # upload over a buffer in use
+        be.recording().dispatch(writer).upload(src)               # upload over a buffer in use
     # a download of the intermediate buffer orders the pair: accepted, and it computes
-    part.view()[:] = 2.0
-    ml.view()[:] = (0.0, 1.0)
-    rec = be.recording().upload(part, ml).dispatch(writer).download(out).dispatch(reader).download(out2).build()
+    src.view()[:] = np.arange(64)
+    params.view()[:] = [16] + list(range(15, -1, -1))             # 16 words, reversed
+    rec = be.recording().upload(src, params).dispatch(writer).download(mid).dispatch(reader).download(out).build()
     rec.run()
-    np.testing.assert_allclose(out.view(), 2.0)
-    np.testing.assert_allclose(out2.view(), 2.0)
+    words = np.arange(64).reshape(16, 4)
+    np.testing.assert_array_equal(mid.view().reshape(16, 4), words[::-1])
+    np.testing.assert_array_equal(out.view().reshape(16, 4), words)
     rec.destroy()
-    for o in (writer, reader, part, ml, out, out2, lse, lse2):
+    for o in [writer, reader, src, mid, out, params] + d1 + d2:
         o.destroy()
 
 
@@ -101,8 +109,8 @@ def test_lane_subgroup_probe(device):
 def test_program_checks_the_binding_count(device):
     # a shader declaring more buffers than bound would crash inside kp: a clear error instead
     be = device.backend
-    bufs = [be.buffer(4, np.float32) for _ in range(3)]
-    with pytest.raises(ValueError, match="declares 4 buffer bindings, 3 given"):
-        be.program(compiler.compile_shader("reduce"), bufs, (1, 1, 1), [64, 1, 1, 4, 4], name="reduce")
+    bufs = [be.buffer(4, np.float32) for _ in range(4)]
+    with pytest.raises(ValueError, match="declares 5 buffer bindings, 4 given"):
+        be.program(compiler.compile_shader("copy_rows"), bufs, (1, 1, 1), [64], name="copy_rows")
     for b in bufs:
         b.destroy()

@@ -1,5 +1,5 @@
 """Attention variants on KVCache (window + sinks, mask, softcap, ALiBi, log-sum-exp, merge) against
-the numpy reference, on both kernels, decode (split-K + reduce) and prefill (direct) paths."""
+the numpy reference, on both kernels, decode (split-K, merged on the device) and prefill (direct) paths."""
 import numpy as np
 import pytest
 
@@ -31,7 +31,7 @@ VARIANTS = ["window", "window_sinks", "softcap", "alibi", "mask", "mask_heads", 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("hkv,group,d,past,s,dtype", [
-    (2, 4, 64, 250, 1, "float16"),      # decode: split-K + reduce
+    (2, 4, 64, 250, 1, "float16"),      # decode: split-K, merged by the last workgroup
     (1, 3, 13, 61, 1, "float32"),       # odd head_dim, group 3
     (2, 2, 24, 100, 9, "float16"),      # prefill with past: direct output
     (3, 1, 37, 0, 29, "float32"),       # prefill from empty

@@ -140,63 +140,82 @@ class SeqCall:
     rope_pos: int = 0
 
 
+@dataclass(frozen=True)
+class Pipeline:
+    """One compute pipeline as vkattn builds it: shader, defines, specialisation constants (in
+    constant_id order), workgroup grid, number of storage-buffer bindings. What a plan compiles,
+    and what ``perf gpu`` compiles on other devices' compilers."""
+    name: str
+    shader: str
+    defines: dict
+    spec: tuple
+    groups: tuple
+    bindings: int
+
+
+ATTN_BINDINGS = 13      # kc vc nk nv q aux out part ml lse rope ks vs (attn.comp, attn_lane.comp)
+
+
+def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, key_bound: int,
+                  decode: bool, rope_dim: int = 0):
+    """(AttnConfig, Pipeline) of the attention dispatch for ``hq`` heads, ``rows`` packed query
+    rows, ``nn`` new rows (F_FRESH), ``nseq`` sequences, on ``dev`` (a Device, or anything with
+    its planning attributes) for the storage format ``fmt`` (a cache: _dk4, _dv4, _ch,
+    v_head_dim, num_kv_heads, _defines)."""
+    hkv = fmt.num_kv_heads
+    group = hq // hkv
+    cfg = attention_config(dev, group, 1 if decode else rows, fmt._dk4, fmt._dv4, fmt._ch, key_bound, hkv)
+    tiles_max = max(1, min(nseq * cfg.qtiles(rows), cfg.qtiles(rows) + nseq - 1))   # sum of ceil(q_len/bq)
+    grid = (cfg.splits, tiles_max, hkv)
+    if grid[1] > dev.max_workgroup_count[1]:
+        raise DeviceLimitError(f"q: {rows} rows need {grid[1]} workgroups in y; the device allows "
+                               f"{dev.max_workgroup_count[1]}")
+    spec = cfg.spec(group, fmt._dk4, fmt._dv4, fmt.v_head_dim, flags | (F_FRESH if nn else 0), rope_dim)
+    if cfg.kernel == "lane":
+        shader, defines = "attn_lane", dict(fmt._defines)
+    else:
+        shader, defines = "attn", dict(fmt._defines, TILE_SHUFFLE=int(cfg.ds > 1))
+    return cfg, Pipeline(shader, shader, defines, tuple(spec), grid, ATTN_BINDINGS)
+
+
 class AttnPlan:
-    """attn.comp / attn_lane.comp (+ reduce.comp when split) for ``hq`` heads, ``rows`` packed
-    query rows, ``nn`` new rows per head, ``nseq`` sequences, variant ``flags`` and an aux buffer
-    of ``aux_words``. One recorded sequence: upload -> attn -> [download partials -> reduce] ->
-    download. ``store`` is the cache: device, k/v buffers, layout."""
+    """attn.comp / attn_lane.comp for ``hq`` heads, ``rows`` packed query rows, ``nn`` new rows per
+    head, ``nseq`` sequences, variant ``flags`` and an aux buffer of ``aux_words``. One recorded
+    sequence: upload -> attn -> download of out and lse. With split-K the last workgroup of each
+    tile merges the splits on the device (a counter per tile after the aux words, zeroed by the
+    upload), so nothing crosses to the host before the output. ``store`` is the cache: device,
+    k/v buffers, layout."""
 
     def __init__(self, store, hq: int, rows: int, nn: int, nseq: int, flags: int, aux_words: int,
                  key_bound: int, decode: bool, rope_dim: int = 0):
         c = store
-        be, dev, hkv = c.device.backend, c.device, c.num_kv_heads
+        be, hkv = c.device.backend, c.num_kv_heads
         self.c, self.hq, self.rows, self.nn = c, hq, rows, nn
-        group = hq // hkv
-        cfg = attention_config(dev, group, 1 if decode else rows, c._dk4, c._dv4, c._ch, key_bound, hkv)
+        cfg, pipe = attn_pipeline(c.device, c, hq, rows, nn, nseq, flags, key_bound, decode, rope_dim)
         self.cfg = cfg
         pv4 = c._dv4 * c._ch * 4
         nrows = hq * rows
-        tiles_max = max(1, min(nseq * cfg.qtiles(rows), cfg.qtiles(rows) + nseq - 1))   # sum of ceil(q_len/bq)
         self.q = be.buffer(hq * rows * c._dk4 * c._ch * 4, np.float32, name="q")
         self.nk = be.buffer(hkv * max(nn, 1) * c._dk4 * c._ch * 4, np.float32, name="new_k")
         self.nv = be.buffer(hkv * max(nn, 1) * c._dv4 * c._ch * 4, np.float32, name="new_v")
-        self.aux = be.buffer(aux_words, np.uint32, name="aux")
+        split = cfg.splits > 1
+        self._counters = aux_words                  # split-K: one counter per (kv head, tile)
+        self.aux = be.buffer(aux_words + (hkv * pipe.groups[1] if split else 0), np.uint32, name="aux")
         self.out = be.buffer(nrows * c.v_head_dim, np.float32, name="out")
         self.lse = be.buffer(nrows, np.float32, name="lse")
         self.rope_dim = rope_dim
         self.rope = be.buffer(max(rows, nn, 1) * max(rope_dim, 4), np.float32, name="rope_table")
-        grid = (cfg.splits, tiles_max, hkv)
-        if grid[1] > dev.max_workgroup_count[1]:
-            raise DeviceLimitError(f"q: {rows} rows need {grid[1]} workgroups in y; the device allows "
-                                   f"{dev.max_workgroup_count[1]}")
+        # split-K partials live on the device only: the kernel merges them itself
+        self.part = be.buffer(cfg.splits * nrows * pv4 if split else 1, np.float32, host_visible=False,
+                              name="partials")
+        self.ml = be.buffer(cfg.splits * nrows * 2 if split else 2, np.float32, host_visible=False,
+                            name="max_sum")
         inputs = [self.q, self.aux] + ([self.nk, self.nv] if nn else []) + ([self.rope] if rope_dim else [])
-        direct = cfg.splits == 1                      # normalised output straight from the kernel
-        if direct:
-            self.part = None
-            self.ml = be.buffer(2, np.float32, name="ml_unused")
-        else:   # the kernel writes partials; reduce.comp writes out and lse
-            self.part = be.buffer(cfg.splits * nrows * pv4, np.float32, name="partials")
-            self.ml = be.buffer(cfg.splits * nrows * 2, np.float32, name="max_sum")
-        self.lse_k = self.lse if direct else be.buffer(1, np.float32, name="lse_unused")
-        bindings = [c._k, c._v, self.nk, self.nv, self.q, self.aux, self.out if direct else self.part,
-                    self.ml, self.lse_k, self.rope, c._ks, c._vs]
-        # spec constants size the tiles and pick the variant; lengths travel in aux
-        spec = [cfg.wg, group, cfg.bq, c._dk4, c._dv4, c.v_head_dim, cfg.splits, flags | (F_FRESH if nn else 0)]
-        if cfg.kernel == "tile":
-            spec += [cfg.tq, cfg.kg]
-        spec += [max(rope_dim, 8)]
-        shader = "attn_lane" if cfg.kernel == "lane" else "attn"
-        self.attn = be.program(compile_shader(shader, c._defines), bindings, grid, spec,
-                               writes=(0, 1, 6, 7, 8, 10, 11), name=shader)
-        rec = be.recording().upload(*inputs).dispatch(self.attn)
-        self.reduce = None
-        if not direct:
-            groups = grid_groups(nrows * c.v_head_dim, dev)
-            self.reduce = be.program(compile_shader("reduce"), [self.part, self.ml, self.out, self.lse],
-                                     (groups, 1, 1), [WORKGROUP, cfg.splits, nrows, c.v_head_dim, pv4],
-                                     writes=(2, 3), name="reduce")
-            rec.download(self.part, self.ml).dispatch(self.reduce)   # the download orders the pair
-        self.rec = rec.download(self.out, self.lse).build(c.timestamps)
+        bindings = [c._k, c._v, self.nk, self.nv, self.q, self.aux, self.out, self.part, self.ml, self.lse,
+                    self.rope, c._ks, c._vs]
+        self.attn = be.program(compile_shader(pipe.shader, pipe.defines), bindings, pipe.groups, pipe.spec,
+                               writes=(0, 1, 5, 6, 7, 8, 9, 11, 12), name=pipe.shader)
+        self.rec = be.recording().upload(*inputs).dispatch(self.attn).download(self.out, self.lse).build(c.timestamps)
         self._header = np.zeros(HEADER, np.uint32)
         self._tiles = {}
 
@@ -204,8 +223,7 @@ class AttnPlan:
     def aux_need(nseq: int, tiles: int, hq: int, table_words: int, mask_words: int) -> int:
         return HEADER + SEQ_WORDS * nseq + 2 * tiles + hq + table_words + mask_words
 
-    def run(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant, write_new: bool,
-            rope: RoPE | None = None):
+    def run(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant, rope: RoPE | None = None):
         """q (hq, rows, head_dim) packed; k/v (num_kv_heads, n, d) packed new rows or None.
         Returns out (hq, rows, v_head_dim) and lse (hq, rows) float32."""
         c, cfg = self.c, self.cfg
@@ -230,23 +248,16 @@ class AttnPlan:
         ntiles = len(tiles) // 2
         alibi_off = tile_off + 2 * ntiles
         free = alibi_off + (self.hq if variant.alibi is not None else 0)
-        h[:17] = (nseq, int(causal), _f32_bits(scale * _LOG2E), int(write_new), c._head_stride,
+        h[:18] = (nseq, int(causal), _f32_bits(scale * _LOG2E), 0, c._head_stride,
                   c._block_stride, c._block_size, variant.window or 0, variant.n_sink,
                   _f32_bits((variant.softcap or 0.0) * _LOG2E), self.rows, max(self.nn, 1), seq_off,
-                  tile_off, ntiles, alibi_off, 0)
+                  tile_off, ntiles, alibi_off, 0, self._counters)
         aux[tile_off:alibi_off] = tiles
         if variant.alibi is not None:
             f[alibi_off:free] = variant.alibi * np.float32(_LOG2E)
         recs = np.zeros((nseq, SEQ_WORDS), np.uint32)
         for i, s in enumerate(seqs):
-            total = s.past + s.n_new
-            kstart = 0
-            if variant.window is not None:
-                kstart = max(0, total - s.q_len + 1 - variant.window)
-            span = max(total - kstart, 1)
-            chunk = max(-(-span // cfg.splits), min(MIN_CHUNK, span))
-            if cfg.kernel == "tile":
-                chunk = -(-chunk // cfg.wg) * cfg.wg
+            kstart, chunk = split_keys(s.past + s.n_new, s.q_len, variant.window, cfg.splits)
             bt = 0
             if s.table is not None:
                 bt = free
@@ -272,8 +283,16 @@ class AttnPlan:
         return out, self.lse.view().reshape(self.hq, self.rows).copy()
 
     def destroy(self) -> None:
-        destroy(self.rec, self.attn, self.reduce, self.q, self.nk, self.nv, self.aux, self.out,
-                self.lse, self.part, self.ml, None if self.lse_k is self.lse else self.lse_k, self.rope)
+        destroy(self.rec, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,
+                self.ml, self.rope)
+
+
+def split_keys(total: int, q_len: int, window: int | None, splits: int) -> tuple:
+    """(kstart, chunk): the first key the splits of a sequence of ``total`` keys cover (past any
+    row's window) and the keys per split (at least MIN_CHUNK, or all of them when fewer)."""
+    kstart = 0 if window is None else max(0, total - q_len + 1 - window)
+    span = max(total - kstart, 1)
+    return kstart, max(-(-span // splits), min(MIN_CHUNK, span))
 
 
 def set_storage(c) -> None:
@@ -286,6 +305,20 @@ def set_storage(c) -> None:
     c._dk4 = -(-c.head_dim // epv)
     c._dv4 = -(-c.v_head_dim // epv)
     c._defines = {"KV_F16": int(c._f16), "KV_I8": int(c._i8)}
+
+
+class StorageFormat:
+    """What set_storage derives for a cache -- head dims, dtype, rope, block size -- without a
+    device or buffers: the format ``perf gpu`` plans pipelines for. ``block_size``: a
+    KVCache's capacity, a PagedKVCache's block size (a spec constant of append and gather)."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
+                 dtype: str = "float16", block_size: int = 1, rope: RoPE | None = None):
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.dtype, self.rope, self._block_size = dtype, rope, block_size
+        self._rope_dim = rope.dim(head_dim) if rope else 0
+        set_storage(self)
 
 
 def token_bytes(c) -> int:

@@ -9,7 +9,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import reference
-from ._attn import RoPE, destroy, grid_groups, put_rows, set_storage, token_bytes, unpack_rows
+from ._attn import Pipeline, RoPE, destroy, grid_groups, put_rows, set_storage, token_bytes, unpack_rows
 from .checks import check_bool, check_int
 from .compiler import compile_shader
 from .device import Device, default_device
@@ -193,11 +193,10 @@ class _SlotReadPlan:
         self.params = be.buffer(1 + READ_ROWS, np.uint32, name="read_slots")
         self.oks = be.buffer(READ_ROWS * hkv if c._i8 else 1, np.float32, name="read_kscale")
         self.ovs = be.buffer(READ_ROWS * hkv if c._i8 else 1, np.float32, name="read_vscale")
-        groups = grid_groups(READ_ROWS * hkv * max(c._dk4, c._dv4), c.device)
-        self.prog = be.program(compile_shader("gather_slots", {"KV_I8": int(c._i8)}),
+        pipe = gather_pipeline(c.device, c)
+        self.prog = be.program(compile_shader(pipe.shader, pipe.defines),
                                [c._k, c._v, self.ok, self.ov, self.params, c._ks, c._vs, self.oks, self.ovs],
-                               (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, hkv, c._block_size],
-                               writes=(2, 3, 7, 8), name="gather_slots")
+                               pipe.groups, pipe.spec, writes=(2, 3, 7, 8), name=pipe.name)
         self.rec = (be.recording().upload(self.params).dispatch(self.prog)
                     .download(self.ok, self.ov, self.oks, self.ovs).build(c.timestamps))
 
@@ -232,14 +231,10 @@ class _SlotWritePlan:
         self.nv = be.buffer(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
         self.slots = be.buffer(n, np.uint32, name="append_slots")
         self.rope = be.buffer(n * max(c._rope_dim, 4), np.float32, name="rope_table")
-        spirv = compile_shader("append", c._defines)
-        # invocations append.comp loops over: one per row (int8), else one per row chunk of K and V
-        total = 2 * hkv * n if c._i8 else hkv * n * max(c._dk4, c._dv4)
-        groups = grid_groups(total, c.device)
-        flags = c.rope.flags(False) if c.rope else 0
-        self.prog = be.program(spirv, [c._k, c._v, self.nk, self.nv, self.slots, self.rope, c._ks, c._vs],
-                               (groups, 1, 1), [WORKGROUP, c._dk4, c._dv4, c._block_size, hkv, n, flags,
-                                                max(c._rope_dim, 8)], writes=(0, 1, 6, 7), name="append")
+        pipe = append_pipeline(c.device, c, n)
+        self.prog = be.program(compile_shader(pipe.shader, pipe.defines),
+                               [c._k, c._v, self.nk, self.nv, self.slots, self.rope, c._ks, c._vs],
+                               pipe.groups, pipe.spec, writes=(0, 1, 6, 7), name=pipe.name)
         inputs = [self.nk, self.nv, self.slots] + ([self.rope] if c.rope else [])
         self.rec = be.recording().upload(*inputs).dispatch(self.prog).build(c.timestamps)
 
@@ -259,3 +254,22 @@ class _SlotWritePlan:
 
     def destroy(self) -> None:
         destroy(self.rec, self.prog, self.nk, self.nv, self.slots, self.rope)
+
+
+def gather_pipeline(dev, c) -> Pipeline:
+    """gather_slots.comp of _SlotReadPlan for the storage format ``c`` (a cache or StorageFormat)."""
+    hkv = c.num_kv_heads
+    groups = grid_groups(READ_ROWS * hkv * max(c._dk4, c._dv4), dev)
+    return Pipeline("gather_slots", "gather_slots", {"KV_I8": int(c._i8)},
+                    (WORKGROUP, c._dk4, c._dv4, hkv, c._block_size), (groups, 1, 1), 9)
+
+
+def append_pipeline(dev, c, n: int) -> Pipeline:
+    """append.comp of _SlotWritePlan: ``n`` rows per call."""
+    hkv = c.num_kv_heads
+    # invocations append.comp loops over: one per row (int8), else one per row chunk of K and V
+    total = 2 * hkv * n if c._i8 else hkv * n * max(c._dk4, c._dv4)
+    flags = c.rope.flags(False) if c.rope else 0
+    return Pipeline("append", "append", dict(c._defines),
+                    (WORKGROUP, c._dk4, c._dv4, c._block_size, hkv, n, flags, max(c._rope_dim, 8)),
+                    (grid_groups(total, dev), 1, 1), 8)

@@ -146,7 +146,7 @@ class Recording:
             if b in self._used:
                 raise SyncHazardError(f"upload of {b.name!r} after a dispatch used it in the same recording")
         self._ops.append(kp.OpTensorSyncDevice([b._t for b in bufs]))
-        self._names.append("upload")
+        self._names.append("upload " + ",".join(b.name for b in bufs))
         return self
 
     def dispatch(self, prog: Program) -> "Recording":
@@ -171,7 +171,7 @@ class Recording:
             self._written.discard(b)
             self._used.discard(b)
         self._ops.append(kp.OpTensorSyncLocal([b._t for b in bufs]))
-        self._names.append("download")
+        self._names.append("download " + ",".join(b.name for b in bufs))
         return self
 
     def build(self, timestamps: bool = False) -> "Recording":
@@ -183,6 +183,12 @@ class Recording:
 
     def run(self) -> None:
         self._seq.eval()
+
+    @property
+    def ops(self) -> list:
+        """The recorded ops in order: "upload <buffers>", the dispatched programs' names,
+        "download <buffers>"."""
+        return list(self._names)
 
     def timings(self, tick_ns: float) -> list:
         """(op name, device ms) for each op of the last run; needs ``build(timestamps=True)``."""

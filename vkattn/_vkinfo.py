@@ -63,6 +63,7 @@ _STYPE_INSTANCE_CREATE_INFO = 1
 _STYPE_PHYSICAL_DEVICE_PROPERTIES_2 = 1000059001
 _STYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES = 1000094000
 _STYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES = 1000168000
+_STYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES = 1000196000
 _MEMORY_HEAP_DEVICE_LOCAL_BIT = 0x1
 _MAX_PHYSICAL_DEVICE_NAME_SIZE = 256
 _UUID_SIZE = 16
@@ -75,6 +76,7 @@ def _make_api_version(major: int, minor: int, patch: int = 0) -> int:
 
 
 _API_VERSION_1_1 = _make_api_version(1, 1)
+_API_VERSION_1_2 = _make_api_version(1, 2)
 
 
 class VkPhysicalDeviceLimits(Structure):
@@ -240,6 +242,17 @@ class VkPhysicalDeviceMaintenance3Properties(Structure):
     ]
 
 
+class VkPhysicalDeviceDriverProperties(Structure):
+    _fields_ = [
+        ("sType", VkStructureType),
+        ("pNext", c_void_p),
+        ("driverID", c_uint32),
+        ("driverName", c_char * 256),
+        ("driverInfo", c_char * 256),
+        ("conformanceVersion", c_uint8 * 4),
+    ]
+
+
 class VkApplicationInfo(Structure):
     _fields_ = [
         ("sType", VkStructureType),
@@ -298,6 +311,12 @@ _VK_RESULT_NAMES = {
     -7: "VK_ERROR_EXTENSION_NOT_PRESENT",
     -8: "VK_ERROR_FEATURE_NOT_PRESENT",
     -9: "VK_ERROR_INCOMPATIBLE_DRIVER",
+    -10: "VK_ERROR_TOO_MANY_OBJECTS",
+    -11: "VK_ERROR_FORMAT_NOT_SUPPORTED",
+    -13: "VK_ERROR_UNKNOWN",
+    -1000012000: "VK_ERROR_INVALID_SHADER_NV",
+    -1000069000: "VK_ERROR_OUT_OF_POOL_MEMORY",
+    1000297000: "VK_PIPELINE_COMPILE_REQUIRED",
 }
 
 _DEVICE_TYPES = {
@@ -349,6 +368,8 @@ class DeviceInfo:
     timestamp_period: float
     timestamp_compute_and_graphics: bool
     device_local_bytes: int
+    driver_name: str = ""       # VkPhysicalDeviceDriverProperties (Vulkan 1.2 devices)
+    driver_info: str = ""
 
     @property
     def is_software(self) -> bool:
@@ -398,14 +419,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.vkGetPhysicalDeviceMemoryProperties.restype = None
 
 
-def _create_instance(lib: ctypes.CDLL) -> c_void_p:
+def _create_instance(lib: ctypes.CDLL, api_version: int = _API_VERSION_1_1) -> c_void_p:
     app = VkApplicationInfo(
         sType=_STYPE_APPLICATION_INFO,
         pApplicationName=b"vkattn",
         applicationVersion=1,
         pEngineName=b"vkattn",
         engineVersion=1,
-        apiVersion=_API_VERSION_1_1,
+        apiVersion=api_version,
     )
     info = VkInstanceCreateInfo(
         sType=_STYPE_INSTANCE_CREATE_INFO, pApplicationInfo=ctypes.pointer(app)
@@ -460,6 +481,10 @@ class _RawProperties:
             pNext=ctypes.cast(byref(self.subgroup), c_void_p),
         )
         self.memory = VkPhysicalDeviceMemoryProperties()
+        # Vulkan 1.2 core: asked for in a chain of its own, only of devices that have 1.2
+        self.driver = VkPhysicalDeviceDriverProperties(sType=_STYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES)
+        self.props2_driver = VkPhysicalDeviceProperties2(
+            sType=_STYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=ctypes.cast(byref(self.driver), c_void_p))
 
     @property
     def properties(self) -> VkPhysicalDeviceProperties:
@@ -474,7 +499,7 @@ def _query_raw() -> list[_RawProperties]:
         raise VulkanUnavailableError(
             f"The Vulkan loader is incomplete ({exc}). {_INSTALL_HINT}"
         ) from exc
-    instance = _create_instance(lib)
+    instance = _create_instance(lib, _API_VERSION_1_2)
     try:
         get_props2 = _properties2_fn(lib, instance)
         raws = []
@@ -483,6 +508,8 @@ def _query_raw() -> list[_RawProperties]:
             lib.vkGetPhysicalDeviceProperties(device, byref(raw.props2.properties))
             if get_props2 is not None and raw.properties.apiVersion >= _API_VERSION_1_1:
                 get_props2(device, byref(raw.props2))
+            if get_props2 is not None and raw.properties.apiVersion >= _API_VERSION_1_2:
+                get_props2(device, byref(raw.props2_driver))
             lib.vkGetPhysicalDeviceMemoryProperties(device, byref(raw.memory))
             raws.append(raw)
         return raws
@@ -514,6 +541,8 @@ def _device_info(index: int, raw: _RawProperties) -> DeviceInfo:
         timestamp_period=float(limits.timestampPeriod),
         timestamp_compute_and_graphics=bool(limits.timestampComputeAndGraphics),
         device_local_bytes=sum(h.size for h in heaps if h.flags & _MEMORY_HEAP_DEVICE_LOCAL_BIT),
+        driver_name=raw.driver.driverName.decode("utf-8", errors="replace"),
+        driver_info=raw.driver.driverInfo.decode("utf-8", errors="replace"),
     )
 
 
@@ -550,15 +579,26 @@ def _describe(info: DeviceInfo) -> str:
         f"wg_size={wg} storage_range={info.max_storage_buffer_range} "
         f"max_alloc={info.max_memory_allocation_size} device_local={info.device_local_bytes} "
         f"timestamp_period={info.timestamp_period:g}ns"
+        + (f" driver={info.driver_name} {info.driver_info}" if info.driver_name else "")
     )
 
 
-def main() -> int:
+def main(argv: Optional[list] = None) -> int:
+    """One line per device; ``--json``: a JSON list of the DeviceInfo fields (for a parent process
+    that needs another environment's devices, e.g. RADV's null hardware)."""
+    import json
+    import sys
+    from dataclasses import asdict
+
+    argv = sys.argv[1:] if argv is None else argv
     try:
         devices = query_devices()
     except VulkanUnavailableError as exc:
-        print(f"Vulkan unavailable: {exc}")
+        print(json.dumps({"error": str(exc)}) if "--json" in argv else f"Vulkan unavailable: {exc}")
         return 1
+    if "--json" in argv:
+        print(json.dumps([asdict(d) for d in devices]))
+        return 0
     for info in devices:
         print(_describe(info))
     return 0

@@ -202,7 +202,7 @@ class KVCache(CacheBase):
         fused = 0 if k is None else n
         seq = SeqCall(past=total - fused, n_new=fused, q_start=0, q_len=s, mask=mask,
                       rope_pos=total - max(s, fused))
-        out, lse = plan.run(q, k, v, [seq], call["causal"], call["scale"], variant, write_new=fused > 0,
+        out, lse = plan.run(q, k, v, [seq], call["causal"], call["scale"], variant,
                             rope=self.rope)
         self._length += n
         if self.verify:

@@ -9,26 +9,11 @@ from ._vkinfo import DeviceInfo, VulkanUnavailableError, query_devices
 from .errors import CacheClosedError
 
 
-class Device:
-    """One Vulkan physical device with a Kompute manager on it.
+class _Limits:
+    """The limits the planner reads, from ``self.info`` (a DeviceInfo)."""
 
-    ``Device()`` picks ``$VKATTN_DEVICE`` (an index, or a case-insensitive substring of the name)
-    if set, else the first GPU, else the first device (lavapipe on a machine without a GPU).
-    ``Device(index)`` takes the device at that index in the Vulkan loader's order.
-    """
+    info: DeviceInfo
 
-    def __init__(self, index: int | None = None):
-        devices = query_devices()
-        if index is None:
-            index = _pick(devices, os.environ.get("VKATTN_DEVICE"))
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(devices):
-            raise ValueError(f"index: expected an int in [0, {len(devices)}), got {index!r}")
-        self.info: DeviceInfo = devices[index]
-        self.index = index
-        self._backend = _kp.Backend(index)
-        self._lane_subgroup = None
-
-    # --- what callers and the planner read -------------------------------------------------
     @property
     def name(self) -> str:
         return self.info.name
@@ -61,28 +46,78 @@ class Device:
     def max_workgroup_count(self) -> tuple:
         return self.info.max_compute_workgroup_count
 
+    def _shuffles(self) -> bool:
+        from .tuning import COMPUTE_STAGE, SUBGROUP_SHUFFLE
+        return bool(self.info.subgroup_supported_operations & SUBGROUP_SHUFFLE and
+                    self.info.subgroup_supported_stages & COMPUTE_STAGE)
+
+    def _cluster_wanted(self) -> int:
+        """attn.comp's key-row cluster if the reported subgroup holds: min(TILE_CLUSTER, subgroup
+        size) where compute shaders have shuffles, else 1."""
+        from .tuning import TILE_CLUSTER
+        want = min(TILE_CLUSTER, self.subgroup_size)
+        return want if self._shuffles() and want > 1 and want & (want - 1) == 0 else 1
+
+
+class Device(_Limits):
+    """One Vulkan physical device with a Kompute manager on it.
+
+    ``Device()`` picks ``$VKATTN_DEVICE`` (an index, or a case-insensitive substring of the name)
+    if set, else the first GPU, else the first device (lavapipe on a machine without a GPU).
+    ``Device(index)`` takes the device at that index in the Vulkan loader's order.
+    """
+
+    def __init__(self, index: int | None = None):
+        devices = query_devices()
+        if index is None:
+            index = _pick(devices, os.environ.get("VKATTN_DEVICE"))
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(devices):
+            raise ValueError(f"index: expected an int in [0, {len(devices)}), got {index!r}")
+        self.info: DeviceInfo = devices[index]
+        self.index = index
+        self._backend = _kp.Backend(index)
+        self._lane_subgroup = None
+        self._tile_cluster = None
+
     def lane_subgroup(self) -> int:
         """The workgroup size attn_lane.comp may use here: the reported subgroup size if a probe
         dispatch confirms that a workgroup of that many invocations is exactly one subgroup with
         working xor shuffles (power of two, at most 16), else 0. Probed once per device."""
         if self._lane_subgroup is None:
-            self._lane_subgroup = 0
             sg = self.subgroup_size
-            if 1 <= sg <= 16 and sg & (sg - 1) == 0:
-                import numpy as np
-
-                from .compiler import compile_shader
-                be = self.backend
-                out = be.buffer(4, np.uint32, name="probe")
-                prog = be.program(compile_shader("subgroup_probe"), [out], (1, 1, 1), [sg], writes=(0,), name="probe")
-                rec = be.recording().dispatch(prog).download(out).build()
-                rec.run()
-                size, count, ok = (int(x) for x in out.view()[:3])
-                if size == sg and count == 1 and ok == 1:
-                    self._lane_subgroup = sg
-                for o in (rec, prog, out):
-                    o.destroy()
+            ok = self._shuffles() and 1 <= sg <= 16 and sg & (sg - 1) == 0
+            self._lane_subgroup = sg if ok and self._probe(sg, sg, need_one_subgroup=True) else 0
         return self._lane_subgroup
+
+    def tile_cluster(self) -> int:
+        """How many adjacent invocations of an attn.comp workgroup may share a key row (summing
+        with xor shuffles): min(TILE_CLUSTER, subgroup size) if a probe dispatch of a WORKGROUP-
+        sized workgroup confirms it, else 1 (no shuffles: one invocation per row). Once per device."""
+        if self._tile_cluster is None:
+            from .tuning import WORKGROUP
+            want = self._cluster_wanted()
+            self._tile_cluster = want if want > 1 and self._probe(WORKGROUP, want) else 1
+        return self._tile_cluster
+
+    def _probe(self, wg: int, cluster: int, need_one_subgroup: bool = False) -> bool:
+        """subgroup_probe.comp: do clusters of ``cluster`` invocations of a ``wg``-invocation
+        workgroup shuffle correctly (and, if asked, is the workgroup one subgroup of ``wg``)?"""
+        import numpy as np
+
+        from .compiler import compile_shader
+        be = self.backend
+        out = be.buffer(2 + wg, np.uint32, name="probe")
+        prog = be.program(compile_shader("subgroup_probe"), [out], (1, 1, 1), [wg, cluster], writes=(0,),
+                          name="probe")
+        rec = be.recording().dispatch(prog).download(out).build()
+        rec.run()
+        res = out.view().copy()
+        for o in (rec, prog, out):
+            o.destroy()
+        ok = bool(res[2:2 + wg].all())
+        if need_one_subgroup:
+            ok = ok and int(res[0]) == wg and int(res[1]) == 1
+        return ok
 
     @property
     def backend(self) -> "_kp.Backend":
@@ -103,6 +138,25 @@ class Device:
     def __repr__(self) -> str:
         kind = "software" if self.is_software else self.info.device_type
         return f"Device({self.index}, {self.name!r}, {kind})"
+
+
+class PlanningDevice(_Limits):
+    """A device as the planner sees it, from its DeviceInfo alone: no Kompute manager, nothing
+    dispatched, so it works for devices that can only compile (RADV's null hardware in ``perf
+    gpu``). The subgroup facts a Device probes are taken as reported: no lane kernel (a GPU), and
+    attn.comp clusters of min(TILE_CLUSTER, subgroup size) where shuffles are supported."""
+
+    def __init__(self, info: DeviceInfo):
+        self.info = info
+
+    def lane_subgroup(self) -> int:
+        return 0
+
+    def tile_cluster(self) -> int:
+        return self._cluster_wanted()
+
+    def __repr__(self) -> str:
+        return f"PlanningDevice({self.name!r})"
 
 
 def _pick(devices, selector: str | None) -> int:

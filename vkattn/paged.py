@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._attn import F_PAGED, AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
+from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
 from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
@@ -194,7 +194,7 @@ class PagedKVCache(CacheBase):
             if split:                               # both plans are built before either runs
                 self._write_new(plan, k, v)
                 k = v = None
-            out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant, write_new=not split,
+            out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant,
                                 rope=self.rope)
             plan.commit()
             if self.verify:
@@ -270,10 +270,9 @@ class _CopyPlan:
         self.bk, self.bv = c.num_kv_heads * c.block_size * c._dk4, c.num_kv_heads * c.block_size * c._dv4
         self.bs = c.num_kv_heads * c.block_size if c._i8 else 0
         self.params = be.buffer(12, np.uint32, name="copy_params")
-        per_block = c.block_size * c.num_kv_heads * max(c._dk4, c._dv4)
-        groups = grid_groups(per_block, c.device)
-        self.prog = be.program(compile_shader("copy_rows"), [c._k, c._v, self.params, c._ks, c._vs],
-                               (groups, 1, 1), [WORKGROUP], writes=(0, 1, 3, 4), name="copy_rows")
+        pipe = copy_pipeline(c.device, c)
+        self.prog = be.program(compile_shader(pipe.shader, pipe.defines), [c._k, c._v, self.params, c._ks, c._vs],
+                               pipe.groups, pipe.spec, writes=(0, 1, 3, 4), name=pipe.name)
         self.rec = be.recording().upload(self.params).dispatch(self.prog).build(c.timestamps)
 
     def run(self, src: int, dst: int) -> None:
@@ -284,6 +283,12 @@ class _CopyPlan:
 
     def destroy(self) -> None:
         destroy(self.rec, self.prog, self.params)
+
+
+def copy_pipeline(dev, c) -> Pipeline:
+    """copy_rows.comp of _CopyPlan (fork / truncate of a shared partial block)."""
+    per_block = c._block_size * c.num_kv_heads * max(c._dk4, c._dv4)
+    return Pipeline("copy_rows", "copy_rows", {}, (WORKGROUP,), (grid_groups(per_block, dev), 1, 1), 5)
 
 
 __all__ = ["PagedKVCache", "UnknownSequenceError"]

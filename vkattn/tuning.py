@@ -20,8 +20,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-WORKGROUP = 64          # threads per attention workgroup; also the key tile (one key per thread)
-ACC_FLOATS = 64         # accumulator floats per thread in the V phase (register budget)
+WORKGROUP = 64          # threads of the grid-stride kernels (append, gather, copy); attn.comp's target
+                        # workgroup size (a decode tile with fewer threads takes key columns)
+TILE_MAX_WG = 256       # attn.comp threads per workgroup at most
+TILE_CLUSTER = 32       # attn.comp threads per key row at most (a float16 head_dim-128 row is 16
+                        # units of 16 bytes: one 256-byte run per load instruction and cluster)
+TILE_ROW_FLOATS = 80    # attn.comp prefill: register floats per thread for its rows' query and
+                        # accumulator slices (+ max, sum); sets the rows per thread, at most
+TILE_MAX_RPT = 4        # .. this many (RADV navi21 / gfx1100 / vega10, perf gpu: float16 head_dim
+                        # 128 prefill 108-112 VGPRs at 4 rows and one key per step)
+TILE_KB_DECODE = 2      # attn.comp keys per column and step, loaded before use: decode 2 (two keys
+TILE_KB_PREFILL = 1     # of loads in flight at 56-60 VGPRs), prefill 1 (its rows need the registers)
+TILE_TARGET_WGS = 256   # attn.comp with s > 1: split the keys until about this many workgroups run
+TILE_SPLIT_KEYS = 512   # .. but give each split this many keys of the capacity at least
 PREFILL_NQ = 32         # query vectors (heads x rows) per prefill workgroup, before shrinking
 LANE_NQ = 32            # query vectors per attn_lane.comp workgroup: every K/V load serves this many
                         # (prefill S=512, d 128 on lavapipe: 16 -> 121 ms, 32 -> 95 ms, 64 -> 104 ms)
@@ -44,12 +55,24 @@ class AttnConfig:
     kernel: str    # "tile" (attn.comp, GPUs) or "lane" (attn_lane.comp, CPU-like devices)
     wg: int
     bq: int        # query rows per workgroup
-    splits: int    # key splits (split-K); 1 = no reduce pass
-    tq: int        # query groups in the V phase
-    kg: int        # key groups in the V phase
+    splits: int    # key splits (split-K); 1 = no merge
+    ds: int = 1    # attn.comp: threads per key row (cluster)
+    rpt: int = 1   # attn.comp: query vectors per thread
+    cols: int = 1  # attn.comp: key columns per workgroup
+    kb: int = 1    # attn.comp: keys per column and step
 
     def qtiles(self, s: int) -> int:
         return -(-s // self.bq)
+
+    def spec(self, group: int, dk4: int, dv4: int, dv: int, flags: int, rope_dim: int) -> list:
+        """The kernel's specialisation constants, in constant_id order."""
+        head = [self.wg, group, self.bq, dk4, dv4, dv, self.splits, flags, max(rope_dim, 8)]
+        return head + ([self.ds, self.rpt, self.cols, self.kb] if self.kernel == "tile" else [])
+
+    def shared_bytes(self, group: int, dv4: int, ch: int) -> int:
+        """attn.comp's shared memory: the column merge (COLS > 1) and a flag."""
+        merge = self.cols * group * self.bq if self.cols > 1 else 1
+        return 8 * merge + 16 * (merge * dv4 * ch if self.cols > 1 else 1) + 4
 
 
 SUBGROUP_SHUFFLE = 0x10       # VkSubgroupFeatureFlagBits: SHUFFLE
@@ -64,11 +87,8 @@ def kernel_for(device) -> str:
         raise ValueError(f"VKATTN_KERNEL={env!r}: expected 'tile' or 'lane'")
     if env == "tile":
         return "tile"
-    info = device.info
-    lane_ok = bool(info.subgroup_supported_operations & SUBGROUP_SHUFFLE and
-                   info.subgroup_supported_stages & COMPUTE_STAGE)
-    if env == "lane" or (device.is_software and lane_ok):
-        if lane_ok and device.lane_subgroup():
+    if env == "lane" or device.is_software:
+        if device.lane_subgroup():
             return "lane"
         if env == "lane":
             raise ValueError("VKATTN_KERNEL=lane: this device has no usable subgroup for attn_lane.comp")
@@ -90,7 +110,7 @@ def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_
     # one loop iteration per key and invocation: stay far below lavapipe's per-invocation cap
     splits = max(splits, -(-capacity // LANE_MAX_KEYS))
     splits = max(1, min(splits, -(-capacity // 16)))
-    return AttnConfig(kernel="lane", wg=wg, bq=bq, splits=splits, tq=1, kg=1)
+    return AttnConfig(kernel="lane", wg=wg, bq=bq, splits=splits)
 
 
 def decode_splits(device, kernel: str, num_kv_heads: int, capacity: int) -> int:
@@ -108,44 +128,61 @@ def decode_splits(device, kernel: str, num_kv_heads: int, capacity: int) -> int:
     return max(1, min(want, -(-capacity // WORKGROUP)))
 
 
-def shared_bytes(wg, nq, pk, ch, qpt, kg) -> int:
-    red = wg * qpt * ch if kg > 1 else 1
-    return 16 * nq * pk + 4 * nq * wg + 12 * nq + 16 * red
+def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,
+                num_kv_heads: int) -> AttnConfig:
+    """attn.comp: a cluster of DS threads per key row (the smallest power of two covering the row's
+    16-byte words, at most TILE_CLUSTER and the device's shuffle cluster), RPT query vectors per
+    thread (decode: 1, the fewest registers; prefill: as many as TILE_ROW_FLOATS allows, so each
+    K/V load serves several rows), key columns to fill a WORKGROUP-thread workgroup."""
+    from .errors import DeviceLimitError
+
+    uv = 2 if ch == 4 else ch            # float vec4 per load unit: int8 rows are read by 8 bytes
+    dku, dvu = dk4 * ch // uv, dv4 * ch // uv
+    ds = 1
+    while ds < min(max(dku, dvu), TILE_CLUSTER, device.tile_cluster()):
+        ds *= 2
+    row_floats = (-(-dku // ds) + -(-dvu // ds)) * uv * 4 + 2
+    max_wg = min(TILE_MAX_WG, device.max_workgroup_size)
+    if s == 1:
+        bq, rpt, kb = 1, 1, TILE_KB_DECODE
+        while ds * -(-group // rpt) > max_wg:
+            rpt *= 2
+    else:
+        rpt, kb = 1, TILE_KB_PREFILL
+        while 2 * rpt * row_floats <= TILE_ROW_FLOATS and 2 * rpt <= TILE_MAX_RPT:
+            rpt *= 2
+        bq = 1                      # a power of two: whole subgroups even when s is odd
+        while bq < s and 2 * bq * group <= PREFILL_NQ:
+            bq *= 2
+        while bq > 1 and ds * -(-group * bq // rpt) > max_wg:
+            bq //= 2
+        while ds * -(-group * bq // rpt) > max_wg:
+            rpt *= 2
+    nq = group * bq
+    rpt = min(rpt, nq)
+    threads = ds * -(-nq // rpt)
+    if threads > device.max_workgroup_size:
+        raise DeviceLimitError(f"attention tile needs {threads} threads; the device allows {device.max_workgroup_size}")
+    cols = max(1, min(WORKGROUP, max_wg) // threads)
+    if s == 1:
+        splits = decode_splits(device, "tile", num_kv_heads, capacity)
+    else:       # a few query tiles over a long past (a chunk, speculative verify): split the keys too
+        want = 2 * (os.cpu_count() or 1) if device.is_software else TILE_TARGET_WGS
+        tiles = num_kv_heads * -(-s // bq)
+        splits = max(1, min(32, -(-want // tiles), -(-capacity // TILE_SPLIT_KEYS)))
+    if device.is_software:
+        splits = max(splits, -(-capacity // TILE_MAX_KEYS))
+    cfg = AttnConfig(kernel="tile", wg=threads * cols, bq=bq, splits=splits, ds=ds, rpt=rpt, cols=cols, kb=kb)
+    need = cfg.shared_bytes(group, dv4, ch)
+    if need > device.max_shared_memory:
+        raise DeviceLimitError(f"attention tile needs {need} bytes of shared memory; the device has "
+                               f"{device.max_shared_memory}")
+    return cfg
 
 
 def attention_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,
                      num_kv_heads: int) -> AttnConfig:
     """Kernel and tile sizes; raises DeviceLimitError if even the smallest tile does not fit."""
-    from .errors import DeviceLimitError
-
     if kernel_for(device) == "lane":
         return lane_config(device, group, s, dk4, dv4, ch, num_kv_heads, capacity)
-
-    wg = WORKGROUP
-    while wg < dv4:
-        wg *= 2
-    if wg > device.max_workgroup_size:
-        raise DeviceLimitError(
-            f"head dims need a workgroup of {wg} threads; the device allows {device.max_workgroup_size}")
-    pk = dk4 * ch
-    limit = device.max_shared_memory
-    bq = 1 if s == 1 else max(1, min(s, PREFILL_NQ // group))
-    while True:
-        nq = group * bq
-        # fewest query groups whose accumulators fit the register budget
-        tq = 1
-        while -(-nq // tq) * ch * 4 > ACC_FLOATS and (tq + 1) * dv4 <= wg:
-            tq += 1
-        qpt = -(-nq // tq)
-        kg = max(1, wg // (dv4 * tq)) if s == 1 else 1
-        need = shared_bytes(wg, nq, pk, ch, qpt, kg)
-        if need <= limit:
-            break
-        if bq == 1:
-            raise DeviceLimitError(
-                f"attention tile needs {need} bytes of shared memory; the device has {limit}")
-        bq = max(1, bq // 2)
-    splits = decode_splits(device, "tile", num_kv_heads, capacity) if s == 1 else 1
-    if device.is_software:
-        splits = max(splits, -(-capacity // TILE_MAX_KEYS))
-    return AttnConfig(kernel="tile", wg=wg, bq=bq, splits=splits, tq=tq, kg=kg)
+    return tile_config(device, group, s, dk4, dv4, ch, capacity, num_kv_heads)

@@ -1,0 +1,42 @@
+// attn_fresh.glsl -- a call's new K/V rows (FRESH plans: the append fused into the attention
+// dispatch), shared by attn.comp and attn_lane.comp. Include after common.glsl,
+// attn_common.glsl and rope.glsl, with the DK4/DV4 spec constants, the nk/nv bindings and a
+// global `Seq sq` (the workgroup's sequence) declared.
+//
+//   nk, nv : float32 [HKV, NN, DK4*CH | DV4*CH] vec4 (NN = aux[11]), zero padded. New row nr of kv
+//            head h is position sq.past + nr - sq.new_start of the sequence; with ROPE_K its key
+//            is rotated with rotary-table row sq.rope_row + (that position - sq.rope_pos).
+// numpy (KV_I8): scale = max|row| / 127, word = roundEven(row / scale) (reference.quantize_int8);
+//        otherwise the row rounded to the storage dtype (reference.round_to).
+// The kernels store each new row into its cache slot before the key loop and read it back like
+// any cache row: each invocation stores exactly the words it later loads, so no barrier is needed
+// (other invocations and workgroups store the same values).
+
+// vec4 u of new row nr (u < DK4*CH or DV4*CH), K rotated with ROPE_K
+vec4 fresh_vec4(bool is_k, uint h, uint nr, uint u) {
+    const uint base = (h * aux[11] + nr) * (is_k ? DK4 : DV4) * CH;
+    if (!is_k) return nv[base + u];
+    vec4 y = nk[base + u];
+    if (HAS(F_ROPE_K))
+        y = rope_rotate(y, nk[base + rope_partner(u)], u, sq.rope_row + sq.past + nr - sq.new_start - sq.rope_pos);
+    return y;
+}
+
+// max |x| over storage word c of new row nr (KV_I8: the caller reduces it over the row)
+float fresh_amax(bool is_k, uint h, uint nr, uint c) {
+    float a = 0.0;
+    [[unroll]] for (uint e = 0u; e < CH; ++e) a = max(a, vmax_abs(fresh_vec4(is_k, h, nr, c * CH + e)));
+    return a;
+}
+
+// storage word c of new row nr as stored (KV_I8: quantised with the row's scale)
+uvec4 fresh_word(bool is_k, uint h, uint nr, uint c, float scale) {
+    vec4 y[CH];
+    [[unroll]] for (uint e = 0u; e < CH; ++e) {
+        y[e] = fresh_vec4(is_k, h, nr, c * CH + e);
+#if KV_I8
+        y[e] = quantise(y[e], scale);
+#endif
+    }
+    return pack_chunk(y);
+}

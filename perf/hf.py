@@ -97,7 +97,7 @@ def notes(rows) -> None:
             fwd = x["vkattn_vkattn_forward_ms"]
             print(f"  {r.case}: vkattn {r.vkattn_ms:.3f} ms per attention call (update + attention) "
                   f"= {r.value:.1f} x a bare Kompute round trip ({x['bare_round_trip_ms']:.3f} ms); of it "
-                  f"KVCache.forward {fwd:.3f} ms, the transformers glue {r.vkattn_ms - fwd:.3f} ms; "
+                  f"KVCache.forward {fwd:.3f} ms, the rest (update, tensor conversion and packing) {r.vkattn_ms - fwd:.3f} ms; "
                   f"eager {r.numpy_ms:.3f} ms, sdpa {r.torch_ms:.3f} ms")
 
 

@@ -218,17 +218,17 @@ def generate(argv) -> int:
     print(f"generate : batch {args.batch}, prompt {ids.shape[1]} tokens, {steps} new tokens (greedy), "
           f"vkattn cache {args.cache_dtype}")
 
+    # one cache for every vkattn run, emptied by reset(): its pipelines are built once (in the warm-up)
+    cache = VkattnCache(model.config, ids.shape[1] + steps, batch_size=args.batch, dtype=args.cache_dtype)
+
     def run(impl, n):
         model.set_attn_implementation(impl)
-        cache = VkattnCache(model.config, ids.shape[1] + n, batch_size=args.batch, dtype=args.cache_dtype) \
-            if impl == "vkattn" else None
+        cache.reset()
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, do_sample=False)
-        dt = time.perf_counter() - t0
-        if cache is not None:
-            cache.close()
-        return out[:, ids.shape[1]:], dt
+            out = model.generate(ids, attention_mask=mask, past_key_values=cache if impl == "vkattn" else None,
+                                 max_new_tokens=n, do_sample=False)
+        return out[:, ids.shape[1]:], time.perf_counter() - t0
 
     results = {}
     for impl in ("vkattn", "eager"):
@@ -237,6 +237,7 @@ def generate(argv) -> int:
         results[impl] = toks
         print(f"{impl:9}: {args.batch * steps} tokens in {dt:.2f} s  {args.batch * steps / dt:8.1f} tokens/s "
               f"(prefill included)")
+    cache.close()
     same = (results["vkattn"] == results["eager"])
     if bool(same.all()):
         print(f"tokens   : match ({same.numel()}/{same.numel()})")

@@ -83,7 +83,9 @@ class VkattnCache(Cache):
 
     Works with the attention implementation ``"vkattn"`` only (``import vkattn.hf`` registers
     it). ``update`` returns the new rows unchanged: the cached K/V are never materialised on
-    the host. ``close()`` frees the device memory.
+    the host. ``reset()`` empties the cache for the next ``generate()`` and keeps its Vulkan
+    pipelines, which a new cache builds again on first use (per layer). ``close()`` frees the
+    device memory.
     """
 
     def __init__(self, config, max_cache_len: int, batch_size: int = 1, dtype="float16",

@@ -1,11 +1,20 @@
 # make demo  -- set up everything (system packages, .venv, kp, vkattn), then run the main job
 # make test  -- the same set-up, then the whole pytest suite
+# make setup-hf  -- also the hf extra (torch CPU, transformers) for vkattn.hf and its tests
+# make install VENV=/path/to/venv  -- vkattn (and kp) into another virtual environment
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-validation perf gpu-report gpu-bench clean
+.PHONY: setup setup-hf install demo test test-validation perf gpu-report gpu-bench clean
 setup:
 	@bash scripts/setup.sh
+
+setup-hf:
+	@bash scripts/setup.sh --hf
+
+install:
+	@if [ "$(VENV)" = .venv ]; then echo "make install VENV=/path/to/venv (the project's own .venv: make setup)" >&2; exit 2; fi
+	@bash scripts/install.sh "$(VENV)"
 
 demo: setup
 	$(PY) -m vkattn demo

@@ -132,6 +132,44 @@ def test_fork_truncate_remove(device, rng, monkeypatch, kernel):
     assert sorted(cache.lengths()) == sorted([a, c])
 
 
+@pytest.mark.parametrize("dtype,rope", [("float32", None), ("float16", "neox"), ("int8", None)])
+def test_append_without_attending(device, rng, dtype, rope):
+    """append() stores ragged rows (rotated like forward's) that a later forward attends; a batch
+    that does not fit, or a bad one, changes nothing."""
+    rope = vkattn.RoPE(rope) if rope else None
+    cache = vkattn.PagedKVCache(10, 5, 2, 16, dtype=dtype, device=device, rope=rope)
+    model = Model(cache)
+    sids = [cache.add_sequence() for _ in range(3)]
+    for s in sids:
+        model.add(s)
+    counts = [7, 1, 12]
+    k = rng.standard_normal((2, 20, 16)).astype(np.float32)
+    v = rng.standard_normal((2, 20, 16)).astype(np.float32)
+    cache.append(sids, k, v, n_new=counts)
+    a = 0
+    for sid, n in zip(sids, counts):
+        kr = k[:, a:a + n] if rope is None else rope.apply(k[:, a:a + n], np.arange(n), 16)
+        model.append(sid, kr, v[:, a:a + n])
+        a += n
+    if dtype == "int8":                                   # stored values are checked by the int8 tests
+        for sid in sids:
+            model.k[sid], model.v[sid] = cache.read(sid)
+    model.check_stored()
+    assert [cache.length(s) for s in sids] == counts
+    before = cache.lengths(), [cache.read(s) for s in sids], cache.free_blocks
+    x = rng.standard_normal((2, 30, 16)).astype(np.float32)
+    with pytest.raises(vkattn.CacheFullError):
+        cache.append(sids, x, x, n_new=[10, 10, 10])
+    with pytest.raises(ValueError, match="at least one new token"):
+        cache.append(sids, x[:, :2], x[:, :2], n_new=[1, 0, 1])
+    with pytest.raises(ValueError, match="k: expected shape"):
+        cache.append(sids, x[:, :4], x[:, :3], n_new=[1, 1, 1])
+    assert (cache.lengths(), cache.free_blocks) == (before[0], before[2])
+    model.check_stored()
+    if rope is None:                                      # (forward with rope needs rope_q for a reference)
+        step(rng, cache, model, sids, [1, 3, 1], 2)       # the appended rows are attended
+
+
 def test_batch_that_does_not_fit_changes_nothing(device, rng):
     cache = vkattn.PagedKVCache(6, 4, 1, 8, device=device)
     model = Model(cache)

@@ -1,12 +1,18 @@
 """``python -m vkattn demo``: a model-shaped prefill + decode loop, then a paged batch of ragged
 sequences (chunked prefill, batch decode, a fork), every result verified.
 
+``python -m vkattn generate [--model DIR] ...``: transformers ``generate()`` of a Llama-shaped
+model (random weights, or a local model directory; nothing is downloaded) through vkattn and
+through eager attention: tokens/s of each and whether the tokens match (needs the hf extra;
+``--help`` lists the options).
+
 ``python -m vkattn devices`` lists the Vulkan devices. Shape knobs for the demo (environment):
 VKATTN_DEMO_HEADS (32), _KV_HEADS (8), _HEAD_DIM (128), _PROMPT (512), _STEPS (32),
 _CAPACITY (4096), _DTYPE (float16).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -155,6 +161,94 @@ def paged_demo(dev, hq, hkv, d, dtype, rng) -> bool:
     return ok_all
 
 
+def generate(argv) -> int:
+    """The generate demo; returns 0 when vkattn's tokens equal eager attention's."""
+    p = argparse.ArgumentParser(prog="python -m vkattn generate", description=(
+        "transformers generate() through vkattn and through eager attention: tokens/s of each, and whether the "
+        "tokens match. Without --model: a random-weight Llama-shaped model (nothing is downloaded)."))
+    p.add_argument("--model", metavar="DIR", help="a local model directory (config + weights; a tokenizer if any)")
+    p.add_argument("--prompt", default="The Vulkan attention backend", help="prompt text (with --model's tokenizer)")
+    p.add_argument("--prompt-len", type=int, default=128, help="random prompt tokens when there is no tokenizer")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens to generate (greedy)")
+    p.add_argument("--batch", type=int, default=1, help="prompts; above 1 they are left-padded to ragged lengths")
+    p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "int8"),
+                   help="vkattn cache storage (float32: the tokens should match eager exactly)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the random model")
+    args = p.parse_args(argv)
+    for name in ("prompt_len", "tokens", "batch", "layers"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import torch
+        import transformers
+        from .hf import VkattnCache
+    except ImportError as e:
+        print(f"python -m vkattn generate: {e}", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    tokenizer = None
+    if args.model:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True,
+                                                                 dtype=torch.float32)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        except (OSError, ValueError):
+            tokenizer = None
+        what = f"{args.model} ({type(model).__name__})"
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=704,
+                                       num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
+                                       head_dim=32, max_position_embeddings=4096, initializer_range=0.1)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        what = f"random-weight Llama-shaped model, {args.layers} layers, 8 q / 2 kv heads, head_dim 32"
+    model.eval()
+    model.generation_config.eos_token_id = None           # always --tokens new tokens
+    model.generation_config.pad_token_id = 0
+    if tokenizer is not None:
+        ids = tokenizer([args.prompt] * args.batch, return_tensors="pt").input_ids
+    else:
+        ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len))
+    mask = torch.ones_like(ids)
+    for i in range(1, args.batch):                         # ragged: row i loses i * len / (2 * batch) tokens
+        mask[i, :i * ids.shape[1] // (2 * args.batch)] = 0
+    steps = args.tokens
+    print(f"device   : {default_device().name}")
+    print(f"model    : {what}")
+    print(f"generate : batch {args.batch}, prompt {ids.shape[1]} tokens, {steps} new tokens (greedy), "
+          f"vkattn cache {args.cache_dtype}")
+
+    # one cache for every vkattn run, emptied by reset(): its pipelines are built once (in the warm-up)
+    cache = VkattnCache(model.config, ids.shape[1] + steps, batch_size=args.batch, dtype=args.cache_dtype)
+
+    def run(impl, n):
+        model.set_attn_implementation(impl)
+        cache.reset()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, past_key_values=cache if impl == "vkattn" else None,
+                                 max_new_tokens=n, do_sample=False)
+        return out[:, ids.shape[1]:], time.perf_counter() - t0
+
+    results = {}
+    for impl in ("vkattn", "eager"):
+        run(impl, 2)                                       # warm-up: builds vkattn's pipelines
+        toks, dt = run(impl, steps)
+        results[impl] = toks
+        print(f"{impl:9}: {args.batch * steps} tokens in {dt:.2f} s  {args.batch * steps / dt:8.1f} tokens/s "
+              f"(prefill included)")
+    cache.close()
+    same = (results["vkattn"] == results["eager"])
+    if bool(same.all()):
+        print(f"tokens   : match ({same.numel()}/{same.numel()})")
+    else:
+        first = int(torch.nonzero(~same)[0, 1])
+        print(f"tokens   : DIFFER ({int(same.sum())}/{same.numel()} equal; first difference at new token {first})")
+    if tokenizer is not None:
+        print(f"text     : {tokenizer.decode(results['vkattn'][0])!r}")
+    return 0 if bool(same.all()) else 1
+
+
 def devices() -> int:
     for d in list_devices():
         print(f"[{d.index}] {d.name}  type={d.device_type} software={d.is_software} subgroup={d.subgroup_size} "
@@ -173,7 +267,9 @@ def main(argv=None) -> int:
         return demo()
     if cmd == "devices":
         return devices()
-    print("usage: python -m vkattn [demo|devices]", file=sys.stderr)
+    if cmd == "generate":
+        return generate(argv[1:])
+    print("usage: python -m vkattn [demo|generate|devices]", file=sys.stderr)
     return 2
 
 

@@ -21,9 +21,17 @@ Separate evaluations are ordered by kp's fence wait plus the next submission.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-import kp
+try:
+    import kp
+except ImportError as e:    # pip cannot build kp from its sdist here (its CMake downloads the Vulkan headers)
+    raise ImportError(
+        f"vkattn needs Kompute's Python module kp 0.9.0, built against the system Vulkan headers ({e}). From a "
+        f"clone of vkattn, install both into this environment with:  bash scripts/install.sh {sys.prefix}  "
+        f"(or: make install VENV={sys.prefix})") from e
 
 from .compiler import first_build, log
 from .errors import SyncHazardError

@@ -124,6 +124,18 @@ class PagedKVCache(CacheBase):
             self._check_open()
             self._pool.plan_append(seq_ids, n_new)
 
+    def append(self, seq_ids, k: np.ndarray, v: np.ndarray, n_new=None) -> None:
+        """Write each sequence's new tokens without attending (one submission): ``n_new[i]``
+        tokens (default 1 each) at positions length_i .. of ``seq_ids[i]``, packed as in
+        :meth:`forward`: k (num_kv_heads, sum(n_new), head_dim), v (num_kv_heads, sum(n_new),
+        v_head_dim). With the cache's ``rope`` the keys are rotated at their positions as they are
+        stored. Every check runs first: on any error no sequence changes."""
+        with self._lock:
+            self._check_open()
+            plan, k, v = self._check_new(seq_ids, n_new, k, v)
+            self._write_new(plan, k, v)
+            plan.commit()
+
     # ------------------------------------------------------------------ attention
     def forward(self, seq_ids, q: np.ndarray, k: np.ndarray, v: np.ndarray, n_new=None,
                 causal: bool = True, scale: float | None = None, *, window: int | None = None,
@@ -149,18 +161,9 @@ class PagedKVCache(CacheBase):
         """
         with self._lock:
             self._check_open()
-            seq_ids = list(seq_ids) if not isinstance(seq_ids, np.ndarray) else seq_ids.tolist()
-            if not seq_ids:
-                raise ValueError("seq_ids: expected at least one sequence id, got none")
-            if n_new is None:
-                n_new = [1] * len(seq_ids)
-            plan = self._pool.plan_append(seq_ids, n_new)          # checks ids, counts, room
+            plan, k, v = self._check_new(seq_ids, n_new, k, v)
             counts = plan.n_new
-            if min(counts) < 1:
-                raise ValueError(f"n_new: every sequence needs at least one new token, got {counts}")
             total = sum(counts)
-            k = check_array("k", k, (self.num_kv_heads, total, self.head_dim), fp16_range=self._f16)
-            v = check_array("v", v, (self.num_kv_heads, total, self.v_head_dim), fp16_range=self._f16)
             q = check_array("q", q, (None, total, self.head_dim))
             hq = q.shape[0]
             if hq % self.num_kv_heads:
@@ -189,9 +192,7 @@ class PagedKVCache(CacheBase):
                               lambda: AttnPlan(self, hq, total, nn, nseq, flags, bucket, self.slots,
                                                decode=total == nseq, rope_dim=self._rope_dim))
             if split:                               # both plans are built before either runs
-                append = self._append_plan(total)
-                positions = np.concatenate([np.arange(p, p + n) for p, n in zip(plan.past, counts)])
-                append.run(k, v, np.concatenate([plan.slots(i) for i in range(nseq)]), positions)
+                self._write_new(plan, k, v)
                 k = v = None
             out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant,
                                 rope=self.rope)
@@ -216,6 +217,29 @@ class PagedKVCache(CacheBase):
                 f"dtype={self.dtype!r}, sequences={len(self._pool)}, free_blocks={self.free_blocks})")
 
     # ------------------------------------------------------------------ internals
+    def _check_new(self, seq_ids, n_new, k, v):
+        """(AppendPlan, k, v) of a batch's new tokens, all checked (ids, counts >= 1, room, shapes,
+        values); nothing changes."""
+        seq_ids = list(seq_ids) if not isinstance(seq_ids, np.ndarray) else seq_ids.tolist()
+        if not seq_ids:
+            raise ValueError("seq_ids: expected at least one sequence id, got none")
+        if n_new is None:
+            n_new = [1] * len(seq_ids)
+        plan = self._pool.plan_append(seq_ids, n_new)          # checks ids, counts, room
+        if min(plan.n_new) < 1:
+            raise ValueError(f"n_new: every sequence needs at least one new token, got {plan.n_new}")
+        total = sum(plan.n_new)
+        k = check_array("k", k, (self.num_kv_heads, total, self.head_dim), fp16_range=self._f16)
+        v = check_array("v", v, (self.num_kv_heads, total, self.v_head_dim), fp16_range=self._f16)
+        return plan, k, v
+
+    def _write_new(self, plan, k, v) -> None:
+        """append.comp: every new row of ``plan`` at its slot, rotated at its position (one
+        submission). The caller commits the plan."""
+        positions = np.concatenate([np.arange(p, p + n) for p, n in zip(plan.past, plan.n_new)])
+        slots = np.concatenate([plan.slots(i) for i in range(len(plan.seq_ids))])
+        self._append_plan(sum(plan.n_new)).run(k, v, slots, positions)
+
     def _check_masks(self, mask, hq, plan):
         if mask is None:
             return None

@@ -19,8 +19,8 @@ install:
 demo: setup
 	$(PY) -m vkattn demo
 
-test: setup
-	$(PY) -m pytest -q
+test: setup            # both cores: llvmpipe compiles each new pipeline on one thread
+	$(PY) -m pytest -q -n auto
 
 test-validation: setup
 	bash scripts/validation.sh

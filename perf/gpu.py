@@ -200,7 +200,8 @@ def plan_call(dev, call: Call) -> Planned:
         ap = append_pipeline(dev, f, n)
         dispatches.append(Dispatch("append", ap, reads=n * hkv * 4 * 4 * (f._dk4 + f._dv4) * f._ch,
                                    writes=n * hkv * row, unique=n * hkv * (4 * 4 * (f._dk4 + f._dv4) * f._ch + row)))
-        up += 2 * hkv * n * 16 * (f._dk4 + f._dv4) * f._ch + 4 * n + (4 * n * max(rope_dim, 4) if rope_dim else 0)
+        up += (16 * hkv * n * (f._dk4 + f._dv4) * f._ch + 4 * (1 + 2 * hkv * n)
+               + (4 * n * max(rope_dim, 4) if rope_dim else 0))
     attn = _attn_traffic(cfg, pipe, f, call, seqs, hq, row)
     dispatches.append(attn)
     # what each submission moves: kp copies whole staging buffers (plan sizes, not call sizes)

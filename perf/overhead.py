@@ -22,7 +22,7 @@ def bare_round_trip_ms(device, iters: int, warmup: int) -> dict:
     unused = [be.buffer(1, np.float32, name="unused") for _ in range(4)]
     # gather_slots.comp as a plain copy of 4 uvec4 words (one kv head, slot = row)
     prog = be.program(compile_shader("gather_slots"), [src, src, dst, dst, params] + unused, (1, 1, 1),
-                      [64, 1, 1, 1, 1 << 20], writes=(2, 3, 7, 8), name="copy")
+                      [64, 1, 1], writes=(2, 3, 7, 8), name="copy")
     rec = be.recording().upload(src, params).dispatch(prog).download(dst).build()
     t = time_calls(rec.run, iters, warmup)
     for o in [rec, prog, src, dst, params] + unused:

@@ -25,9 +25,9 @@ fi
 VPY="$VENV/bin/python"
 stamp="$VENV/.vkattn-setup"
 want=$(cat pyproject.toml scripts/setup.sh scripts/lib.sh | sha256sum | cut -c1-16)
-if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -c "import kp, numpy, pytest, vkattn" 2>/dev/null; }; then
+if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -c "import kp, numpy, pytest, xdist, vkattn" 2>/dev/null; }; then
   "$VPY" -m pip install -q --upgrade pip "setuptools>=70" wheel
-  "$VPY" -m pip install -q "numpy<2" pytest hypothesis
+  "$VPY" -m pip install -q "numpy<2" pytest pytest-xdist hypothesis
   vkattn_kp "$VPY"
   "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
   "$VPY" -c "import kp, vkattn"

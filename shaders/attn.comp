@@ -16,7 +16,7 @@
 //   q        : float32 [HKV*G, R, DK4*CH] vec4, zero padded
 //   out      : float32 [HKV*G, R, DV] normalised (a row that sees nothing gives zeros, never NaN)
 //   lse      : float32 [HKV*G, R] natural log-sum-exp of the row's scores (-inf: nothing seen)
-//   part, ml : SPLITS > 1: each split's un-normalised sums, float32 [SPLITS, HKV*G*R, DV4*CH*4],
+//   part, ml : with SPLIT, each split's un-normalised sums, float32 [SPLITS, HKV*G*R, DV4*CH*4],
 //              and (running max in log2 units, running sum) vec2 [SPLITS, HKV*G*R]. The last
 //              workgroup of a tile to finish (a device-scope counter in aux, zeroed by the call's
 //              upload) merges them into out and lse: one dispatch, no host round trip.
@@ -49,7 +49,7 @@ layout(constant_id = 2) const uint BQ = 1u;      // query rows per workgroup
 layout(constant_id = 3) const uint DK4 = 16u;    // uvec4 per K row
 layout(constant_id = 4) const uint DV4 = 16u;    // uvec4 per V row
 layout(constant_id = 5) const uint DV = 128u;    // v_head_dim (unpadded)
-layout(constant_id = 6) const uint SPLITS = 1u;  // key splits (grid x)
+layout(constant_id = 6) const uint SPLIT = 0u;   // 1: the keys are split over the grid's x (gl_NumWorkGroups.x)
 layout(constant_id = 7) const uint FLAGS = 0u;   // variants (attn_common.glsl)
 layout(constant_id = 8) const uint ROPE_DIM = 8u;  // rotated elements (ROPE_K / ROPE_Q)
 layout(constant_id = 9) const uint DS = 1u;      // threads per key row (a power of two)
@@ -272,7 +272,7 @@ void store_fresh() {
     }
 }
 
-// row r's state: a split's un-normalised partial (SPLITS > 1) ...
+// row r's state: a split's un-normalised partial (SPLIT) ...
 void write_partial(uint r, uint orow, uint sp, uint nrows) {
     const uint base = (sp * nrows + orow) * PV;
     [[unroll]] for (uint w = 0u; w < VW; ++w)
@@ -300,14 +300,14 @@ void write_out(uint r, uint orow) {
 }
 
 // the last workgroup of a tile: every split's partial of row r merged into out/lse
-// (rolled loops: unrolled over SPLITS they would hold every split's values in registers at once,
+// (rolled loops: unrolled over the splits they would hold every split's values in registers at once,
 // and the merge would set the kernel's register count)
 void merge_splits(uint r, uint orow, uint nrows) {
     float mx = M_EMPTY;
-    [[dont_unroll]] for (uint s = 0u; s < SPLITS; ++s) mx = max(mx, mlbuf[s * nrows + orow].x);
+    [[dont_unroll]] for (uint s = 0u; s < gl_NumWorkGroups.x; ++s) mx = max(mx, mlbuf[s * nrows + orow].x);
     float lt = 0.0;
     [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] = vec4(0.0);
-    [[dont_unroll]] for (uint s = 0u; s < SPLITS; ++s) {
+    [[dont_unroll]] for (uint s = 0u; s < gl_NumWorkGroups.x; ++s) {
             const vec2 ms = mlbuf[s * nrows + orow];
             const float wgt = exp2(ms.x - mx);      // 0 for a split that saw nothing
             lt += wgt * ms.y;
@@ -416,11 +416,11 @@ void main() {
         if (col == 0u && qv < NQ && qrow[r] < sq.q_len)
         {
             const uint orow = (hh * G + qv / BQ) * R + sq.q_start + qrow[r];
-            if (SPLITS > 1u) write_partial(r, orow, sp, nrows);
+            if (SPLIT != 0u) write_partial(r, orow, sp, nrows);
             else write_out(r, orow);
         }
     }
-    if (SPLITS == 1u) return;
+    if (SPLIT == 0u) return;
 
     // split-K: the last workgroup of this tile to get here merges the splits (release: our
     // partials are made visible before the counter moves; acquire: the last one reads them after)
@@ -428,7 +428,7 @@ void main() {
     barrier();
     if (t == 0u) s_last = atomicAdd(auxc[aux[17] + hh * gl_NumWorkGroups.y + y], 1u);
     barrier();
-    if (s_last != SPLITS - 1u) return;
+    if (s_last != gl_NumWorkGroups.x - 1u) return;
     memoryBarrierBuffer();
     [[unroll]] for (uint r = 0u; r < RPT; ++r) {
         const uint qv = rg * RPT + r;

@@ -19,7 +19,7 @@
 //   query tile qt) -> its rows qt*BQ .. of sequence i, the G query heads of kv head h, keys
 //   kstart_i + sp*chunk_i .. (+ chunk_i) of the sequence's T_i = past_i + n_new_i keys
 //   out float32 [HKV*G, R, DV] normalised (a row that sees nothing gives zeros), lse float32
-//   [HKV*G, R] natural log-sum-exp of the scores (-inf: nothing seen). SPLITS > 1: each split
+//   [HKV*G, R] natural log-sum-exp of the scores (-inf: nothing seen). with SPLIT, each split
 //   writes its partial (part, ml as in attn.comp) and the last workgroup of the tile to finish
 //   (a counter in aux) merges them into out and lse, in the same dispatch
 // numpy, q head h*G+g, row r of a sequence, split keys J (scores as in attn_common.glsl):
@@ -36,7 +36,7 @@ layout(constant_id = 2) const uint BQ = 1u;
 layout(constant_id = 3) const uint DK4 = 16u;
 layout(constant_id = 4) const uint DV4 = 16u;
 layout(constant_id = 5) const uint DV = 128u;
-layout(constant_id = 6) const uint SPLITS = 1u;
+layout(constant_id = 6) const uint SPLIT = 0u;   // 1: the keys are split over the grid's x (gl_NumWorkGroups.x)
 layout(constant_id = 7) const uint FLAGS = 0u;
 layout(constant_id = 8) const uint ROPE_DIM = 8u;
 
@@ -328,9 +328,14 @@ void main() {
         const uint win = aux[7], sinks = aux[8];
         const uint pmin = T - sq.q_len + qt * BQ;              // the tile's first row
         const uint wlo = pmin + 1u > win ? pmin + 1u - win : 0u;
-        if (sp == 0u) consume_range(0u, min(sinks, min(sq.kstart, kend)));   // sinks below kstart
-        consume_range(a, min(b, sinks));
-        consume_range(max(a, max(sinks, wlo)), b);
+        // three ranges -- the sinks below kstart (split 0 only), the sinks in this split, the
+        // window -- in one rolled loop: one copy of the key block, not three (compile time)
+        uint part = sp == 0u ? 0u : 1u;
+        do {
+            const uint lo = part == 0u ? 0u : (part == 1u ? a : max(a, max(sinks, wlo)));
+            const uint hi = part == 0u ? min(sinks, min(sq.kstart, kend)) : (part == 1u ? min(b, sinks) : b);
+            consume_range(lo, hi);
+        } while (++part < 3u);
     } else {
         consume_range(a, b);
     }
@@ -340,7 +345,7 @@ void main() {
         const uint r = qt * BQ + qv % BQ;
         if (r >= sq.q_len) continue;
         const uint row = (h * G + qv / BQ) * R + sq.q_start + r;
-        if (SPLITS == 1u) {
+        if (SPLIT == 0u) {
             write_out(qv, row);
         } else {
             const uint base = (sp * nrows + row) * PV;
@@ -352,7 +357,7 @@ void main() {
             if (lane == 0u) mlbuf[sp * nrows + row] = vec2(m[qv], l[qv]);
         }
     }
-    if (SPLITS == 1u) return;
+    if (SPLIT == 0u) return;
 
     // split-K: the last workgroup of this tile to get here merges every split's partial (our
     // partials are made visible before the counter moves; the last one reads the others' after)
@@ -360,17 +365,17 @@ void main() {
     subgroupBarrier();
     uint done = 0u;
     if (lane == 0u) done = atomicAdd(auxc[aux[17] + h * gl_NumWorkGroups.y + y], 1u);
-    if (subgroupShuffle(done, 0u) != SPLITS - 1u) return;
+    if (subgroupShuffle(done, 0u) != gl_NumWorkGroups.x - 1u) return;
     memoryBarrierBuffer();
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
         const uint r = qt * BQ + qv % BQ;
         if (r >= sq.q_len) continue;
         const uint row = (h * G + qv / BQ) * R + sq.q_start + r;
         float mx = NEG_INF;
-        for (uint s = 0u; s < SPLITS; ++s) mx = max(mx, mlbuf[s * nrows + row].x);
+        for (uint s = 0u; s < gl_NumWorkGroups.x; ++s) mx = max(mx, mlbuf[s * nrows + row].x);
         float lt = 0.0;
         [[unroll]] for (uint i = 0u; i < VPL * CH; ++i) acc[qv * VPL * CH + i] = vec4(0.0);
-        for (uint s = 0u; s < SPLITS; ++s) {
+        for (uint s = 0u; s < gl_NumWorkGroups.x; ++s) {
             const vec2 ms = mlbuf[s * nrows + row];
             const float wgt = mx == NEG_INF ? 0.0 : exp2(ms.x - mx);   // 0 for a split that saw nothing
             lt += wgt * ms.y;

@@ -5,14 +5,14 @@
 // Contract
 //   kc, vc : pools [num_blocks, HKV, BS, DK4|DV4] uvec4; slot s = block s / BS, row s % BS
 //   rk, rv : [ROWS, HKV, DK4|DV4] uvec4, rows 0 .. count-1 written
-//   params : [0] count (<= ROWS), [1 ..] the slots
+//   params : [0] count * HKV (<= ROWS * HKV), [1 + i] the pool row of (slot i / HKV, head i % HKV):
+//            ((slot / BS) * HKV + head) * BS + slot % BS, computed by the host (the block size and
+//            the head count are per-call values: one pipeline per storage format)
 //   ks, vs -> rks, rvs : KV_I8: scales, float32 per pool row -> [ROWS, HKV]
 // numpy:  rk[:count] = kc[slots // BS, :, slots % BS];  rv likewise
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint DK4 = 1u;
 layout(constant_id = 2) const uint DV4 = 1u;
-layout(constant_id = 3) const uint HKV = 1u;
-layout(constant_id = 4) const uint BS = 1u;
 
 layout(std430, binding = 0) readonly buffer KC { uvec4 kc[]; };
 layout(std430, binding = 1) readonly buffer VC { uvec4 vc[]; };
@@ -28,19 +28,16 @@ layout(std430, binding = 8) writeonly buffer RVS { float rvs[]; };
 #endif
 
 // uvec4 index of word i of the gathered [count, HKV, D4] rows
-uint src_word(uint i, uint d4) {
-    const uint slot = params[1u + i / (HKV * d4)], h = (i / d4) % HKV;
-    return (((slot / BS) * HKV + h) * BS + slot % BS) * d4 + i % d4;
-}
+uint src_word(uint i, uint d4) { return params[1u + i / d4] * d4 + i % d4; }
 
 void main() {
-    const uint count = params[0];
+    const uint n = params[0];
     const uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
-    for (uint i = gl_GlobalInvocationID.x; i < count * HKV * DK4; i += stride) rk[i] = kc[src_word(i, DK4)];
-    for (uint i = gl_GlobalInvocationID.x; i < count * HKV * DV4; i += stride) rv[i] = vc[src_word(i, DV4)];
+    for (uint i = gl_GlobalInvocationID.x; i < n * DK4; i += stride) rk[i] = kc[src_word(i, DK4)];
+    for (uint i = gl_GlobalInvocationID.x; i < n * DV4; i += stride) rv[i] = vc[src_word(i, DV4)];
 #if KV_I8
-    for (uint i = gl_GlobalInvocationID.x; i < count * HKV; i += stride) {
-        const uint j = src_word(i, 1u);   // pool row of (slot i / HKV, head i % HKV)
+    for (uint i = gl_GlobalInvocationID.x; i < n; i += stride) {
+        const uint j = params[1u + i];   // pool row of (slot i / HKV, head i % HKV)
         rks[i] = ks[j];
         rvs[i] = vs[j];
     }

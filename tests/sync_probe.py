@@ -19,7 +19,7 @@ def main() -> None:
     out = mgr.tensor_t(np.zeros(64, np.uint32))
     params = mgr.tensor_t(np.array([16] + list(range(16)), np.uint32))
     unused = [mgr.tensor_t(np.zeros(1, np.float32)) for _ in range(4)]
-    spec, push = np.array([64, 1, 1, 1, 1 << 20], np.uint32), np.zeros(0, np.uint32)
+    spec, push = np.array([64, 1, 1], np.uint32), np.zeros(0, np.uint32)
     first = mgr.algorithm([src, src, mid, mid, params] + unused, spirv, [1, 1, 1], spec, push)
     second = mgr.algorithm([mid, mid, out, out, params] + unused, spirv, [1, 1, 1], spec, push)
     seq = mgr.sequence()

@@ -69,7 +69,7 @@ def gather_program(be, src, dst, params, name):
     views of the same buffers, no scales."""
     dummies = [be.buffer(1, np.float32, name=f"{name}_unused{i}") for i in range(4)]
     prog = be.program(compiler.compile_shader("gather_slots"), [src, src, dst, dst, params] + dummies, (1, 1, 1),
-                      [64, 1, 1, 1, 1 << 20], writes=(2, 3, 7, 8), name=name)
+                      [64, 1, 1], writes=(2, 3, 7, 8), name=name)
     return prog, dummies
 
 

@@ -219,6 +219,16 @@ class AttnPlan:
         self._header = np.zeros(HEADER, np.uint32)
         self._tiles = {}
 
+    def warm(self) -> None:
+        """Run the recorded sequence once with no tiles (every workgroup returns at once), so the
+        driver builds the pipeline now -- lavapipe compiles it to machine code on its first dispatch
+        -- and the first real call does not wait for it. Nothing is written to the cache."""
+        aux = self.aux.view()
+        saved = int(aux[14])
+        aux[14] = 0
+        self.rec.run()
+        aux[14] = saved
+
     @staticmethod
     def aux_need(nseq: int, tiles: int, hq: int, table_words: int, mask_words: int) -> int:
         return HEADER + SEQ_WORDS * nseq + 2 * tiles + hq + table_words + mask_words

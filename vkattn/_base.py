@@ -190,7 +190,7 @@ class _SlotReadPlan:
         self.c = c
         self.ok = be.buffer(READ_ROWS * hkv * c._dk4 * 4, np.uint32, name="read_k")
         self.ov = be.buffer(READ_ROWS * hkv * c._dv4 * 4, np.uint32, name="read_v")
-        self.params = be.buffer(1 + READ_ROWS, np.uint32, name="read_slots")
+        self.params = be.buffer(1 + READ_ROWS * hkv, np.uint32, name="read_rows")
         self.oks = be.buffer(READ_ROWS * hkv if c._i8 else 1, np.float32, name="read_kscale")
         self.ovs = be.buffer(READ_ROWS * hkv if c._i8 else 1, np.float32, name="read_vscale")
         pipe = gather_pipeline(c.device, c)
@@ -203,8 +203,8 @@ class _SlotReadPlan:
     def run(self, slots: np.ndarray):
         c, n = self.c, len(slots)
         p = self.params.view()
-        p[0] = n
-        p[1:1 + n] = slots
+        p[0] = n * c.num_kv_heads
+        p[1:1 + n * c.num_kv_heads] = slot_rows(c, slots).ravel()
         self.rec.run()
         c._last_rec = self.rec
         hkv = c.num_kv_heads
@@ -229,13 +229,16 @@ class _SlotWritePlan:
         self.n, self.c = n, c
         self.nk = be.buffer(hkv * n * c._dk4 * c._ch * 4, np.float32, name="new_k")
         self.nv = be.buffer(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
-        self.slots = be.buffer(n, np.uint32, name="append_slots")
+        self.dst = be.buffer(1 + 2 * hkv * n, np.uint32, name="append_rows")
+        d = self.dst.view()                      # [count, (cache row, rotary-table row) per h, r]
+        d[0] = hkv * n
+        d[2::2] = np.tile(np.arange(n, dtype=np.uint32), hkv)
         self.rope = be.buffer(n * max(c._rope_dim, 4), np.float32, name="rope_table")
         pipe = append_pipeline(c.device, c, n)
         self.prog = be.program(compile_shader(pipe.shader, pipe.defines),
-                               [c._k, c._v, self.nk, self.nv, self.slots, self.rope, c._ks, c._vs],
+                               [c._k, c._v, self.nk, self.nv, self.dst, self.rope, c._ks, c._vs],
                                pipe.groups, pipe.spec, writes=(0, 1, 6, 7), name=pipe.name)
-        inputs = [self.nk, self.nv, self.slots] + ([self.rope] if c.rope else [])
+        inputs = [self.nk, self.nv, self.dst] + ([self.rope] if c.rope else [])
         self.rec = be.recording().upload(*inputs).dispatch(self.prog).build(c.timestamps)
 
     def run(self, k, v, slots: np.ndarray, positions: np.ndarray | None = None) -> None:
@@ -245,31 +248,46 @@ class _SlotWritePlan:
         c = self.c
         put_rows(self.nk, k, c._dk4 * c._ch * 4)
         put_rows(self.nv, v, c._dv4 * c._ch * 4)
-        self.slots.view()[:] = slots
+        self.dst.view()[1::2] = slot_rows(c, slots).T.ravel()    # row of (h, r) at h * n + r
         if c.rope:
             pos = slots if positions is None else positions
             self.rope.view()[:] = c.rope.table(np.asarray(pos), c._rope_dim).ravel()
         self.rec.run()
         c._last_rec = self.rec
 
+    def warm(self) -> None:
+        """One dispatch that writes no row (count 0): the driver builds the pipeline now."""
+        d = self.dst.view()
+        d[0] = 0
+        self.rec.run()
+        d[0] = self.c.num_kv_heads * self.n
+
     def destroy(self) -> None:
-        destroy(self.rec, self.prog, self.nk, self.nv, self.slots, self.rope)
+        destroy(self.rec, self.prog, self.nk, self.nv, self.dst, self.rope)
+
+
+def slot_rows(c, slots) -> np.ndarray:
+    """(n, num_kv_heads) uint32: the cache row of each slot for each kv head, in the block layout
+    both caches share (KVCache: one block of ``capacity`` positions, slot = position)."""
+    s = np.asarray(slots, dtype=np.int64)[:, None]
+    h = np.arange(c.num_kv_heads, dtype=np.int64)[None, :]
+    bs = c._block_size
+    return (((s // bs) * c.num_kv_heads + h) * bs + s % bs).astype(np.uint32)
 
 
 def gather_pipeline(dev, c) -> Pipeline:
-    """gather_slots.comp of _SlotReadPlan for the storage format ``c`` (a cache or StorageFormat)."""
-    hkv = c.num_kv_heads
-    groups = grid_groups(READ_ROWS * hkv * max(c._dk4, c._dv4), dev)
-    return Pipeline("gather_slots", "gather_slots", {"KV_I8": int(c._i8)},
-                    (WORKGROUP, c._dk4, c._dv4, hkv, c._block_size), (groups, 1, 1), 9)
+    """gather_slots.comp of _SlotReadPlan for the storage format ``c`` (a cache or StorageFormat):
+    one pipeline per format (the rows come from the host)."""
+    groups = grid_groups(READ_ROWS * c.num_kv_heads * max(c._dk4, c._dv4), dev)
+    return Pipeline("gather_slots", "gather_slots", {"KV_I8": int(c._i8)}, (WORKGROUP, c._dk4, c._dv4),
+                    (groups, 1, 1), 9)
 
 
 def append_pipeline(dev, c, n: int) -> Pipeline:
-    """append.comp of _SlotWritePlan: ``n`` rows per call."""
+    """append.comp of _SlotWritePlan: ``n`` rows per call (the grid; the pipeline serves any n)."""
     hkv = c.num_kv_heads
     # invocations append.comp loops over: one per row (int8), else one per row chunk of K and V
     total = 2 * hkv * n if c._i8 else hkv * n * max(c._dk4, c._dv4)
     flags = c.rope.flags(False) if c.rope else 0
-    return Pipeline("append", "append", dict(c._defines),
-                    (WORKGROUP, c._dk4, c._dv4, c._block_size, hkv, n, flags, max(c._rope_dim, 8)),
+    return Pipeline("append", "append", dict(c._defines), (WORKGROUP, c._dk4, c._dv4, flags, max(c._rope_dim, 8)),
                     (grid_groups(total, dev), 1, 1), 8)

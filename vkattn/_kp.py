@@ -112,7 +112,7 @@ class Program:
         if want != len(self.bindings):    # kp would bind past the descriptor set and crash
             raise ValueError(f"{name}: the shader declares {want} buffer bindings, {len(self.bindings)} given")
         spec = np.asarray(spec, dtype=np.uint32)
-        if first_build(backend.device_key, spirv, spec):
+        if first_build(backend.device_key, spirv, spec, name):
             log.info("vkattn: building the %s pipeline (spec %s) for the first time on %s%s; the driver caches it "
                      "afterwards", name, ",".join(map(str, spec.tolist())), backend.device_key.split(" | ")[0],
                      ": lavapipe compiles it to machine code on its first dispatch, which can take seconds"

@@ -107,9 +107,11 @@ class KVCache(CacheBase):
 
     def plan(self, num_qo_heads: int, s: int = 1, n_new: int = 0, rope_q: bool = False) -> None:
         """Build (or fetch) everything a call shape needs -- pipelines, buffers, the recorded
-        sequence -- so the first :meth:`attend` (``n_new == 0``) or :meth:`forward` (``n_new`` new
-        rows) with ``num_qo_heads`` heads, ``s`` query rows, no score variant and ``rope_q`` only
-        writes inputs and evaluates."""
+        sequence -- and have the driver compile the pipelines now (one empty dispatch each; seconds
+        on lavapipe the first time a pipeline is seen, then cached by the driver), so the first
+        :meth:`attend` (``n_new == 0``) or :meth:`forward` (``n_new`` new rows) with
+        ``num_qo_heads`` heads, ``s`` query rows, no score variant and ``rope_q`` only writes
+        inputs and evaluates. Writes nothing to the cache."""
         with self._lock:
             self._check_open()
             hq = check_int("num_qo_heads", num_qo_heads, 1)
@@ -118,7 +120,9 @@ class KVCache(CacheBase):
             s = check_int("s", s, 1, self.capacity)
             n_new = check_int("n_new", n_new, 0, self.capacity)
             flags = self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0
-            self._forward_plans(hq, s, n_new, flags, AttnPlan.aux_need(1, s, hq, 0, 0))
+            for p in self._forward_plans(hq, s, n_new, flags, AttnPlan.aux_need(1, s, hq, 0, 0)):
+                if p is not None:
+                    p.warm()
 
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` live positions (0 <= length <= self.length); no device work."""

@@ -98,7 +98,7 @@ def _run_glslang(name: str, src_dir, defines: dict) -> bytes:
         return out.read_bytes()
 
 
-def first_build(device_key: str, spirv: bytes, spec) -> bool:
+def first_build(device_key: str, spirv: bytes, spec, name: str = "") -> bool:
     """Whether this pipeline (SPIR-V + specialisation constants) is new to this device and driver
     as far as this machine has seen (a list under cache_dir(), one per device key); records it.
     Drivers cache what they compile, so a pipeline seen before builds quickly; a new one can take
@@ -108,7 +108,7 @@ def first_build(device_key: str, spirv: bytes, spec) -> bool:
     seen = _seen.get(path)
     if seen is None:
         try:
-            seen = set(path.read_text().split())
+            seen = {line.split()[0] for line in path.read_text().splitlines() if line.strip()}
         except OSError:
             seen = set()
         _seen[path] = seen
@@ -118,7 +118,7 @@ def first_build(device_key: str, spirv: bytes, spec) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
-            f.write(key + "\n")
+            f.write(f"{key} {name} {','.join(str(int(x)) for x in spec)}\n")
     except OSError:
         pass
     return True

@@ -36,7 +36,7 @@ TILE_SPLIT_KEYS = 512   # .. but give each split this many keys of the capacity 
 PREFILL_NQ = 32         # query vectors (heads x rows) per prefill workgroup, before shrinking
 LANE_NQ = 32            # query vectors per attn_lane.comp workgroup: every K/V load serves this many
                         # (prefill S=512, d 128 on lavapipe: 16 -> 121 ms, 32 -> 95 ms, 64 -> 104 ms)
-LANE_STATE_VEC4 = 256   # private vec4 (queries + accumulators) per lane in attn_lane.comp
+LANE_STATE_VEC4 = 128   # private vec4 (queries + accumulators) per lane in attn_lane.comp
 FUSED_APPEND_MAX_ROWS = 32   # KVCache.forward with more new rows (PagedKVCache.forward: a sequence
                         # with more) appends them in a submission of its own, then attends from the
                         # cache: in the fused kernel every workgroup of a sequence stores all of its
@@ -66,7 +66,9 @@ class AttnConfig:
 
     def spec(self, group: int, dk4: int, dv4: int, dv: int, flags: int, rope_dim: int) -> list:
         """The kernel's specialisation constants, in constant_id order."""
-        head = [self.wg, group, self.bq, dk4, dv4, dv, self.splits, flags, max(rope_dim, 8)]
+        # SPLIT, not the split count: the kernels take the count from the grid, so one pipeline
+        # serves every capacity (the count follows the capacity)
+        head = [self.wg, group, self.bq, dk4, dv4, dv, int(self.splits > 1), flags, max(rope_dim, 8)]
         return head + ([self.ds, self.rpt, self.cols, self.kb] if self.kernel == "tile" else [])
 
     def shared_bytes(self, group: int, dv4: int, ch: int) -> int:
@@ -99,13 +101,17 @@ def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_
                 capacity: int) -> AttnConfig:
     """attn_lane.comp: one subgroup per workgroup owning up to LANE_NQ query vectors (heads x
     rows), fewer when the head dims are large: a lane keeps (KPL + VPL) * CH vec4 of query and
-    accumulator per query vector, bounded by LANE_STATE_VEC4 (the driver's compile time grows with
-    it: about 1.2 s for head_dim 256 with 16 query vectors on lavapipe since the block loop became
-    straight-line code; the branchy version took 75 s at the same size)."""
+    accumulator per query vector, bounded by LANE_STATE_VEC4: the key block is straight-line code
+    over all of them, and llvmpipe's compile time grows faster than that code (float16 head_dim
+    128 prefill, shader cache off, this 2-core machine: 6.4 s to compile at 32 query vectors, 2.4 s
+    at 16, 1.3 s at 8; the call then takes 72 / 74 / 91 ms). Rows per workgroup are the fewest
+    covering s in halvings, so odd short prefills share pipelines."""
     wg = device.lane_subgroup()          # probed: one subgroup, shuffles work
     per_qv = (-(-dk4 // wg) + -(-dv4 // wg)) * ch
     nq = max(1, min(LANE_NQ, LANE_STATE_VEC4 // per_qv))
-    bq = max(1, min(s, nq // group))
+    bq = max(1, nq // group)
+    while bq // 2 >= s:             # fewest rows covering s, in powers of two (fewer pipelines)
+        bq //= 2
     splits = decode_splits(device, "lane", num_kv_heads, capacity) if s == 1 else 1
     # one loop iteration per key and invocation: stay far below lavapipe's per-invocation cap
     splits = max(splits, -(-capacity // LANE_MAX_KEYS))

@@ -10,9 +10,9 @@
 //     * query rows qt*BQ .. qt*BQ+BQ-1 of the q_len_i rows of sequence i,
 //     * keys kstart_i + sp*chunk_i .. (+ chunk_i) of its T_i = past_i + n_new_i positions.
 //   kc, vc   : cache uvec4 rows, row of (head, slot) from aux (common.glsl, attn_common.glsl).
-//              FRESH plans first store the call's new rows (nk, nv: float32 [HKV, NN, DK4*CH |
-//              DV4*CH] vec4, rounded / quantised as stored) into their slots, then read them back
-//              like any cache row.
+//              A sequence with new rows (n_new_i > 0: forward, the append fused in) first stores
+//              them (nk, nv: float32 [HKV, NN, DK4*CH | DV4*CH] vec4, rounded / quantised as
+//              stored) into their slots, then reads them back like any cache row.
 //   q        : float32 [HKV*G, R, DK4*CH] vec4, zero padded
 //   out      : float32 [HKV*G, R, DV] normalised (a row that sees nothing gives zeros, never NaN)
 //   lse      : float32 [HKV*G, R] natural log-sum-exp of the row's scores (-inf: nothing seen)
@@ -335,7 +335,7 @@ void main() {
     const uint T = sq.past + sq.n_new, R = aux[10];
     const uint nrows = gl_NumWorkGroups.z * G * R;
 
-    if (HAS(F_FRESH)) store_fresh();
+    store_fresh();                            // a call's new rows (none: the loop is skipped)
 
     [[unroll]] for (uint r = 0u; r < RPT; ++r) {
         const uint qv = rg * RPT + r;

@@ -45,7 +45,6 @@
 #define F_SOFTCAP 4u
 #define F_ALIBI 8u
 #define F_MASK 16u
-#define F_FRESH 256u     // the plan carries new rows (nk/nv) to store before attending (fused append)
 
 #define HAS(f) ((FLAGS & (f)) != 0u)
 

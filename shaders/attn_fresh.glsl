@@ -1,4 +1,4 @@
-// attn_fresh.glsl -- a call's new K/V rows (FRESH plans: the append fused into the attention
+// attn_fresh.glsl -- a call's new K/V rows (forward: the append fused into the attention
 // dispatch), shared by attn.comp and attn_lane.comp. Include after common.glsl,
 // attn_common.glsl and rope.glsl, with the DK4/DV4 spec constants, the nk/nv bindings and a
 // global `Seq sq` (the workgroup's sequence) declared.

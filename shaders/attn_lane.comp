@@ -9,7 +9,7 @@
 // across the block's keys) runs on those, and the weights are broadcast back for the V
 // accumulation (a small GEMM per block: each output element sums the block's keys in a
 // register). Every lane keeps the softmax state and its slice of the NQ accumulators in private
-// memory. A call's new rows (FRESH plans) are stored first, by every workgroup of the sequence,
+// memory. A call's new rows (n_new > 0) are stored first, by every workgroup of the sequence,
 // and then read like any cache row. No shared memory and no barrier. This suits drivers where a memory instruction
 // costs a per-lane loop while arithmetic and shuffles run SIMD-wide (lavapipe: subgroup 8); GPUs
 // use attn.comp. WG is the device's subgroup size, probed at plan time (a power of two, <= 16).
@@ -272,12 +272,12 @@ void main() {
     const float qscale = uintBitsToFloat(aux[2]);
     const uint T = sq.past + sq.n_new, R = aux[10];
 
-    if (HAS(F_FRESH)) {
+    if (sq.n_new > 0u) {
         // fused append: every workgroup of the sequence stores all its new rows (identical values
         // from each), lane l the chunks l, l+WG, .. -- the very chunks it reads back as keys
         // (k_chunk, v_chunk), so the key loop needs no barrier and no second path for new keys.
-        // Every sequence of a FRESH plan has a new row; the row loop tests at its end (see
-        // consume_range)
+        // A per-call value, not a specialisation: attend and forward share one pipeline. The row
+        // loop tests at its end (see consume_range)
         uint r = 0u;
         do {
             const uint row = cache_row(sq.bt, h, sq.past + r), nr = sq.new_start + r;

@@ -23,7 +23,6 @@ HEADER = 32
 SEQ_WORDS = 12
 F_PAGED, F_WINDOW, F_SOFTCAP, F_ALIBI, F_MASK = 1, 2, 4, 8, 16
 F_ROPE_K, F_ROPE_Q, F_ROPE_NEOX = 32, 64, 128
-F_FRESH = 256          # the plan carries new rows (nn > 0): the kernel keeps its fused-append code
 MIN_CHUNK = 64          # keys per split at least: short sequences of a batch use fewer splits
 
 
@@ -159,7 +158,7 @@ ATTN_BINDINGS = 13      # kc vc nk nv q aux out part ml lse rope ks vs (attn.com
 def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, key_bound: int,
                   decode: bool, rope_dim: int = 0):
     """(AttnConfig, Pipeline) of the attention dispatch for ``hq`` heads, ``rows`` packed query
-    rows, ``nn`` new rows (F_FRESH), ``nseq`` sequences, on ``dev`` (a Device, or anything with
+    rows, ``nn`` new rows (fused append: a per-call value, not a specialisation), ``nseq`` sequences, on ``dev`` (a Device, or anything with
     its planning attributes) for the storage format ``fmt`` (a cache: _dk4, _dv4, _ch,
     v_head_dim, num_kv_heads, _defines)."""
     hkv = fmt.num_kv_heads
@@ -170,7 +169,7 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
     if grid[1] > dev.max_workgroup_count[1]:
         raise DeviceLimitError(f"q: {rows} rows need {grid[1]} workgroups in y; the device allows "
                                f"{dev.max_workgroup_count[1]}")
-    spec = cfg.spec(group, fmt._dk4, fmt._dv4, fmt.v_head_dim, flags | (F_FRESH if nn else 0), rope_dim)
+    spec = cfg.spec(group, fmt._dk4, fmt._dv4, fmt.v_head_dim, flags, rope_dim)
     if cfg.kernel == "lane":
         shader, defines = "attn_lane", dict(fmt._defines)
     else:

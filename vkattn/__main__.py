@@ -259,8 +259,15 @@ def devices() -> int:
 def main(argv=None) -> int:
     import logging
     # say so when a pipeline is built for the first time (seconds on lavapipe): nobody should think
-    # the demo hangs
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # the demo hangs. The "vkattn" logger gets its own handler: importing kp installs one on the
+    # root logger (level WARNING), which would make logging.basicConfig a no-op
+    log = logging.getLogger("vkattn")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.INFO)
     argv = sys.argv[1:] if argv is None else argv
     cmd = argv[0] if argv else "demo"
     if cmd == "demo":

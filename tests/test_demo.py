@@ -9,6 +9,8 @@ def test_demo_runs_and_verifies(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "verified : 4/4 results" in out
     assert "80 sequence results verified" in out
+    import logging
+    assert not logging.getLogger("vkattn").handlers      # main() leaves logging as it found it
 
 
 def test_first_build_is_announced_once(monkeypatch, tmp_path, caplog):

@@ -260,14 +260,24 @@ def main(argv=None) -> int:
     import logging
     # say so when a pipeline is built for the first time (seconds on lavapipe): nobody should think
     # the demo hangs. The "vkattn" logger gets its own handler: importing kp installs one on the
-    # root logger (level WARNING), which would make logging.basicConfig a no-op
+    # root logger (level WARNING), which would make logging.basicConfig a no-op. Restored on return
+    # (main may be called in-process, e.g. by the tests)
     log = logging.getLogger("vkattn")
-    if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.propagate = False
+    saved = log.level, log.propagate
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
     log.setLevel(logging.INFO)
+    try:
+        return _main(argv)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+
+def _main(argv) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cmd = argv[0] if argv else "demo"
     if cmd == "demo":

@@ -1,9 +1,12 @@
 """Decode: one query token per q head over a cache of L positions (``attend``), per context and
 capacity; and the decode step of a model (``forward``: store the token's K/V row at position L-1,
 then attend all L, one submission; the cache is rolled back by one position before each call).
-Reports effective K/V bandwidth (K/V bytes of the live length read per call / time)."""
+Reports effective K/V bandwidth (K/V bytes of the live length read per call / time). For the
+longest context the same two calls also run on an int8 cache (unless the shape's dtype is int8),
+so float16 and int8 decode are compared in one run."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -36,6 +39,10 @@ def run(shape: Shape, device) -> list:
         for cap in capacities(shape, L):
             rows += _case(shape, device, rng, f"decode L={L} cap={cap}", L, cap, step=False)
         rows += _case(shape, device, rng, f"decode step L={L} (forward 1 token)", L, L, step=True)
+    if shape.dtype != "int8" and contexts:
+        L, i8 = max(contexts), dataclasses.replace(shape, dtype="int8")
+        rows += _case(i8, device, rng, f"decode L={L} cap={L} int8", L, L, step=False)
+        rows += _case(i8, device, rng, f"decode step L={L} int8", L, L, step=True)
     return rows
 
 

@@ -294,3 +294,46 @@ def test_long_prefill_is_appended_first(device, rng, monkeypatch, kernel, dtype,
             assert_close(out[:, a:a + n], ref, dtype)
             assert_close(lse[:, a:a + n], ref_lse, dtype)
             a += n
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_plan_builds_ahead_and_writes_nothing(device, rng, monkeypatch, kernel):
+    """plan() builds the plans forward will use -- a fused chunk, a long prefill appended first, a
+    batch decode -- writes nothing, takes no block, and the planned calls add no plan."""
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.PagedKVCache(40, 8, 2, 24, device=device)
+    model = Model(cache)
+    sids = [cache.add_sequence() for _ in range(3)]
+    for s in sids:
+        model.add(s)
+    step(rng, cache, model, sids, [3, 9, 1], 2)
+    long = vkattn.tuning.FUSED_APPEND_MAX_ROWS + 5
+    batches = [[4, 2, 7], [1, long, 2], [1, 1, 1]]
+    before = cache.lengths(), cache.free_blocks, [cache.block_table(s) for s in sids]
+    for counts in batches:
+        cache.plan(sids, 4, counts)
+    assert (cache.lengths(), cache.free_blocks, [cache.block_table(s) for s in sids]) == before
+    model.check_stored()
+    planned = len(cache._plans)
+    for counts in batches:
+        step(rng, cache, model, sids, counts, 2)
+    assert len(cache._plans) == planned            # every call found its plan
+    model.check_stored()
+
+
+@pytest.mark.parametrize("args,exc,match", [
+    (dict(seq_ids=[0, 7]), vkattn.UnknownSequenceError, None),
+    (dict(seq_ids=[]), ValueError, "seq_ids"),
+    (dict(n_new=[1, 0]), ValueError, "n_new"),
+    (dict(n_new=[40, 40]), vkattn.CacheFullError, None),
+    (dict(num_qo_heads=3), ValueError, "num_qo_heads"),
+    (dict(num_qo_heads=0), ValueError, "num_qo_heads"),
+])
+def test_plan_checks_like_forward(device, args, exc, match):
+    cache = vkattn.PagedKVCache(6, 4, 2, 8, device=device)
+    sids = [cache.add_sequence(), cache.add_sequence()]
+    call = dict(seq_ids=sids, num_qo_heads=4, n_new=[2, 1])
+    call.update(args)
+    with pytest.raises(exc, match=match):
+        cache.plan(**call)
+    assert cache.lengths() == {s: 0 for s in sids} and cache.free_blocks == 6

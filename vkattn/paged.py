@@ -184,13 +184,7 @@ class PagedKVCache(CacheBase):
                                     rope_pos=plan.past[i]))
                 start += n
             flags = F_PAGED | variant.flags(masks is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
-            words = AttnPlan.aux_need(len(seqs), total, hq, sum(len(t) for t in plan.tables),
-                                      0 if masks is None else sum(m.size for m in masks))
-            bucket = aux_bucket(words)
-            nseq, nn = len(seqs), 0 if split else total
-            attn = self._plan(("attn", hq, total, nn, nseq, flags, bucket),
-                              lambda: AttnPlan(self, hq, total, nn, nseq, flags, bucket, self.slots,
-                                               decode=total == nseq, rope_dim=self._rope_dim))
+            attn = self._batch_plan(plan, hq, flags, masks, split)
             if split:                               # both plans are built before either runs
                 self._write_new(plan, k, v)
                 k = v = None
@@ -203,6 +197,32 @@ class PagedKVCache(CacheBase):
                     self._verify_rows(out[:, rows], lse[:, rows], q[:, rows], *self.read(sid),
                                       s.past + s.n_new - s.q_len, dict(call, mask=s.mask))
             return (out, lse) if return_lse else out
+
+    def plan(self, seq_ids, num_qo_heads: int, n_new=None, rope_q: bool = False) -> None:
+        """Build (or fetch) everything :meth:`forward` needs for ``seq_ids`` bringing ``n_new``
+        tokens each (default 1) with ``num_qo_heads`` heads, no score variant or mask, and
+        ``rope_q`` -- pipelines, buffers, the recorded sequences -- and have the driver compile
+        the pipelines now (one empty dispatch each; seconds on lavapipe the first time a pipeline
+        is seen, then cached by the driver), so that call only writes inputs and evaluates. The
+        ids and counts are checked as :meth:`forward` checks them (the tokens must fit); nothing
+        is written and no block is taken. A call plan depends on the batch's total tokens and
+        sequence count, not on which sequences: plan the shapes a server will run."""
+        with self._lock:
+            self._check_open()
+            seq_ids = list(seq_ids) if not isinstance(seq_ids, np.ndarray) else seq_ids.tolist()
+            if not seq_ids:
+                raise ValueError("seq_ids: expected at least one sequence id, got none")
+            plan = self._pool.plan_append(seq_ids, [1] * len(seq_ids) if n_new is None else n_new)
+            if min(plan.n_new) < 1:
+                raise ValueError(f"n_new: every sequence needs at least one new token, got {plan.n_new}")
+            hq = check_int("num_qo_heads", num_qo_heads, 1)
+            if hq % self.num_kv_heads:
+                raise ValueError(f"num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {hq}")
+            flags = F_PAGED | (self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0)
+            split = self._appends_first(max(plan.n_new))
+            if split:
+                self._append_plan(sum(plan.n_new)).warm()
+            self._batch_plan(plan, hq, flags, None, split).warm()
 
     def read(self, seq_id: int) -> tuple:
         """One sequence as float32 arrays, exactly as stored: K (num_kv_heads, length, head_dim),
@@ -232,6 +252,18 @@ class PagedKVCache(CacheBase):
         k = check_array("k", k, (self.num_kv_heads, total, self.head_dim), fp16_range=self._f16)
         v = check_array("v", v, (self.num_kv_heads, total, self.v_head_dim), fp16_range=self._f16)
         return plan, k, v
+
+    def _batch_plan(self, plan, hq, flags, masks, split) -> AttnPlan:
+        """The attention plan of a batch call (AppendPlan ``plan``; ``split``: its rows are appended
+        first, so the dispatch carries none)."""
+        total, nseq = sum(plan.n_new), len(plan.n_new)
+        words = AttnPlan.aux_need(nseq, total, hq, sum(len(t) for t in plan.tables),
+                                  0 if masks is None else sum(m.size for m in masks))
+        bucket = aux_bucket(words)
+        nn = 0 if split else total
+        return self._plan(("attn", hq, total, nn, nseq, flags, bucket),
+                          lambda: AttnPlan(self, hq, total, nn, nseq, flags, bucket, self.slots,
+                                           decode=total == nseq, rope_dim=self._rope_dim))
 
     def _write_new(self, plan, k, v) -> None:
         """append.comp: every new row of ``plan`` at its slot, rotated at its position (one

@@ -10,9 +10,10 @@
 #   scripts/mesa25.sh .venv/bin/python -m perf decode
 #   scripts/mesa25.sh --radv navi31 .venv/bin/python vkattn/_vkpipeline.py --support
 #
-# Why: Mesa 25's lavapipe reads storage buffers at about half the cost of 22.3's (perf/RESULTS.md,
-# session 8), which is what bounds decode on a CPU. Debian 12 ships 22.3; CI and the default set-up
-# stay on it.
+# Why: to compare. Mesa 25's lavapipe reads storage buffers faster in a probe (0.38 against 0.47 ns
+# per word), yet ran every vkattn perf case slower on the project's machine (perf/RESULTS.md,
+# session 9): use the stock 22.3 for speed. Debian 12 ships 22.3; CI and the default set-up stay on
+# it.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 dir="${MESA25_DIR:-$here/.mesa25}"

@@ -104,8 +104,11 @@ def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_
     accumulator per query vector, bounded by LANE_STATE_VEC4: the key block is straight-line code
     over all of them, and llvmpipe's compile time grows faster than that code (float16 head_dim
     128 prefill, shader cache off, this 2-core machine: 6.4 s to compile at 32 query vectors, 2.4 s
-    at 16, 1.3 s at 8; the call then takes 72 / 74 / 91 ms). Rows per workgroup are the fewest
-    covering s in halvings, so odd short prefills share pipelines."""
+    at 16, 1.3 s at 8; the call then takes 72 / 74 / 91 ms from an empty cache, and on a 1536-token
+    past 363-376 ms at 32 against 415-419 ms at 16). The budget of 128 keeps 16 at head_dim 128:
+    13% on a prefill over a long past, for a cold test suite of about 5 min instead of more than
+    7 (perf/RESULTS.md, session 9). Rows per workgroup are the fewest covering s in halvings, so odd short prefills share
+    pipelines."""
     wg = device.lane_subgroup()          # probed: one subgroup, shuffles work
     per_qv = (-(-dk4 // wg) + -(-dv4 // wg)) * ch
     nq = max(1, min(LANE_NQ, LANE_STATE_VEC4 // per_qv))

@@ -299,6 +299,17 @@ def test_forward_fused_and_separate_append(device, rng, monkeypatch, kernel, dty
         assert_close(lse, ref_lse, dtype)
 
 
+def _forward_checked(rng, cache, mirror, group, s, dtype):
+    """forward of s random rows (group q heads per kv head); out and lse against the reference."""
+    k, v = rand_kv(rng, cache, s)
+    q = rand_q(rng, cache, group, s)
+    out, lse = cache.forward(q, k, v, return_lse=True)
+    mirror.append(k, v)
+    ref, ref_lse = vkattn.reference.attention(q, mirror.k, mirror.v, return_lse=True)
+    assert_close(out, ref, dtype)
+    assert_close(lse, ref_lse, dtype)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 def test_split_decode_merges_on_the_device(device, rng, monkeypatch, kernel, dtype):
@@ -313,13 +324,7 @@ def test_split_decode_merges_on_the_device(device, rng, monkeypatch, kernel, dty
     cache.append(k, v)
     mirror.append(k, v)
     for step in range(12):
-        k, v = rand_kv(rng, cache, 1)
-        q = rand_q(rng, cache, 3, 1)
-        out, lse = cache.forward(q, k, v, return_lse=True)
-        mirror.append(k, v)
-        ref, ref_lse = vkattn.reference.attention(q, mirror.k, mirror.v, return_lse=True)
-        assert_close(out, ref, dtype)
-        assert_close(lse, ref_lse, dtype)
+        _forward_checked(rng, cache, mirror, 3, 1, dtype)
     plan = next(p for p in cache._plans.values() if hasattr(p, "cfg"))
     assert plan.cfg.splits == 7
     assert plan.rec.ops == ["upload q,aux,new_k,new_v", plan.attn.name, "download out,lse"]
@@ -338,13 +343,7 @@ def test_tile_chunk_splits_keys(device, rng, monkeypatch, dtype):
     cache.append(k, v)
     mirror.append(k, v)
     for s in (9, 3):
-        k, v = rand_kv(rng, cache, s)
-        q = rand_q(rng, cache, 4, s)
-        out, lse = cache.forward(q, k, v, return_lse=True)
-        mirror.append(k, v)
-        ref, ref_lse = vkattn.reference.attention(q, mirror.k, mirror.v, return_lse=True)
-        assert_close(out, ref, dtype)
-        assert_close(lse, ref_lse, dtype)
+        _forward_checked(rng, cache, mirror, 4, s, dtype)
         q = rand_q(rng, cache, 4, 5)
         assert_close(cache.attend(q, causal=False), mirror.ref(q, causal=False), dtype)
     plans = [p for p in cache._plans.values() if hasattr(p, "cfg")]

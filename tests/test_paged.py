@@ -17,6 +17,13 @@ class Model:
         self.c = cache
         self.k, self.v = {}, {}
 
+    def add_sequences(self, n):
+        """n new sequences in the cache, mirrored here; their ids."""
+        sids = [self.c.add_sequence() for _ in range(n)]
+        for sid in sids:
+            self.add(sid)
+        return sids
+
     def add(self, sid):
         c = self.c
         self.k[sid] = np.zeros((c.num_kv_heads, 0, c.head_dim), np.float32)
@@ -62,9 +69,7 @@ def test_ragged_prefill_then_batch_decode(device, rng, monkeypatch, kernel, bloc
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     cache = vkattn.PagedKVCache(-(-700 // block_size) + 8, block_size, hkv, d, dtype=dtype, device=device)
     model = Model(cache)
-    sids = [cache.add_sequence() for _ in range(4)]
-    for s in sids:
-        model.add(s)
+    sids = model.add_sequences(4)
     step(rng, cache, model, sids, [37, 1, 120, 9], group)          # ragged chunked prefill
     step(rng, cache, model, sids[::-1], [2, 17, 1, 30], group)      # another chunk, other order
     for _ in range(3):                                                # batch decode
@@ -139,9 +144,7 @@ def test_append_without_attending(device, rng, dtype, rope):
     rope = vkattn.RoPE(rope) if rope else None
     cache = vkattn.PagedKVCache(10, 5, 2, 16, dtype=dtype, device=device, rope=rope)
     model = Model(cache)
-    sids = [cache.add_sequence() for _ in range(3)]
-    for s in sids:
-        model.add(s)
+    sids = model.add_sequences(3)
     counts = [7, 1, 12]
     k = rng.standard_normal((2, 20, 16)).astype(np.float32)
     v = rng.standard_normal((2, 20, 16)).astype(np.float32)
@@ -173,9 +176,7 @@ def test_append_without_attending(device, rng, dtype, rope):
 def test_batch_that_does_not_fit_changes_nothing(device, rng):
     cache = vkattn.PagedKVCache(6, 4, 1, 8, device=device)
     model = Model(cache)
-    sids = [cache.add_sequence() for _ in range(2)]
-    for s in sids:
-        model.add(s)
+    sids = model.add_sequences(2)
     step(rng, cache, model, sids, [7, 6], 1)              # 4 blocks used, 2 free
     before = cache.lengths(), [cache.block_table(s) for s in sids], cache.free_blocks
     q = rng.standard_normal((1, 13, 8)).astype(np.float32)
@@ -222,9 +223,7 @@ def test_variants_through_the_paged_path(device, rng, monkeypatch, kernel, varia
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     cache = vkattn.PagedKVCache(30, 16, 2, 24, device=device)
     model = Model(cache)
-    sids = [cache.add_sequence() for _ in range(3)]
-    for s in sids:
-        model.add(s)
+    sids = model.add_sequences(3)
     counts = [40, 3, 77]
     kw = {"window_sinks": dict(window=19, n_sink=2),
           "softcap_alibi": dict(softcap=3.0, alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32)),
@@ -303,9 +302,7 @@ def test_plan_builds_ahead_and_writes_nothing(device, rng, monkeypatch, kernel):
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     cache = vkattn.PagedKVCache(40, 8, 2, 24, device=device)
     model = Model(cache)
-    sids = [cache.add_sequence() for _ in range(3)]
-    for s in sids:
-        model.add(s)
+    sids = model.add_sequences(3)
     step(rng, cache, model, sids, [3, 9, 1], 2)
     long = vkattn.tuning.FUSED_APPEND_MAX_ROWS + 5
     batches = [[4, 2, 7], [1, long, 2], [1, 1, 1]]

@@ -39,7 +39,9 @@ def _planned_jobs():
 def jobs():
     if vp.radeon_icd() is None:
         pytest.skip("RADV is not installed (no radeon_icd*.json; Debian: mesa-vulkan-drivers)")
-    found = _planned_jobs()
+    with pytest.MonkeyPatch.context() as mp:      # the GPUs' own kernel choice, whatever a
+        mp.delenv("VKATTN_KERNEL", raising=False)  # whole-suite VKATTN_KERNEL run forces here
+        found = _planned_jobs()
     if found is None:
         pytest.skip(f"the installed RADV gives no null device for {FAMILY}")
     return found

@@ -140,6 +140,13 @@ class CacheBase:
             alibi_slopes=variant.alibi, return_lse=True)
         check_parity(out, ref, lse, ref_lse, self.dtype)
 
+    def _check_qo_heads(self, num_qo_heads) -> int:
+        """num_qo_heads of a plan() call: a positive multiple of num_kv_heads."""
+        hq = check_int("num_qo_heads", num_qo_heads, 1)
+        if hq % self.num_kv_heads:
+            raise ValueError(f"num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {hq}")
+        return hq
+
     @staticmethod
     def _appends_first(most_new_rows: int) -> bool:
         """Whether a forward whose largest sequence brings ``most_new_rows`` new rows appends them

@@ -114,9 +114,7 @@ class KVCache(CacheBase):
         inputs and evaluates. Writes nothing to the cache."""
         with self._lock:
             self._check_open()
-            hq = check_int("num_qo_heads", num_qo_heads, 1)
-            if hq % self.num_kv_heads:
-                raise ValueError(f"num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {hq}")
+            hq = self._check_qo_heads(num_qo_heads)
             s = check_int("s", s, 1, self.capacity)
             n_new = check_int("n_new", n_new, 0, self.capacity)
             flags = self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0

@@ -209,15 +209,8 @@ class PagedKVCache(CacheBase):
         sequence count, not on which sequences: plan the shapes a server will run."""
         with self._lock:
             self._check_open()
-            seq_ids = list(seq_ids) if not isinstance(seq_ids, np.ndarray) else seq_ids.tolist()
-            if not seq_ids:
-                raise ValueError("seq_ids: expected at least one sequence id, got none")
-            plan = self._pool.plan_append(seq_ids, [1] * len(seq_ids) if n_new is None else n_new)
-            if min(plan.n_new) < 1:
-                raise ValueError(f"n_new: every sequence needs at least one new token, got {plan.n_new}")
-            hq = check_int("num_qo_heads", num_qo_heads, 1)
-            if hq % self.num_kv_heads:
-                raise ValueError(f"num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {hq}")
+            plan = self._plan_new(seq_ids, n_new)
+            hq = self._check_qo_heads(num_qo_heads)
             flags = F_PAGED | (self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0)
             split = self._appends_first(max(plan.n_new))
             if split:
@@ -240,18 +233,22 @@ class PagedKVCache(CacheBase):
     def _check_new(self, seq_ids, n_new, k, v):
         """(AppendPlan, k, v) of a batch's new tokens, all checked (ids, counts >= 1, room, shapes,
         values); nothing changes."""
-        seq_ids = list(seq_ids) if not isinstance(seq_ids, np.ndarray) else seq_ids.tolist()
-        if not seq_ids:
-            raise ValueError("seq_ids: expected at least one sequence id, got none")
-        if n_new is None:
-            n_new = [1] * len(seq_ids)
-        plan = self._pool.plan_append(seq_ids, n_new)          # checks ids, counts, room
-        if min(plan.n_new) < 1:
-            raise ValueError(f"n_new: every sequence needs at least one new token, got {plan.n_new}")
+        plan = self._plan_new(seq_ids, n_new)
         total = sum(plan.n_new)
         k = check_array("k", k, (self.num_kv_heads, total, self.head_dim), fp16_range=self._f16)
         v = check_array("v", v, (self.num_kv_heads, total, self.v_head_dim), fp16_range=self._f16)
         return plan, k, v
+
+    def _plan_new(self, seq_ids, n_new):
+        """The pool's AppendPlan for ``n_new`` tokens (default 1) to each of ``seq_ids``: ids,
+        counts >= 1 and room checked; nothing changes."""
+        seq_ids = list(seq_ids) if not isinstance(seq_ids, np.ndarray) else seq_ids.tolist()
+        if not seq_ids:
+            raise ValueError("seq_ids: expected at least one sequence id, got none")
+        plan = self._pool.plan_append(seq_ids, [1] * len(seq_ids) if n_new is None else n_new)
+        if min(plan.n_new) < 1:
+            raise ValueError(f"n_new: every sequence needs at least one new token, got {plan.n_new}")
+        return plan
 
     def _batch_plan(self, plan, hq, flags, masks, split) -> AttnPlan:
         """The attention plan of a batch call (AppendPlan ``plan``; ``split``: its rows are appended

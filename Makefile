@@ -5,7 +5,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-hf install demo test test-validation perf gpu-report gpu-bench clean
+.PHONY: setup setup-hf install demo check test test-validation perf gpu-report gpu-bench clean
 setup:
 	@bash scripts/setup.sh
 
@@ -18,6 +18,9 @@ install:
 
 demo: setup
 	$(PY) -m vkattn demo
+
+check: setup           # the self-test on this machine's Vulkan device (python -m vkattn check)
+	$(PY) -m vkattn check
 
 test: setup            # both cores: llvmpipe compiles each new pipeline on one thread
 	$(PY) -m pytest -q -n auto

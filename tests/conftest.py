@@ -12,6 +12,19 @@ def device():
     return vkattn.default_device()
 
 
+@pytest.fixture(autouse=True)
+def _kernel_runs_here(request):
+    """A test parametrised with kernel="lane" skips, naming why, on a device where vkattn never
+    picks attn_lane.comp (it needs one subgroup of at most 16 invocations with shuffles: CPU
+    drivers; a GPU's subgroup is 32 or 64). attn.comp ("tile") runs everywhere."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("kernel") == "lane":
+        dev = request.getfixturevalue("device")
+        if not dev.lane_subgroup():
+            pytest.skip(f"attn_lane.comp needs a subgroup of at most 16 with shuffles; {dev.name} has "
+                        f"{dev.subgroup_size}")
+
+
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -72,7 +72,9 @@ def test_parity_fuzz(data):
     """A random sequence of append+attend / forward / truncate on a fresh cache matches a host
     mirror: every result within reference.TOLERANCE, read() bit-exact after every step."""
     draw = data.draw
-    kernel = draw(st.sampled_from(KERNELS), label="kernel")
+    device = vkattn.default_device()
+    # attn_lane.comp runs only where a subgroup of at most 16 shuffles (CPU drivers); a GPU draws tile
+    kernel = draw(st.sampled_from([k for k in KERNELS if k != "lane" or device.lane_subgroup()]), label="kernel")
     hkv = draw(st.integers(1, 3), label="num_kv_heads")
     d, dv = draw(st.sampled_from(HEAD_DIMS), label="(head_dim, v_head_dim)")
     group = draw(st.sampled_from([g for g in (1, 2, 4, 8) if hkv * g <= MAX_QO_HEADS]), label="group")
@@ -82,7 +84,6 @@ def test_parity_fuzz(data):
     seed = draw(st.integers(0, 2**32 - 1), label="seed")
     n_steps = draw(st.integers(1, 5), label="steps")
     rng = np.random.default_rng(seed)
-    device = vkattn.default_device()
 
     with kernel_env(kernel), vkattn.KVCache(capacity, hkv, d, dv, dtype=dtype, device=device) as cache:
         mirror = Mirror(cache)

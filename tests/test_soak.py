@@ -5,6 +5,7 @@ Stated tolerances: VmRSS may grow at most RSS_TOL_MIB between the end of the war
 of the decode loop, and at most RSS_TOL_MIB over the create/close cycles; the number of plans and
 of live device objects (buffers, programs, recorded sequences) must not change across either.
 """
+import gc
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def test_decode_soak_short(device):
 
 
 def test_create_close_cycles(device):
+    gc.collect()     # objects an earlier test of this process left unreachable are not this test's
     before = live_device_objects()
     rep = run_create_close(cycles=200, capacity=4096, dtype="float32", limit_mib=RSS_TOL_MIB, device=device)
     report = "\n".join(rep.lines())

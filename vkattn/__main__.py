@@ -6,6 +6,9 @@ model (random weights, or a local model directory; nothing is downloaded) throug
 through eager attention: tokens/s of each and whether the tokens match (needs the hf extra;
 ``--help`` lists the options).
 
+``python -m vkattn check [--quick] [--json FILE]``: the self-test for this machine's Vulkan device
+(every kernel path vkattn picks there against the numpy reference; ``vkattn/check.py``).
+
 ``python -m vkattn devices`` lists the Vulkan devices. Shape knobs for the demo (environment):
 VKATTN_DEMO_HEADS (32), _KV_HEADS (8), _HEAD_DIM (128), _PROMPT (512), _STEPS (32),
 _CAPACITY (4096), _DTYPE (float16).
@@ -290,9 +293,12 @@ def _main(argv) -> int:
         return demo()
     if cmd == "devices":
         return devices()
+    if cmd == "check":
+        from .check import main as check_main
+        return check_main(argv[1:])
     if cmd == "generate":
         return generate(argv[1:])
-    print("usage: python -m vkattn [demo|generate|devices]", file=sys.stderr)
+    print("usage: python -m vkattn [demo|check|generate|devices]", file=sys.stderr)
     return 2
 
 

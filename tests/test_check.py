@@ -1,0 +1,76 @@
+"""``python -m vkattn check`` (vkattn/check.py): passes on this device, and really fails -- exit 1,
+the case named, the JSON report saying FAIL -- when a result or a stored bit is wrong."""
+import json
+
+import numpy as np
+import pytest
+
+import vkattn
+from vkattn import check
+from vkattn.reference import quantize_int8
+
+
+def test_check_quick_passes_here(device, tmp_path, capsys):
+    path = tmp_path / "report.json"
+    assert check.main(["--quick", "--repeats", "3", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "verdict  : PASS" in out
+    rep = json.loads(path.read_text())
+    assert rep["verdict"] == "PASS" and rep["failed"] == 0
+    kernels = {c["kernel"].rstrip("*") for c in rep["cases"]}
+    assert "tile" in kernels and ("lane" in kernels) == bool(device.lane_subgroup())
+    assert {c["dtype"] for c in rep["cases"]} == {"float32", "float16", "int8"}
+    assert all(c["checked"] > 0 for c in rep["cases"])
+    assert rep["device"]["name"] == device.name and rep["default_kernel"] in ("tile", "lane")
+
+
+def test_check_fails_on_a_wrong_result_and_a_wrong_bit(device, tmp_path, monkeypatch, capsys):
+    real = vkattn.KVCache.read
+
+    def flipped_read(self):                # one stored bit wrong, as a driver that rounds differently would
+        k, v = real(self)
+        if k.size:
+            k = k.copy()
+            k.reshape(-1)[k.size // 2] = np.nextafter(k.reshape(-1)[k.size // 2], np.float32(np.inf))
+        return k, v
+
+    real_attend = vkattn.KVCache.attend
+
+    def skewed_attend(self, q, *a, **kw):  # results off by 1e-3: beyond every tolerance
+        r = real_attend(self, q, *a, **kw)
+        return (r[0] + 1e-3, *r[1:]) if isinstance(r, tuple) else r + np.float32(1e-3)
+
+    monkeypatch.setattr(vkattn.KVCache, "read", flipped_read)
+    monkeypatch.setattr(vkattn.KVCache, "attend", skewed_attend)
+    path = tmp_path / "report.json"
+    assert check.main(["--quick", "--repeats", "2", "--json", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "verdict  : FAIL" in out
+    rep = json.loads(path.read_text())
+    assert rep["verdict"] == "FAIL"
+    failed = {c["name"] for c in rep["cases"] if not c["ok"]}
+    assert any(n.startswith("storage bit-exact") for n in failed)
+    assert any(n.startswith("split-K stress") for n in failed)
+    assert any("differ from the reference's bits" in c["detail"] for c in rep["cases"] if not c["ok"])
+
+
+def test_adversarial_rows_catch_other_roundings():
+    # the storage case's inputs would expose a round-toward-zero float16 conversion and an int8
+    # quantiser that multiplies by a rounded reciprocal (what GPU compilers emit for x / scale)
+    rng = np.random.default_rng(0)
+    x = check.adversarial_rows(rng, 2, 67, 72, "float16")
+    rne = x.astype(np.float16)
+    over = np.abs(rne.astype(np.float32)) > np.abs(x)
+    rtz = np.where(over, rne.view(np.uint16) - 1, rne.view(np.uint16)).astype(np.uint16)
+    assert (rtz != rne.view(np.uint16)).mean() > 0.2
+    x = check.adversarial_rows(rng, 2, 67, 72, "int8")
+    q, scale = quantize_int8(x)
+    recip = np.float32(1) / np.where(scale > 0, scale, np.float32(1))
+    q_rcp = np.clip(np.rint(x * recip[..., None]), -127, 127)
+    assert (q_rcp != q).mean() > 0.01
+    assert (scale == 0).any() and (scale[scale > 0] < 1e-30).any()     # zero rows and tiny rows
+
+
+def test_check_refuses_bad_arguments():
+    with pytest.raises(SystemExit):
+        check.main(["--repeats", "1"])

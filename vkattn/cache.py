@@ -7,6 +7,7 @@ from .checks import check_array, check_bool, check_int, check_scale
 from ._base import CacheBase
 from .device import Device
 from .errors import CacheFullError
+from .tuning import decode_key_bound
 from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
 
 
@@ -118,7 +119,8 @@ class KVCache(CacheBase):
             s = check_int("s", s, 1, self.capacity)
             n_new = check_int("n_new", n_new, 0, self.capacity)
             flags = self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0
-            for p in self._forward_plans(hq, s, n_new, flags, AttnPlan.aux_need(1, s, hq, 0, 0)):
+            total = min(self._length + n_new, self.capacity)
+            for p in self._forward_plans(hq, s, n_new, flags, AttnPlan.aux_need(1, s, hq, 0, 0), total):
                 if p is not None:
                     p.warm()
 
@@ -176,17 +178,20 @@ class KVCache(CacheBase):
                     variant=variant, mask=mask, return_lse=check_bool("return_lse", return_lse),
                     rope_q=self._check_rope_q(rope_q))
 
-    def _forward_plans(self, hq, s, n_new, flags, words) -> tuple:
-        """(append plan or None, attention plan) for a call with ``n_new`` new rows: fused into
-        the attention dispatch, or appended first (CacheBase._appends_first)."""
+    def _forward_plans(self, hq, s, n_new, flags, words, total) -> tuple:
+        """(append plan or None, attention plan) for a call with ``n_new`` new rows and ``total``
+        keys: fused into the attention dispatch, or appended first (CacheBase._appends_first)."""
         if self._appends_first(n_new):
-            return self._append_plan(n_new), self._attn_plan(hq, s, 0, flags, words)
-        return None, self._attn_plan(hq, s, n_new, flags, words)
+            return self._append_plan(n_new), self._attn_plan(hq, s, 0, flags, words, total)
+        return None, self._attn_plan(hq, s, n_new, flags, words, total)
 
-    def _attn_plan(self, hq, s, n_new, flags, words) -> AttnPlan:
+    def _attn_plan(self, hq, s, n_new, flags, words, total) -> AttnPlan:
         bucket = aux_bucket(words)
-        return self._plan(("attn", hq, s, n_new, flags, bucket),
-                          lambda: AttnPlan(self, hq, s, n_new, 1, flags, bucket, self.capacity, s == 1,
+        # decode: sized for the live length's power-of-two bucket (the split count follows the
+        # context); prefill and chunks: for the capacity
+        bound = decode_key_bound(total, self.capacity) if s == 1 else self.capacity
+        return self._plan(("attn", hq, s, n_new, flags, bucket, bound),
+                          lambda: AttnPlan(self, hq, s, n_new, 1, flags, bucket, bound, s == 1,
                                            self._rope_dim))
 
     def _run(self, q, k, v, call):
@@ -197,7 +202,7 @@ class KVCache(CacheBase):
         flags = variant.flags(mask is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
         words = AttnPlan.aux_need(1, s, hq, 0, 0 if mask is None else mask.size)
         total = self._length + n
-        append, plan = self._forward_plans(hq, s, n, flags, words)   # both built before either runs
+        append, plan = self._forward_plans(hq, s, n, flags, words, total)   # both built before either runs
         if append is not None:                  # the new rows go in first, in their own submission
             append.run(k, v, np.arange(self._length, total))
             k = v = None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .tuning import decode_key_bound
 from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
 from .checks import check_array, check_bool, check_int, check_scale
@@ -258,9 +259,14 @@ class PagedKVCache(CacheBase):
                                   0 if masks is None else sum(m.size for m in masks))
         bucket = aux_bucket(words)
         nn = 0 if split else total
-        return self._plan(("attn", hq, total, nn, nseq, flags, bucket),
-                          lambda: AttnPlan(self, hq, total, nn, nseq, flags, bucket, self.slots,
-                                           decode=total == nseq, rope_dim=self._rope_dim))
+        decode = total == nseq
+        # batch decode: sized for the longest sequence's power-of-two bucket (the split count
+        # follows the context, tuning.decode_key_bound); prefill and chunks: for the pool
+        bound = decode_key_bound(max(p + n for p, n in zip(plan.past, plan.n_new)), self.slots) if decode \
+            else self.slots
+        return self._plan(("attn", hq, total, nn, nseq, flags, bucket, bound),
+                          lambda: AttnPlan(self, hq, total, nn, nseq, flags, bucket, bound,
+                                           decode=decode, rope_dim=self._rope_dim))
 
     def _write_new(self, plan, k, v) -> None:
         """append.comp: every new row of ``plan`` at its slot, rotated at its position (one

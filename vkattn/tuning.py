@@ -33,6 +33,11 @@ TILE_KB_DECODE = 2      # attn.comp keys per column and step, loaded before use:
 TILE_KB_PREFILL = 1     # of loads in flight at 56-60 VGPRs), prefill 1 (its rows need the registers)
 TILE_TARGET_WGS = 256   # attn.comp with s > 1: split the keys until about this many workgroups run
 TILE_SPLIT_KEYS = 512   # .. but give each split this many keys of the capacity at least
+DECODE_SPLIT_KEYS = 128  # attn.comp decode on a GPU: about this many keys per split workgroup, from 32
+DECODE_MAX_SPLITS = 256  # .. to 256 splits per kv head (NVIDIA H100, device time, perf/RESULTS.md
+                         # session 10: 32 splits L=65536 4.08 ms, 256 splits 0.98; L=16384 best at 128)
+DECODE_BOUND_MIN = 4096  # decode plans are sized for the live length rounded up to a power of two from
+                         # here (at most the capacity), so the split count follows the context
 PREFILL_NQ = 32         # query vectors (heads x rows) per prefill workgroup, before shrinking
 LANE_NQ = 32            # query vectors per attn_lane.comp workgroup: every K/V load serves this many
                         # (prefill S=512, d 128 on lavapipe: 16 -> 121 ms, 32 -> 95 ms, 64 -> 104 ms)
@@ -123,8 +128,10 @@ def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_
 
 
 def decode_splits(device, kernel: str, num_kv_heads: int, capacity: int) -> int:
-    """Key splits for decode (VKATTN_DECODE_SPLITS overrides). The lane kernel wants a few
-    workgroups per CPU core in all (they are fat); attn.comp on a GPU wants many in flight."""
+    """Key splits for decode of up to ``capacity`` keys (a decode plan's key bound,
+    decode_key_bound; VKATTN_DECODE_SPLITS overrides). The lane kernel wants a few workgroups per
+    CPU core in all (they are fat); attn.comp on a GPU about DECODE_SPLIT_KEYS keys per split,
+    32 to DECODE_MAX_SPLITS splits."""
     env = os.environ.get("VKATTN_DECODE_SPLITS")
     if env:
         if not env.isdigit() or int(env) < 1:
@@ -133,8 +140,19 @@ def decode_splits(device, kernel: str, num_kv_heads: int, capacity: int) -> int:
     cores = os.cpu_count() or 1
     if kernel == "lane":
         return -(-4 * cores // num_kv_heads)
-    want = 2 * cores if device.is_software else 32
+    want = 2 * cores if device.is_software else max(32, min(DECODE_MAX_SPLITS, -(-capacity // DECODE_SPLIT_KEYS)))
     return max(1, min(want, -(-capacity // WORKGROUP)))
+
+
+def decode_key_bound(live: int, capacity: int) -> int:
+    """The key count a decode plan is sized for (its split count follows it): ``live`` keys rounded
+    up to a power of two, at least DECODE_BOUND_MIN, at most ``capacity``. A cache decoding from
+    empty to L keys builds about log2(L / DECODE_BOUND_MIN) + 1 decode plans (same pipeline, one
+    recording each); a cache of capacity 131072 holding 4096 keys splits them 32 ways, not 256."""
+    bound = DECODE_BOUND_MIN
+    while bound < live:
+        bound *= 2
+    return min(bound, capacity)
 
 
 def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,

@@ -1,0 +1,57 @@
+"""Decode plans follow the live length (tuning.decode_key_bound): the split count of a decode grows
+with the context in power-of-two buckets instead of being fixed by the capacity, and a decode that
+crosses bucket boundaries stays equal to the numpy reference on both kernels."""
+import types
+
+import numpy as np
+import pytest
+
+import vkattn
+from conftest import Mirror, assert_close, rand_kv, rand_q
+from vkattn import tuning
+
+
+def test_key_bound_buckets():
+    b = tuning.DECODE_BOUND_MIN
+    assert tuning.decode_key_bound(1, 10 ** 6) == b
+    assert tuning.decode_key_bound(b, 10 ** 6) == b
+    assert tuning.decode_key_bound(b + 1, 10 ** 6) == 2 * b
+    assert tuning.decode_key_bound(5 * b, 10 ** 6) == 8 * b
+    assert tuning.decode_key_bound(5 * b, 6 * b) == 6 * b        # never above the capacity
+    assert tuning.decode_key_bound(10, 300) == 300
+
+
+def test_gpu_decode_splits_follow_the_context(monkeypatch):
+    monkeypatch.delenv("VKATTN_DECODE_SPLITS", raising=False)
+    gpu = types.SimpleNamespace(is_software=False)
+    got = {n: tuning.decode_splits(gpu, "tile", 8, tuning.decode_key_bound(n, 1 << 20))
+           for n in (100, 4096, 16384, 65536, 1 << 20)}
+    # H100 sweep (perf/RESULTS.md, session 10): 32 splits up to 4096 keys, 128 at 16384, 256 beyond
+    assert got == {100: 32, 4096: 32, 16384: 128, 65536: 256, 1 << 20: 256}
+    assert tuning.decode_splits(gpu, "tile", 8, 1000) == 16      # small caches: a workgroup's worth each
+
+
+@pytest.mark.parametrize("kernel", ["lane", "tile"])
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_decode_across_key_bound_buckets(device, rng, monkeypatch, kernel, dtype):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    monkeypatch.setattr(tuning, "DECODE_BOUND_MIN", 16)
+    cache = vkattn.KVCache(700, 2, 40, dtype=dtype, device=device)
+    mirror = Mirror(cache)
+    splits = set()
+    for n in (5, 11, 40, 50, 100, 200, 250):                 # prefill chunks, then decode steps after each
+        k, v = rand_kv(rng, cache, n)
+        cache.append(k, v)
+        mirror.append(k, v)
+        for _ in range(2):
+            k, v = rand_kv(rng, cache, 1)
+            q = rand_q(rng, cache, 3, 1)
+            out = cache.forward(q, k, v)
+            mirror.append(k, v)
+            assert_close(out, mirror.ref(q), dtype)
+            plan = next(reversed(cache._plans.values()))
+            splits.add((plan.cfg.splits, tuning.decode_key_bound(cache.length, cache.capacity)))
+    bounds = {b for _, b in splits}
+    assert bounds == {16, 32, 64, 128, 256, 512, 700}         # every bucket up to the capacity was used
+    if kernel == "tile":
+        assert len({s for s, _ in splits}) > 1                 # and the split count followed them

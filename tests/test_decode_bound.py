@@ -55,3 +55,25 @@ def test_decode_across_key_bound_buckets(device, rng, monkeypatch, kernel, dtype
     assert bounds == {16, 32, 64, 128, 256, 512, 700}         # every bucket up to the capacity was used
     if kernel == "tile":
         assert len({s for s, _ in splits}) > 1                 # and the split count followed them
+
+
+@pytest.mark.parametrize("kernel", ["lane", "tile"])
+def test_new_prompt_lengths_reuse_their_row_bucket_plan(device, rng, monkeypatch, kernel):
+    # prompts of 33..64 rows (appended first, then attended) share one attention and one append
+    # plan; chunks of 9..16 fused rows share one; every result against the reference
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.KVCache(400, 2, 24, dtype="float16", device=device)
+    mirror = Mirror(cache)
+    keys = []
+    for s in (40, 33, 64, 9, 16, 13):
+        before = set(cache._plans)
+        k, v = rand_kv(rng, cache, s)
+        q = rand_q(rng, cache, 2, s)
+        out = cache.forward(q, k, v)
+        mirror.append(k, v)
+        assert_close(out, mirror.ref(q), "float16")
+        keys.append(set(cache._plans) - before)
+    assert keys[0] and not keys[1] and not keys[2]          # 40 built the 64-row plans; 33 and 64 reuse them
+    assert keys[3] and not keys[4] and not keys[5]          # 9 built the 16-row fused plan; 16 and 13 reuse it
+    k_st, v_st = cache.read()
+    assert np.array_equal(k_st, mirror.k) and np.array_equal(v_st, mirror.v)

@@ -178,8 +178,10 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
 
 
 class AttnPlan:
-    """attn.comp / attn_lane.comp for ``hq`` heads, ``rows`` packed query rows, ``nn`` new rows per
-    head, ``nseq`` sequences, variant ``flags`` and an aux buffer of ``aux_words``. One recorded
+    """attn.comp / attn_lane.comp for ``hq`` heads, up to ``rows`` packed query rows and ``nn`` new
+    rows per head (a call's own counts, at most these, go to the kernel in the aux header: the
+    caches build plans for row buckets, tuning.row_bucket), ``nseq`` sequences, variant ``flags``
+    and an aux buffer of ``aux_words``. One recorded
     sequence: upload -> attn -> download of out and lse. With split-K the last workgroup of each
     tile merges the splits on the device (a counter per tile after the aux words, zeroed by the
     upload), so nothing crosses to the host before the output. ``store`` is the cache: device,
@@ -236,6 +238,7 @@ class AttnPlan:
         """q (hq, rows, head_dim) packed; k/v (num_kv_heads, n, d) packed new rows or None.
         Returns out (hq, rows, v_head_dim) and lse (hq, rows) float32."""
         c, cfg = self.c, self.cfg
+        rows, nn = q.shape[1], (0 if k is None else k.shape[1])    # this call's counts (<= the plan's)
         put_rows(self.q, q, c._dk4 * c._ch * 4)
         if k is not None:
             put_rows(self.nk, k, c._dk4 * c._ch * 4)
@@ -259,7 +262,7 @@ class AttnPlan:
         free = alibi_off + (self.hq if variant.alibi is not None else 0)
         h[:18] = (nseq, int(causal), _f32_bits(scale * _LOG2E), 0, c._head_stride,
                   c._block_stride, c._block_size, variant.window or 0, variant.n_sink,
-                  _f32_bits((variant.softcap or 0.0) * _LOG2E), self.rows, max(self.nn, 1), seq_off,
+                  _f32_bits((variant.softcap or 0.0) * _LOG2E), rows, max(nn, 1), seq_off,
                   tile_off, ntiles, alibi_off, 0, self._counters)
         aux[tile_off:alibi_off] = tiles
         if variant.alibi is not None:
@@ -288,8 +291,8 @@ class AttnPlan:
         aux[seq_off:tile_off] = recs.ravel()
         self.rec.run()
         c._last_rec = self.rec
-        out = self.out.view().reshape(self.hq, self.rows, c.v_head_dim).copy()
-        return out, self.lse.view().reshape(self.hq, self.rows).copy()
+        out = self.out.view()[:self.hq * rows * c.v_head_dim].reshape(self.hq, rows, c.v_head_dim).copy()
+        return out, self.lse.view()[:self.hq * rows].reshape(self.hq, rows).copy()
 
     def destroy(self) -> None:
         destroy(self.rec, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,

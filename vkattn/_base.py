@@ -14,7 +14,7 @@ from .checks import check_bool, check_int
 from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, DeviceLimitError, VerificationError
-from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP
+from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, row_bucket
 
 DTYPES = ("float16", "float32", "int8")
 MAX_PLANS = 8
@@ -157,7 +157,9 @@ class CacheBase:
         return most_new_rows > FUSED_APPEND_MAX_ROWS
 
     def _append_plan(self, n: int) -> "_SlotWritePlan":
-        return self._plan(("append", n), lambda: _SlotWritePlan(self, n))
+        """append.comp for ``n`` rows: the plan of n's row bucket (tuning.row_bucket)."""
+        b = row_bucket(n)
+        return self._plan(("append", b), lambda: _SlotWritePlan(self, b))
 
     def _plan(self, key, make):
         """The plan for ``key`` from a small LRU, built by ``make()`` on a miss."""
@@ -227,9 +229,10 @@ class _SlotReadPlan:
 
 
 class _SlotWritePlan:
-    """append.comp for batches of exactly ``n`` rows, each written at a slot the caller gives, in
+    """append.comp for batches of up to ``n`` rows, each written at a slot the caller gives, in
     the slot numbering of _SlotReadPlan (KVCache: the position; PagedKVCache:
-    ``paging.AppendPlan.slots``): upload rows, slots and rotary table, one dispatch."""
+    ``paging.AppendPlan.slots``): upload rows, slots and rotary table, one dispatch. The row count
+    is a per-call value (dst[0]); buffers and grid are sized for ``n``."""
 
     def __init__(self, c: CacheBase, n: int):
         be, hkv = c.device.backend, c.num_kv_heads
@@ -237,9 +240,6 @@ class _SlotWritePlan:
         self.nk = be.buffer(hkv * n * c._dk4 * c._ch * 4, np.float32, name="new_k")
         self.nv = be.buffer(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
         self.dst = be.buffer(1 + 2 * hkv * n, np.uint32, name="append_rows")
-        d = self.dst.view()                      # [count, (cache row, rotary-table row) per h, r]
-        d[0] = hkv * n
-        d[2::2] = np.tile(np.arange(n, dtype=np.uint32), hkv)
         self.rope = be.buffer(n * max(c._rope_dim, 4), np.float32, name="rope_table")
         pipe = append_pipeline(c.device, c, n)
         self.prog = be.program(compile_shader(pipe.shader, pipe.defines),
@@ -253,21 +253,23 @@ class _SlotWritePlan:
         ``slots[r]`` (distinct, checked by the caller) and is rotated at ``positions[r]``
         (default: the slots, which are the positions of a KVCache)."""
         c = self.c
+        hkv, n = c.num_kv_heads, k.shape[1]
         put_rows(self.nk, k, c._dk4 * c._ch * 4)
         put_rows(self.nv, v, c._dv4 * c._ch * 4)
-        self.dst.view()[1::2] = slot_rows(c, slots).T.ravel()    # row of (h, r) at h * n + r
+        d = self.dst.view()                      # [count, (cache row, rotary-table row) per h, r]
+        d[0] = hkv * n
+        d[1:1 + 2 * hkv * n:2] = slot_rows(c, slots).T.ravel()    # row of (h, r) at h * n + r
+        d[2:2 + 2 * hkv * n:2] = np.tile(np.arange(n, dtype=np.uint32), hkv)
         if c.rope:
             pos = slots if positions is None else positions
-            self.rope.view()[:] = c.rope.table(np.asarray(pos), c._rope_dim).ravel()
+            self.rope.view()[:n * c._rope_dim] = c.rope.table(np.asarray(pos), c._rope_dim).ravel()
         self.rec.run()
         c._last_rec = self.rec
 
     def warm(self) -> None:
         """One dispatch that writes no row (count 0): the driver builds the pipeline now."""
-        d = self.dst.view()
-        d[0] = 0
+        self.dst.view()[0] = 0
         self.rec.run()
-        d[0] = self.c.num_kv_heads * self.n
 
     def destroy(self) -> None:
         destroy(self.rec, self.prog, self.nk, self.nv, self.dst, self.rope)

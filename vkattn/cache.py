@@ -7,7 +7,7 @@ from .checks import check_array, check_bool, check_int, check_scale
 from ._base import CacheBase
 from .device import Device
 from .errors import CacheFullError
-from .tuning import decode_key_bound
+from .tuning import decode_key_bound, row_bucket
 from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
 
 
@@ -188,10 +188,12 @@ class KVCache(CacheBase):
     def _attn_plan(self, hq, s, n_new, flags, words, total) -> AttnPlan:
         bucket = aux_bucket(words)
         # decode: sized for the live length's power-of-two bucket (the split count follows the
-        # context); prefill and chunks: for the capacity
+        # context); prefill and chunks: for the capacity, and for the row bucket of s and n_new
+        # (a new prompt length reuses the plan of its bucket)
         bound = decode_key_bound(total, self.capacity) if s == 1 else self.capacity
-        return self._plan(("attn", hq, s, n_new, flags, bucket, bound),
-                          lambda: AttnPlan(self, hq, s, n_new, 1, flags, bucket, bound, s == 1,
+        rows, nn = row_bucket(s), (row_bucket(n_new) if n_new else 0)
+        return self._plan(("attn", hq, rows, nn, flags, bucket, bound),
+                          lambda: AttnPlan(self, hq, rows, nn, 1, flags, bucket, bound, s == 1,
                                            self._rope_dim))
 
     def _run(self, q, k, v, call):

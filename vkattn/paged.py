@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tuning import decode_key_bound
+from .tuning import decode_key_bound, row_bucket
 from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
 from .checks import check_array, check_bool, check_int, check_scale
@@ -264,8 +264,9 @@ class PagedKVCache(CacheBase):
         # follows the context, tuning.decode_key_bound); prefill and chunks: for the pool
         bound = decode_key_bound(max(p + n for p, n in zip(plan.past, plan.n_new)), self.slots) if decode \
             else self.slots
-        return self._plan(("attn", hq, total, nn, nseq, flags, bucket, bound),
-                          lambda: AttnPlan(self, hq, total, nn, nseq, flags, bucket, bound,
+        rows, nn = (total, nn) if decode else (row_bucket(total), row_bucket(nn) if nn else 0)
+        return self._plan(("attn", hq, rows, nn, nseq, flags, bucket, bound),
+                          lambda: AttnPlan(self, hq, rows, nn, nseq, flags, bucket, bound,
                                            decode=decode, rope_dim=self._rope_dim))
 
     def _write_new(self, plan, k, v) -> None:

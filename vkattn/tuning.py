@@ -144,6 +144,17 @@ def decode_splits(device, kernel: str, num_kv_heads: int, capacity: int) -> int:
     return max(1, min(want, -(-capacity // WORKGROUP)))
 
 
+def row_bucket(n: int) -> int:
+    """The row count a plan is built for when a call brings ``n`` query or new rows: ``n`` rounded
+    up to a power of two. Every count in (2^(k-1), 2^k] runs on the plan of 2^k (its buffers and
+    grid sized for 2^k; the kernels take the call's own counts from the aux buffer and skip the
+    tiles beyond them), so a new prompt length rarely builds anything."""
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
 def decode_key_bound(live: int, capacity: int) -> int:
     """The key count a decode plan is sized for (its split count follows it): ``live`` keys rounded
     up to a power of two, at least DECODE_BOUND_MIN, at most ``capacity``. A cache decoding from

@@ -36,12 +36,40 @@
 
 // uvec4 storage word -> CH float vec4
 #if KV_F16
-// IEEE half -> float for finite values with integer ops (attn_lane.comp, append: lavapipe): move exponent and mantissa into place
-// and rescale by 2^112 (this also turns half subnormals into the right floats). The cache holds no
-// Inf/NaN (rejected at the door).
+// Exact float16 <-> float32 with integer arithmetic on the bits, the same on every conforming
+// driver: GLSL leaves packHalf2x16's rounding to the implementation (RADV: v_cvt_pkrtz_f16_f32,
+// round toward zero) and lets a driver flush denormals in any float operation (a half subnormal
+// decoded as a float32 denormal times 2^112 comes back 0 on Mesa 26's lavapipe).
+//
+// half bits (low 16 bits of each component) -> float32. Normal halves: exponent rebiased
+// (15 -> 127) in the bits; subnormal halves (exponent field 0): mantissa * 2^-24, an exact
+// int -> float conversion and a product that is a normal float32 (>= 2^-24), so nothing a driver
+// may flush; zeros keep their sign. The cache holds no Inf/NaN (rejected at the door).
 vec4 halves_to_float(uvec4 h) {
-    const vec4 mag = uintBitsToFloat((h & 0x7fffu) << 13) * 5.192296858534828e33;   // 2^112
-    return uintBitsToFloat(floatBitsToUint(mag) | ((h & 0x8000u) << 16));
+    const uvec4 t = (h & 0x7fffu) << 13;                          // exponent and mantissa, float32 places
+    const vec4 sub = vec4(h & 0x3ffu) * 5.9604644775390625e-8;    // 2^-24
+    const uvec4 mag = mix(floatBitsToUint(sub), t + 0x38000000u, greaterThanEqual(t, uvec4(0x00800000u)));
+    return uintBitsToFloat(mag | ((h & 0x8000u) << 16));
+}
+
+// float32 -> half bits, rounded to nearest even as numpy's astype(float16) rounds: |x| >= 65520
+// -> Inf, half subnormals rounded once (not via float32), float32 denormals -> signed zero, NaN ->
+// quiet NaN with numpy's payload (never stored: rejected at the door). Integer operations only.
+uvec4 float_to_halves(vec4 x) {
+    const uvec4 f = floatBitsToUint(x);
+    const uvec4 a = f & 0x7fffffffu;
+    // |x| >= 2^-14: drop 13 mantissa bits, adding 0xfff plus the kept lowest bit rounds half to
+    // even; a carry runs into the exponent, up to Inf (0x7c00) and no further
+    const uvec4 nrm = min((a - 0x38000000u + 0x0fffu + ((a >> 13) & 1u)) >> 13, uvec4(0x7c00u));
+    // |x| < 2^-14: the half subnormal m * 2^-24 nearest |x| = M * 2^(e - 150), M the 24-bit
+    // mantissa with its leading 1: m = M >> (126 - e) rounded half to even (a shift of 31 or more,
+    // float32 denormals included, leaves 0)
+    const uvec4 s = min(uvec4(126u) - min(a >> 23, uvec4(112u)), uvec4(31u));   // 14 .. 31
+    const uvec4 m = (a & 0x7fffffu) | 0x800000u;
+    const uvec4 sub = (m + (uvec4(1u) << (s - 1u)) - 1u + ((m >> s) & 1u)) >> s;
+    uvec4 h = mix(sub, nrm, greaterThanEqual(a, uvec4(0x38800000u)));
+    h = mix(h, 0x7c00u | max((a >> 13) & 0x3ffu, uvec4(1u)), greaterThan(a, uvec4(0x7f800000u)));
+    return ((f >> 16) & 0x8000u) | h;
 }
 #endif
 
@@ -74,19 +102,74 @@ uvec4 pack_chunk(vec4 x[CH]) {
 #if KV_I8
     return uvec4(pack_i8x4(x[0]), pack_i8x4(x[1]), pack_i8x4(x[2]), pack_i8x4(x[3]));
 #elif KV_F16
-    return uvec4(packHalf2x16(x[0].xy), packHalf2x16(x[0].zw),
-                 packHalf2x16(x[1].xy), packHalf2x16(x[1].zw));
+    const uvec4 a = float_to_halves(x[0]), b = float_to_halves(x[1]);
+    return uvec4(a.x | (a.y << 16), a.z | (a.w << 16), b.x | (b.y << 16), b.z | (b.w << 16));
 #else
     return floatBitsToUint(x[0]);
 #endif
 }
 
-// KV_I8 symmetric quantisation of a row with max |x| = amax: scale = amax / 127, q = roundEven(x /
-// scale) (numpy: vkattn.reference.quantize_int8); a zero row has scale 0 and q 0
-float quant_scale(float amax) { return amax / 127.0; }
-
-vec4 quantise(vec4 x, float scale) {
-    return scale > 0.0 ? clamp(roundEven(x / scale), -127.0, 127.0) : vec4(0.0);
+// KV_I8 symmetric quantisation of a row with max |x| = amax (numpy: vkattn.reference.quantize_int8):
+// scale = amax / 127 correctly rounded to float32 (round to nearest even), q = the integer nearest
+// the exact quotient x / scale (ties to even), clamped to -127 .. 127. A row whose amax is 0 or a
+// float32 denormal (which a driver may flush in max()) is a zero row: scale 0 and q 0. Both are
+// computed with integer arithmetic on the bits -- GLSL's float division is only 2.5 ULP accurate
+// (RADV: a multiply by 1/127, v_rcp_f32) -- so every conforming driver stores the same bits.
+float quant_scale(float amax) {
+    const uint a = floatBitsToUint(amax) & 0x7fffffffu;
+    if (a < 0x00800000u) return 0.0;
+    const uint e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;   // amax = m * 2^(e - 150)
+    // e >= 8: a normal scale q * 2^(e - k - 150) with q = round(m * 2^k / 127) a 24-bit integer
+    // (k = 7, or 6 where m * 2^7 / 127 reaches 2^24); its bits are ((e - k - 1) << 23) + q, a
+    // rounding carry to 2^24 included. e <= 7: the scale in units of 2^-149 (subnormal, or the
+    // smallest normals) is round(m * 2^(e - 1) / 127), and that integer is its bit pattern.
+    const uint k = e >= 8u ? (m < 16646144u ? 7u : 6u) : e - 1u;   // 16646144 = 127 * 2^17
+    const uint n = m << k;                                          // < 2^31
+    uint q = n / 127u;                                              // exact (a constant divisor)
+    q += n - q * 127u >= 64u ? 1u : 0u;                             // 127 is odd: never a tie
+    return uintBitsToFloat(e >= 8u ? ((e - k - 1u) << 23) + q : q);
 }
 
-float vmax_abs(vec4 x) { const vec4 a = abs(x); return max(max(a.x, a.y), max(a.z, a.w)); }
+// the 24-bit mantissa (leading 1 included) and exponent of |x| = m * 2^(e - 150) for the
+// non-zero bits a of a finite |x| (float32 denormals normalised with findMSB)
+void f32_parts(uvec4 a, out uvec4 m, out ivec4 e) {
+    const ivec4 lz = max(ivec4(23) - findMSB(a), ivec4(0));         // > 0 only for denormals
+    const bvec4 nrm = greaterThanEqual(a, uvec4(0x00800000u));
+    m = mix(a << uvec4(lz), (a & 0x7fffffu) | 0x800000u, nrm);
+    e = mix(ivec4(1) - lz, ivec4(a >> 23), nrm);
+}
+
+vec4 quantise(vec4 x, float scale) {
+    const uint sb = floatBitsToUint(scale);
+    if (sb == 0u) return vec4(0.0);
+    const uvec4 xb = floatBitsToUint(x), xa = xb & 0x7fffffffu;
+    uvec4 mx, ms;
+    ivec4 ex, es;
+    f32_parts(xa, mx, ex);
+    f32_parts(uvec4(sb), ms, es);
+    // |x| / scale = (mx / ms) * 2^d with mx / ms in (1/2, 2): below 1/2 for d < -1, at least 128
+    // for d > 7. Otherwise 2 |x| / scale = n / ms with n = mx << (d + 1) < 2^32: restoring long
+    // division gives t = floor(n / ms) < 512 and the remainder r; |x| / scale = t / 2 + r / (2 ms).
+    const ivec4 d = ex - es;
+    uvec4 r = mx << uvec4(clamp(d + 1, ivec4(0), ivec4(8))), t = uvec4(0u);
+    for (int i = 8; i >= 0; --i) {
+        const uvec4 step = ms << i;
+        const bvec4 ge = greaterThanEqual(r, step);
+        r = mix(r, r - step, ge);
+        t |= uvec4(ge) << i;
+    }
+    // round half to even: up when the fraction is above 1/2 (t odd, r > 0), or exactly 1/2 (t
+    // odd, r = 0) with an odd floor
+    uvec4 q = (t >> 1) + ((t & 1u) & (uvec4(notEqual(r, uvec4(0u))) | ((t >> 1) & 1u)));
+    q = mix(min(q, uvec4(127u)), uvec4(127u), greaterThan(d, ivec4(7)));
+    q = mix(q, uvec4(0u), bvec4(uvec4(lessThan(d, ivec4(-1))) | uvec4(equal(xa, uvec4(0u)))));
+    const vec4 v = vec4(q);
+    return mix(v, -v, greaterThanEqual(xb, uvec4(0x80000000u)));
+}
+
+// max |x| of a vec4, on the bits (an integer max of non-negative float bit patterns orders them
+// as the values; no float operation, so float32 denormals are not flushed here)
+float vmax_abs(vec4 x) {
+    const uvec4 a = floatBitsToUint(x) & 0x7fffffffu;
+    return uintBitsToFloat(max(max(a.x, a.y), max(a.z, a.w)));
+}

@@ -298,7 +298,8 @@ _LABEL = re.compile(r"^(BB\d+):")
 
 def key_loop(asm: str) -> dict:
     """The key loop of an ACO disassembly: the backward-branch range with the most VALU
-    instructions that loads from memory. {"valu": VALU instructions of a pass that skips the
+    instructions that loads from memory and stores nothing (the attention kernels' loop storing a
+    call's new rows, before the key loop, is not it). {"valu": VALU instructions of a pass that skips the
     loop's conditional blocks (forward branches inside it: the rescale when no row's max grew),
     "valu_cond": those in the conditional blocks, "loads": buffer loads per pass, "valu_total":
     every VALU instruction of the shader}."""
@@ -321,6 +322,8 @@ def key_loop(asm: str) -> dict:
                 cond.update(range(k + 1, labels[f.group(1)]))
         valu = [k for k in range(start, i + 1) if lines[k].startswith("v_")]
         loads = sum(lines[k].startswith(("buffer_load", "global_load")) for k in range(start, i + 1))
+        if any(lines[k].startswith(("buffer_store", "global_store")) for k in range(start, i + 1)):
+            continue                                    # a loop that stores (the new rows), not the key loop
         every = sum(k not in cond for k in valu)
         if loads and len(valu) > best["valu"] + best["valu_cond"]:
             best = {"valu": every, "valu_cond": len(valu) - every, "loads": loads}

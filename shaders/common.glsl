@@ -53,23 +53,19 @@ vec4 halves_to_float(uvec4 h) {
 }
 
 // float32 -> half bits, rounded to nearest even as numpy's astype(float16) rounds: |x| >= 65520
-// -> Inf, half subnormals rounded once (not via float32), float32 denormals -> signed zero, NaN ->
-// quiet NaN with numpy's payload (never stored: rejected at the door). Integer operations only.
+// -> Inf, half subnormals rounded once (not via float32), float32 denormals -> signed zero. Finite
+// x only (NaN is rejected at the door; it would give Inf).
 uvec4 float_to_halves(vec4 x) {
     const uvec4 f = floatBitsToUint(x);
     const uvec4 a = f & 0x7fffffffu;
-    // |x| >= 2^-14: drop 13 mantissa bits, adding 0xfff plus the kept lowest bit rounds half to
-    // even; a carry runs into the exponent, up to Inf (0x7c00) and no further
-    const uvec4 nrm = min((a - 0x38000000u + 0x0fffu + ((a >> 13) & 1u)) >> 13, uvec4(0x7c00u));
-    // |x| < 2^-14: the half subnormal m * 2^-24 nearest |x| = M * 2^(e - 150), M the 24-bit
-    // mantissa with its leading 1: m = M >> (126 - e) rounded half to even (a shift of 31 or more,
-    // float32 denormals included, leaves 0)
-    const uvec4 s = min(uvec4(126u) - min(a >> 23, uvec4(112u)), uvec4(31u));   // 14 .. 31
-    const uvec4 m = (a & 0x7fffffu) | 0x800000u;
-    const uvec4 sub = (m + (uvec4(1u) << (s - 1u)) - 1u + ((m >> s) & 1u)) >> s;
-    uvec4 h = mix(sub, nrm, greaterThanEqual(a, uvec4(0x38800000u)));
-    h = mix(h, 0x7c00u | max((a >> 13) & 0x3ffu, uvec4(1u)), greaterThan(a, uvec4(0x7f800000u)));
-    return ((f >> 16) & 0x8000u) | h;
+    // |x| >= 2^-14: drop 13 mantissa bits; adding 0xfff plus the lowest kept bit rounds half to
+    // even, and a carry runs into the exponent, up to Inf (0x7c00) and no further
+    const uvec4 nrm = min((a - 0x38000000u + 0x0fffu + bitfieldExtract(a, 13, 1)) >> 13, uvec4(0x7c00u));
+    // |x| < 2^-14: the half subnormal m * 2^-24 nearest |x|, m = roundEven(|x| * 2^24). The
+    // product only moves the exponent (|x| normal: exact, no rounding mode involved; a float32
+    // denormal a driver flushes gives 0, its correct m) and roundEven is exact.
+    const uvec4 sub = uvec4(roundEven(uintBitsToFloat(a) * 16777216.0));
+    return ((f >> 16) & 0x8000u) | mix(sub, nrm, greaterThanEqual(a, uvec4(0x38800000u)));
 }
 #endif
 
@@ -130,46 +126,56 @@ float quant_scale(float amax) {
     return uintBitsToFloat(e >= 8u ? ((e - k - 1u) << 23) + q : q);
 }
 
-// the 24-bit mantissa (leading 1 included) and exponent of |x| = m * 2^(e - 150) for the
-// non-zero bits a of a finite |x| (float32 denormals normalised with findMSB)
-void f32_parts(uvec4 a, out uvec4 m, out ivec4 e) {
-    const ivec4 lz = max(ivec4(23) - findMSB(a), ivec4(0));         // > 0 only for denormals
-    const bvec4 nrm = greaterThanEqual(a, uvec4(0x00800000u));
-    m = mix(a << uvec4(lz), (a & 0x7fffffu) | 0x800000u, nrm);
-    e = mix(ivec4(1) - lz, ivec4(a >> 23), nrm);
+// quantise: |x| / scale rounded half to even, exactly. scale = s * 2^(es - 150) with s its 24-bit
+// significand (normalised with findMSB if scale is subnormal), |x| = m * 2^(ex - 150) (m < 2^24,
+// not normalised for a float32 denormal x). With d = ex - es, 2 |x| / scale = n / s for
+// n = m << (d + 1) < 2^32 when -1 <= d <= 7; |x| / scale < 1/2 below (m / s < 2) and, for a
+// normal x, at least 128 above (m / s > 1/2; a denormal x never has d > 7, since amax >= 2^-126
+// keeps es >= -6). t = floor(n / s) < 512 and the remainder r = n - t * s are exact integers; a
+// float estimate only proposes t: n * (an approximate 1/s) is within 2^-10 of n / s, so
+// floor(estimate - 2^-9) is t or t - 1, and one exact comparison of the remainder with s decides.
+// The approximate 1/s (relative error below 2^-20 on any conforming driver, however it rounds or
+// fuses) comes from Newton steps y <- y (2 - s y) from a bit-trick first guess (within 1/8): no
+// division and no reciprocal instruction.
+
+// the per-row part, once per scale: (scale bits, s, bits of the approximate 1/s)
+uvec3 quant_prep(float scale) {
+    const uint sb = floatBitsToUint(scale);
+    const int lz = max(23 - findMSB(sb), 0);                          // > 0: subnormal scale (or 0)
+    const uint s = sb >= 0x00800000u ? (sb & 0x7fffffu) | 0x800000u : sb << lz;
+    const float f = float(max(s, 1u));
+    float y = uintBitsToFloat(0x7ef311c7u - floatBitsToUint(f));     // 1/f within 1/8
+    for (int i = 0; i < 4; ++i) y = y * (2.0 - f * y);                // error 1/8 -> 2^-24 + rounding
+    return uvec3(sb, s, floatBitsToUint(y));
 }
 
-vec4 quantise(vec4 x, float scale) {
-    const uint sb = floatBitsToUint(scale);
-    if (sb == 0u) return vec4(0.0);
-    const uvec4 xb = floatBitsToUint(x), xa = xb & 0x7fffffffu;
-    uvec4 mx, ms;
-    ivec4 ex, es;
-    f32_parts(xa, mx, ex);
-    f32_parts(uvec4(sb), ms, es);
-    // |x| / scale = (mx / ms) * 2^d with mx / ms in (1/2, 2): below 1/2 for d < -1, at least 128
-    // for d > 7. Otherwise 2 |x| / scale = n / ms with n = mx << (d + 1) < 2^32: restoring long
-    // division gives t = floor(n / ms) < 512 and the remainder r; |x| / scale = t / 2 + r / (2 ms).
-    const ivec4 d = ex - es;
-    uvec4 r = mx << uvec4(clamp(d + 1, ivec4(0), ivec4(8))), t = uvec4(0u);
-    for (int i = 8; i >= 0; --i) {
-        const uvec4 step = ms << i;
-        const bvec4 ge = greaterThanEqual(r, step);
-        r = mix(r, r - step, ge);
-        t |= uvec4(ge) << i;
-    }
+// one value, written per component so that a compiler evaluates the values one after another
+// (vector code would keep the temporaries of all of them live at once)
+float quantise1(float x, uvec3 p) {
+    const uint sb = p.x, s = p.y;
+    const int es = sb >= 0x00800000u ? int(sb >> 23) : findMSB(sb) - 22;   // 1 - lz
+    const uint xb = floatBitsToUint(x), xa = xb & 0x7fffffffu;
+    const uint m = xa >= 0x00800000u ? (xa & 0x7fffffu) | 0x800000u : xa;
+    const int d = max(int(xa >> 23), 1) - es;
+    const uint n = m << clamp(d + 1, 0, 8);
+    uint t = uint(max(float(n) * uintBitsToFloat(p.z) - 0.001953125, 0.0));   // t or t - 1
+    uint r = n - t * s;
+    if (r >= s) { t += 1u; r -= s; }
     // round half to even: up when the fraction is above 1/2 (t odd, r > 0), or exactly 1/2 (t
     // odd, r = 0) with an odd floor
-    uvec4 q = (t >> 1) + ((t & 1u) & (uvec4(notEqual(r, uvec4(0u))) | ((t >> 1) & 1u)));
-    q = mix(min(q, uvec4(127u)), uvec4(127u), greaterThan(d, ivec4(7)));
-    q = mix(q, uvec4(0u), bvec4(uvec4(lessThan(d, ivec4(-1))) | uvec4(equal(xa, uvec4(0u)))));
-    const vec4 v = vec4(q);
-    return mix(v, -v, greaterThanEqual(xb, uvec4(0x80000000u)));
+    uint q = (t >> 1) + ((t & 1u) & (r != 0u ? 1u : (t >> 1) & 1u));
+    q = d > 7 ? 127u : min(q, 127u);
+    q = d < -1 || sb == 0u ? 0u : q;
+    return xb >= 0x80000000u ? -float(q) : float(q);
 }
 
-// max |x| of a vec4, on the bits (an integer max of non-negative float bit patterns orders them
-// as the values; no float operation, so float32 denormals are not flushed here)
-float vmax_abs(vec4 x) {
-    const uvec4 a = floatBitsToUint(x) & 0x7fffffffu;
-    return uintBitsToFloat(max(max(a.x, a.y), max(a.z, a.w)));
+vec4 quantise_prep(vec4 x, uvec3 p) {
+    return vec4(quantise1(x.x, p), quantise1(x.y, p), quantise1(x.z, p), quantise1(x.w, p));
 }
+
+vec4 quantise(vec4 x, float scale) { return quantise_prep(x, quant_prep(scale)); }
+
+// max |x| of a vec4. Exact for quant_scale on any driver: max() returns one of its operands, and
+// a driver that flushes denormals changes the row maximum only where it is a float32 denormal,
+// which quant_scale treats as a zero row either way
+float vmax_abs(vec4 x) { const vec4 a = abs(x); return max(max(a.x, a.y), max(a.z, a.w)); }

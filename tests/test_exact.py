@@ -95,7 +95,6 @@ def test_half_inputs_would_catch_round_toward_zero(rng):
 def test_probe_float16_encode_matches_numpy(device, rng, native):
     x = np.concatenate([half_ties_and_neighbours(rng), specials(),
                         f32(rng.integers(0, 0xffffffff, 4000, dtype=np.uint32) & 0xc7ffffff)])
-    x = np.concatenate([x, np.float32([np.nan])])
     x = np.concatenate([x, np.zeros(-x.size % 8, np.float32)])
     out, _ = run_probe(device, {"MODE": 0, "KV_F16": 1, "HALF_NATIVE": native}, bits(x), x.size // 8, x.size // 2)
     got = out.view(np.uint16)

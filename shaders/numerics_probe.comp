@@ -42,10 +42,9 @@ void main() {
     float amax = 0.0;
     for (uint u = 0u; u < 4u * D16; ++u) amax = max(amax, vmax_abs(uintBitsToFloat(inv[row + u])));
     const float scale = quant_scale(amax);
-    const uvec3 qp = quant_prep(scale);
     for (uint c = 0u; c < D16; ++c) {
         vec4 x[CH];
-        for (uint e = 0u; e < CH; ++e) x[e] = quantise_prep(uintBitsToFloat(inv[row + c * CH + e]), qp);
+        for (uint e = 0u; e < CH; ++e) x[e] = quantise(uintBitsToFloat(inv[row + c * CH + e]), scale);
         outv[D16 * i + c] = pack_chunk(x);
     }
     scale_bits[i] = floatBitsToUint(scale);

@@ -262,3 +262,32 @@ def test_int8_store_is_the_reference_quantisation(device, rng, monkeypatch, kern
         bad = np.argwhere(bits(got) != bits(ref))
         assert bad.size == 0, [(tuple(i), float(want[tuple(i)]), float(got[tuple(i)]), float(ref[tuple(i)]))
                                for i in bad[:8]]
+
+
+def _round32(exact, mode):
+    """float64 values rounded to float32: "rte" nearest even, "rtz" toward zero."""
+    r = exact.astype(np.float32)
+    if mode == "rtz":
+        away = np.abs(r.astype(np.float64)) > np.abs(exact)
+        r[away] = np.nextafter(r[away], np.float32(0))
+    return r
+
+
+@pytest.mark.parametrize("mode", ["rte", "rtz"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_quantiser_reciprocal_estimate_holds_on_any_rounding(mode, fused):
+    # common.glsl quant_prep: y ~ 1/s from a bit trick and 4 Newton steps in float32; quantise1
+    # relies on |y s - 1| < 2^-20 whatever the driver's rounding (nearest or toward zero) and
+    # whether it fuses y (2 - f y) into an fma. Emulated here for a dense sample of every s.
+    s = np.concatenate([np.arange(1 << 23, 1 << 24, 7), [(1 << 24) - 1, 1 << 23, (1 << 23) + 1]]).astype(np.uint32)
+    f = s.astype(np.float32)                                      # exact
+    y = (np.uint32(0x7ef311c7) - f.view(np.uint32)).view(np.float32)
+    assert np.abs(y.astype(np.float64) * s - 1).max() < 0.125
+    for _ in range(4):
+        fy = f.astype(np.float64) * y                               # exact in float64
+        if not fused:
+            fy = _round32(fy, mode).astype(np.float64)
+        t = _round32(2.0 - fy, mode)
+        y = _round32(y.astype(np.float64) * t, mode)
+    assert np.abs(y.astype(np.float64) * s - 1).max() < 2.0 ** -20
+

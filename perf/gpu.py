@@ -298,7 +298,8 @@ _LABEL = re.compile(r"^(BB\d+):")
 
 def key_loop(asm: str) -> dict:
     """The key loop of an ACO disassembly: the backward-branch range with the most VALU
-    instructions that loads from memory. {"valu": VALU instructions of a pass that skips the
+    instructions that loads from memory and stores nothing (the attention kernels' loop storing a
+    call's new rows, before the key loop, is not it). {"valu": VALU instructions of a pass that skips the
     loop's conditional blocks (forward branches inside it: the rescale when no row's max grew),
     "valu_cond": those in the conditional blocks, "loads": buffer loads per pass, "valu_total":
     every VALU instruction of the shader}."""
@@ -321,6 +322,8 @@ def key_loop(asm: str) -> dict:
                 cond.update(range(k + 1, labels[f.group(1)]))
         valu = [k for k in range(start, i + 1) if lines[k].startswith("v_")]
         loads = sum(lines[k].startswith(("buffer_load", "global_load")) for k in range(start, i + 1))
+        if any(lines[k].startswith(("buffer_store", "global_store")) for k in range(start, i + 1)):
+            continue                                    # a loop that stores (the new rows), not the key loop
         every = sum(k not in cond for k in valu)
         if loads and len(valu) > best["valu"] + best["valu_cond"]:
             best = {"valu": every, "valu_cond": len(valu) - every, "loads": loads}
@@ -353,6 +356,80 @@ def compile_family(family: str, planned_calls) -> dict:
         out[jr.name] = {**{k: exe.stats.get(k) for k in STAT_KEYS}, "subgroup_size": exe.subgroup_size,
                         "wave32_units": exe.wave32_units, **key_loop(asm)}
     return out
+
+
+# ------------------------------------------------------------------------------- numerics audit
+
+# Instructions whose rounding differs from what vkattn promises bit for bit (numpy's float16
+# round-to-nearest-even; int8 scales and values from exact quotients), by what they do:
+AUDIT_RULES = {
+    "round toward zero": re.compile(r"^v_cvt_pk_?rtz\w*"),                    # packHalf2x16 on AMD
+    "float->half, mode rounding": re.compile(r"^v_cvt_(pk_)?f16_f32\w*"),    # rounds as the MODE register says
+    "reciprocal / division": re.compile(r"^v_(rcp|rcp_iflag|rcp_legacy|rsq|sqrt)_f32\w*|^v_div_(scale|fmas|fixup)\w*"),
+}
+# numerics_probe.comp: the storage helpers of common.glsl alone (the code the append and attention
+# stores and the lavapipe decoder run), every instruction of them audited
+NUMERICS_PROBES = [("float16 encode", {"MODE": 0, "KV_F16": 1}),
+                   ("float16 decode (integer)", {"MODE": 1, "KV_F16": 1, "HALF_NATIVE": 0}),
+                   ("int8 scale + quantise", {"MODE": 2, "KV_F16": 0, "KV_I8": 1})]
+# the GPU kernels' float16 decode (attn.comp: unpackHalf2x16, or folded into v_fma_mix): exact for
+# normal halves and zeros on any driver, half subnormals as the driver's float16 denormal mode says;
+# reported, not flagged (the integer decode costs the key loop 70 -> 390 VALU on navi21, RESULTS.md)
+NATIVE_DECODE = ("float16 decode (native, GPU kernel)", {"MODE": 1, "KV_F16": 1, "HALF_NATIVE": 1})
+
+
+def audit_asm(asm: str, rules=AUDIT_RULES) -> dict:
+    """{rule: count} of the audited instructions in an ACO disassembly (rules with hits only)."""
+    out = {}
+    for line in asm.splitlines():
+        op = line.strip().split(" ", 1)[0]
+        for what, rx in rules.items():
+            if rx.match(op):
+                out[what] = out.get(what, 0) + 1
+    return out
+
+
+def numerics_audit(family: str, pipelines=None, src_dir=None) -> dict:
+    """The numerics audit on ``family``: numerics_probe.comp's exact helpers (every rule), the
+    planned append pipelines (every rule: they only store) and every other planned pipeline (the
+    float->half rules: nothing else in them converts to half). ``pipelines``: {name: Pipeline} as
+    planned for the report (default none); ``src_dir``: another shader tree (e.g. an older
+    checkout's, to measure it). Returns {"probes": {what: {rule: n}}, "pipelines": {name: {rule: n}},
+    "native_decode": {instruction: n}, "flagged": total, "error": ...}."""
+    jobs = [vp.Job(what, compile_shader("numerics_probe", d, src_dir=src_dir), [64, 2], 4)
+            for what, d in NUMERICS_PROBES + [NATIVE_DECODE]]
+    pipelines = pipelines or {}
+    for name, p in pipelines.items():
+        jobs.append(vp.Job(name, compile_shader(p.shader, p.defines, src_dir=src_dir), list(p.spec), p.bindings))
+    res = vp.family_stats([family], jobs, ir=True)[family]
+    out = {"probes": {}, "pipelines": {}, "native_decode": {}, "flagged": 0}
+    if not res.available:
+        return {**out, "error": res.reason}
+    store_rules = {k: v for k, v in AUDIT_RULES.items() if k != "reciprocal / division"}
+    for jr in res.jobs:
+        if not jr.ok:
+            out.setdefault("failed", []).append(f"{jr.name}: {jr.result} {jr.error}")
+            continue
+        asm = next((v for k, v in jr.executables[0].ir.items() if "Assembly" in k or "ISA" in k), "")
+        if jr.name == NATIVE_DECODE[0]:
+            out["native_decode"] = audit_asm(asm, {"v_cvt_f32_f16": re.compile(r"^v_cvt_f32_f16\w*"),
+                                                   "v_fma_mix / v_mad_mix": re.compile(r"^v_(fma|mad)_mix\w*")})
+            continue
+        if jr.name in pipelines:
+            rules = AUDIT_RULES if pipelines[jr.name].shader == "append" else store_rules
+            found = audit_asm(asm, rules)
+            out["pipelines"][jr.name] = found
+        else:
+            found = audit_asm(asm)
+            out["probes"][jr.name] = found
+        out["flagged"] += sum(found.values())
+    return out
+
+
+# numerics audit of the main branch before the exact helpers (commit 7a35600, measured with
+# numerics_audit(..., src_dir=<that commit's shaders/ plus numerics_probe.comp>) on Mesa 22.3.6):
+# flagged instructions per family in the probes + planned pipelines of this report
+AUDIT_BEFORE = {"polaris10": 192, "vega10": 192, "navi10": 192, "navi21": 192, "gfx1100": 192}
 
 
 # ------------------------------------------------------------------------------- the model
@@ -415,6 +492,8 @@ def build(families=None) -> dict:
         plans[fam] = planned
         stats = compile_family(fam, planned)
         report["families"][fam] = {"available": True, "device": info.name, "driver_version": info.driver_version}
+        pipes = {_job_name(d.pipeline): d.pipeline for pc in planned for d in pc.dispatches}
+        report.setdefault("numerics_audit", {})[fam] = numerics_audit(fam, pipes)
         for name, st in stats.items():
             report["pipelines"].setdefault(name, {})[fam] = st
     ref_fam = next(iter(plans), None)
@@ -500,6 +579,7 @@ def markdown(report: dict) -> str:
         out.append(f"| `{_short(name)}` | {label} | " + " | ".join(cells) + " |")
     out += ["", f"{len(report['pipelines'])} distinct pipelines; "
             + ("problems: " + "; ".join(problems) if problems else "0 spilled registers and 0 scratch on every family.")]
+    out += [""] + audit_markdown(report)
     gpus = [g for g in REFERENCE_GPUS]
     out += ["", "### Calls: traffic and model time (microseconds, the larger bound decides)", "",
             "| call | shape | dtype | subm. | disp. | host up / down | device read / unique | "
@@ -521,6 +601,42 @@ def markdown(report: dict) -> str:
                    f"{_fmt_bytes(sum(first['device_reads']))} / {_fmt_bytes(first['unique_bytes'])} | "
                    + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def audit_markdown(report: dict) -> list:
+    """The numerics audit section of the report (empty without audit results)."""
+    audit = report.get("numerics_audit") or {}
+    fams = [f for f in audit if "error" not in audit[f]]
+    if not fams:
+        return []
+    out = ["### Numerics audit: instructions whose rounding differs from the reference's, in paths that must be exact",
+           "",
+           "Flagged: " + "; ".join(f"{k} (`{v.pattern.split('|')[0].lstrip('^')}`...)" for k, v in AUDIT_RULES.items())
+           + ". Audited: numerics_probe.comp's float16 encoder, integer float16 decoder and int8 quantiser "
+           "(every rule), the planned append pipelines (every rule) and every other planned pipeline "
+           "(the float->half rules).", "",
+           "| code | " + " | ".join(fams) + " |", "|" + "---|" * (len(fams) + 1)]
+    def cell(found):
+        return "0" if not found else "**" + ", ".join(f"{n} {k}" for k, n in found.items()) + "**"
+    for what, _ in NUMERICS_PROBES:
+        out.append(f"| {what} | " + " | ".join(cell(audit[f]["probes"].get(what, {})) for f in fams) + " |")
+    names = sorted({n for f in fams for n in audit[f]["pipelines"]})
+    for kind in ("append", "attn"):
+        group = [n for n in names if n.startswith(kind)]
+        out.append(f"| {len(group)} planned {kind} pipelines | " + " | ".join(
+            cell({k: sum(audit[f]["pipelines"].get(n, {}).get(k, 0) for n in group)
+                  for k in AUDIT_RULES if any(audit[f]["pipelines"].get(n, {}).get(k) for n in group)})
+            for f in fams) + " |")
+    out.append("| **flagged in all** | " + " | ".join(f"**{audit[f]['flagged']}**" for f in fams) + " |")
+    before = [AUDIT_BEFORE.get(f) for f in fams]
+    if any(b is not None for b in before):
+        out.append("| before (main at 7a35600) | " + " | ".join("-" if b is None else str(b) for b in before) + " |")
+    out += ["", "The GPU kernel's float16 decode (reported, not flagged): "
+            + "; ".join(f"{f} " + (", ".join(f"{n} {k}" for k, n in audit[f]["native_decode"].items()) or "none")
+                        for f in fams)
+            + ". Exact for normal halves and zeros on any conforming driver; half subnormals follow the "
+            "driver's float16 denormal mode (preserved by RADV)."]
+    return out
 
 
 def _short(name: str) -> str:

@@ -56,9 +56,10 @@ void main() {
         float amax = 0.0;
         for (uint u = 0u; u < d4 * CH; ++u) amax = max(amax, vmax_abs(new_val(is_k, hr, u, t)));
         const float scale = quant_scale(amax);
+        const uvec3 qp = quant_prep(scale);
         for (uint c = 0u; c < d4; ++c) {
             vec4 x[CH];
-            for (uint e = 0u; e < CH; ++e) x[e] = quantise(new_val(is_k, hr, c * CH + e, t), scale);
+            for (uint e = 0u; e < CH; ++e) x[e] = quantise_prep(new_val(is_k, hr, c * CH + e, t), qp);
             if (is_k) kc[row * DK4 + c] = pack_chunk(x);
             else vc[row * DV4 + c] = pack_chunk(x);
         }

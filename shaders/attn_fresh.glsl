@@ -6,8 +6,8 @@
 //   nk, nv : float32 [HKV, NN, DK4*CH | DV4*CH] vec4 (NN = aux[11]), zero padded. New row nr of kv
 //            head h is position sq.past + nr - sq.new_start of the sequence; with ROPE_K its key
 //            is rotated with rotary-table row sq.rope_row + (that position - sq.rope_pos).
-// numpy (KV_I8): scale = max|row| / 127, word = roundEven(row / scale) (reference.quantize_int8);
-//        otherwise the row rounded to the storage dtype (reference.round_to).
+// numpy (KV_I8): reference.quantize_int8 (common.glsl quant_scale / quantise, exact); otherwise
+//        the row rounded to the storage dtype (reference.round_to), bit for bit.
 // The kernels store each new row into its cache slot before the key loop and read it back like
 // any cache row: each invocation stores exactly the words it later loads, so no barrier is needed
 // (other invocations and workgroups store the same values).

@@ -8,7 +8,7 @@
 //
 //   KV_I8 = 1: a uvec4 holds 16 int8 (low byte first) and every row has a float32 scale in a
 //              separate buffer (symmetric, per position and head: value = int8 * scale).
-//   KV_F16 = 1: a uvec4 holds 8 halves (packHalf2x16 pairs, low half first).
+//   KV_F16 = 1: a uvec4 holds 8 halves (two per uint, low half first), numpy's float16 bits.
 //   KV_F16 = 0: a uvec4 holds 4 float32 bit patterns.
 //
 // Host-side float32 rows (new K/V, queries) are padded to the same width: CH vec4 per uvec4.
@@ -19,8 +19,11 @@
 #define KV_I8 0
 #endif
 #ifndef HALF_NATIVE
-#define HALF_NATIVE 0   // 1: unpackHalf2x16 (GPUs convert halves in one instruction); 0: the integer
-#endif                  // form below (llvmpipe)
+#define HALF_NATIVE 0   // 1: unpackHalf2x16 (GPUs convert halves in one instruction, or fold the
+#endif                  // conversion into v_fma_mix): exact for normal halves and zeros, half
+                        // subnormals as the driver's float16 denormal mode says; 0: halves_to_float,
+                        // exact on every driver (lavapipe, append). The integer form on RADV navi21
+                        // costs the decode key loop 70 -> 390 VALU and 2 waves: not used on GPUs.
 
 #if KV_I8
 #define CH 4u
@@ -36,12 +39,36 @@
 
 // uvec4 storage word -> CH float vec4
 #if KV_F16
-// IEEE half -> float for finite values with integer ops (attn_lane.comp, append: lavapipe): move exponent and mantissa into place
-// and rescale by 2^112 (this also turns half subnormals into the right floats). The cache holds no
-// Inf/NaN (rejected at the door).
+// Exact float16 <-> float32 with integer arithmetic on the bits, the same on every conforming
+// driver: GLSL leaves packHalf2x16's rounding to the implementation (RADV: v_cvt_pkrtz_f16_f32,
+// round toward zero) and lets a driver flush denormals in any float operation (a half subnormal
+// decoded as a float32 denormal times 2^112 comes back 0 on Mesa 26's lavapipe).
+//
+// half bits (low 16 bits of each component) -> float32. Normal halves: exponent rebiased
+// (15 -> 127) in the bits; subnormal halves (exponent field 0): mantissa * 2^-24, an exact
+// int -> float conversion and a product that is a normal float32 (>= 2^-24), so nothing a driver
+// may flush; zeros keep their sign. The cache holds no Inf/NaN (rejected at the door).
 vec4 halves_to_float(uvec4 h) {
-    const vec4 mag = uintBitsToFloat((h & 0x7fffu) << 13) * 5.192296858534828e33;   // 2^112
-    return uintBitsToFloat(floatBitsToUint(mag) | ((h & 0x8000u) << 16));
+    const uvec4 t = (h & 0x7fffu) << 13;                          // exponent and mantissa, float32 places
+    const vec4 sub = vec4(h & 0x3ffu) * 5.9604644775390625e-8;    // 2^-24
+    const uvec4 mag = mix(floatBitsToUint(sub), t + 0x38000000u, greaterThanEqual(t, uvec4(0x00800000u)));
+    return uintBitsToFloat(mag | ((h & 0x8000u) << 16));
+}
+
+// float32 -> half bits, rounded to nearest even as numpy's astype(float16) rounds: |x| >= 65520
+// -> Inf, half subnormals rounded once (not via float32), float32 denormals -> signed zero. Finite
+// x only (NaN is rejected at the door; it would give Inf).
+uvec4 float_to_halves(vec4 x) {
+    const uvec4 f = floatBitsToUint(x);
+    const uvec4 a = f & 0x7fffffffu;
+    // |x| >= 2^-14: drop 13 mantissa bits; adding 0xfff plus the lowest kept bit rounds half to
+    // even, and a carry runs into the exponent, up to Inf (0x7c00) and no further
+    const uvec4 nrm = min((a - 0x38000000u + 0x0fffu + bitfieldExtract(a, 13, 1)) >> 13, uvec4(0x7c00u));
+    // |x| < 2^-14: the half subnormal m * 2^-24 nearest |x|, m = roundEven(|x| * 2^24). The
+    // product only moves the exponent (|x| normal: exact, no rounding mode involved; a float32
+    // denormal a driver flushes gives 0, its correct m) and roundEven is exact.
+    const uvec4 sub = uvec4(roundEven(uintBitsToFloat(a) * 16777216.0));
+    return ((f >> 16) & 0x8000u) | mix(sub, nrm, greaterThanEqual(a, uvec4(0x38800000u)));
 }
 #endif
 
@@ -74,19 +101,84 @@ uvec4 pack_chunk(vec4 x[CH]) {
 #if KV_I8
     return uvec4(pack_i8x4(x[0]), pack_i8x4(x[1]), pack_i8x4(x[2]), pack_i8x4(x[3]));
 #elif KV_F16
-    return uvec4(packHalf2x16(x[0].xy), packHalf2x16(x[0].zw),
-                 packHalf2x16(x[1].xy), packHalf2x16(x[1].zw));
+    const uvec4 a = float_to_halves(x[0]), b = float_to_halves(x[1]);
+    return uvec4(a.x | (a.y << 16), a.z | (a.w << 16), b.x | (b.y << 16), b.z | (b.w << 16));
 #else
     return floatBitsToUint(x[0]);
 #endif
 }
 
-// KV_I8 symmetric quantisation of a row with max |x| = amax: scale = amax / 127, q = roundEven(x /
-// scale) (numpy: vkattn.reference.quantize_int8); a zero row has scale 0 and q 0
-float quant_scale(float amax) { return amax / 127.0; }
-
-vec4 quantise(vec4 x, float scale) {
-    return scale > 0.0 ? clamp(roundEven(x / scale), -127.0, 127.0) : vec4(0.0);
+// KV_I8 symmetric quantisation of a row with max |x| = amax (numpy: vkattn.reference.quantize_int8):
+// scale = amax / 127 correctly rounded to float32 (round to nearest even), q = the integer nearest
+// the exact quotient x / scale (ties to even), clamped to -127 .. 127. A row whose amax is 0 or a
+// float32 denormal (which a driver may flush in max()) is a zero row: scale 0 and q 0. Both are
+// computed with integer arithmetic on the bits -- GLSL's float division is only 2.5 ULP accurate
+// (RADV: a multiply by 1/127, v_rcp_f32) -- so every conforming driver stores the same bits.
+float quant_scale(float amax) {
+    const uint a = floatBitsToUint(amax) & 0x7fffffffu;
+    if (a < 0x00800000u) return 0.0;
+    const uint e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;   // amax = m * 2^(e - 150)
+    // e >= 8: a normal scale q * 2^(e - k - 150) with q = round(m * 2^k / 127) a 24-bit integer
+    // (k = 7, or 6 where m * 2^7 / 127 reaches 2^24); its bits are ((e - k - 1) << 23) + q, a
+    // rounding carry to 2^24 included. e <= 7: the scale in units of 2^-149 (subnormal, or the
+    // smallest normals) is round(m * 2^(e - 1) / 127), and that integer is its bit pattern.
+    const uint k = e >= 8u ? (m < 16646144u ? 7u : 6u) : e - 1u;   // 16646144 = 127 * 2^17
+    const uint n = m << k;                                          // < 2^31
+    uint q = n / 127u;                                              // exact (a constant divisor)
+    q += n - q * 127u >= 64u ? 1u : 0u;                             // 127 is odd: never a tie
+    return uintBitsToFloat(e >= 8u ? ((e - k - 1u) << 23) + q : q);
 }
 
+// quantise: |x| / scale rounded half to even, exactly. scale = s * 2^(es - 150) with s its 24-bit
+// significand (normalised with findMSB if scale is subnormal), |x| = m * 2^(ex - 150) (m < 2^24,
+// not normalised for a float32 denormal x). With d = ex - es, 2 |x| / scale = n / s for
+// n = m << (d + 1) < 2^32 when -1 <= d <= 7; |x| / scale < 1/2 below (m / s < 2) and, for a
+// normal x, at least 128 above (m / s > 1/2; a denormal x never has d > 7, since amax >= 2^-126
+// keeps es >= -6). t = floor(n / s) < 512 and the remainder r = n - t * s are exact integers; a
+// float estimate only proposes t: n * (an approximate 1/s) is within 2^-10 of n / s, so
+// floor(estimate - 2^-9) is t or t - 1, and one exact comparison of the remainder with s decides.
+// The approximate 1/s (relative error below 2^-20 on any conforming driver, however it rounds or
+// fuses) comes from Newton steps y <- y (2 - s y) from a bit-trick first guess (within 1/8): no
+// division and no reciprocal instruction.
+
+// the per-row part, once per scale: (scale bits, s, bits of the approximate 1/s)
+uvec3 quant_prep(float scale) {
+    const uint sb = floatBitsToUint(scale);
+    const int lz = max(23 - findMSB(sb), 0);                          // > 0: subnormal scale (or 0)
+    const uint s = sb >= 0x00800000u ? (sb & 0x7fffffu) | 0x800000u : sb << lz;
+    const float f = float(max(s, 1u));
+    float y = uintBitsToFloat(0x7ef311c7u - floatBitsToUint(f));     // 1/f within 1/8
+    for (int i = 0; i < 4; ++i) y = y * (2.0 - f * y);                // error 1/8 -> 2^-24 + rounding
+    return uvec3(sb, s, floatBitsToUint(y));
+}
+
+// one value, written per component so that a compiler evaluates the values one after another
+// (vector code would keep the temporaries of all of them live at once)
+float quantise1(float x, uvec3 p) {
+    const uint sb = p.x, s = p.y;
+    const int es = sb >= 0x00800000u ? int(sb >> 23) : findMSB(sb) - 22;   // 1 - lz
+    const uint xb = floatBitsToUint(x), xa = xb & 0x7fffffffu;
+    const uint m = xa >= 0x00800000u ? (xa & 0x7fffffu) | 0x800000u : xa;
+    const int d = max(int(xa >> 23), 1) - es;
+    const uint n = m << clamp(d + 1, 0, 8);
+    uint t = uint(max(float(n) * uintBitsToFloat(p.z) - 0.001953125, 0.0));   // t or t - 1
+    uint r = n - t * s;
+    if (r >= s) { t += 1u; r -= s; }
+    // round half to even: up when the fraction is above 1/2 (t odd, r > 0), or exactly 1/2 (t
+    // odd, r = 0) with an odd floor
+    uint q = (t >> 1) + ((t & 1u) & (r != 0u ? 1u : (t >> 1) & 1u));
+    q = d > 7 ? 127u : min(q, 127u);
+    q = d < -1 || sb == 0u ? 0u : q;
+    return xb >= 0x80000000u ? -float(q) : float(q);
+}
+
+vec4 quantise_prep(vec4 x, uvec3 p) {
+    return vec4(quantise1(x.x, p), quantise1(x.y, p), quantise1(x.z, p), quantise1(x.w, p));
+}
+
+vec4 quantise(vec4 x, float scale) { return quantise_prep(x, quant_prep(scale)); }
+
+// max |x| of a vec4. Exact for quant_scale on any driver: max() returns one of its operands, and
+// a driver that flushes denormals changes the row maximum only where it is a float32 denormal,
+// which quant_scale treats as a zero row either way
 float vmax_abs(vec4 x) { const vec4 a = abs(x); return max(max(a.x, a.y), max(a.z, a.w)); }

@@ -6,7 +6,11 @@
 // R = ROPE_DIM (a multiple of 8) elements of the head are rotated; the rest pass unchanged.
 //   NeoX pairs (i, i + R/2):  a' = a cos - b sin,  b' = b cos + a sin
 //   GPT-J pairs (2i, 2i + 1): the same within each vec4 (two pairs)
-// numpy: vkattn.reference.rope(x, positions, rotary_dim=R, style=...)
+// numpy: vkattn.reference.rope(x, positions, rotary_dim=R, style=...), bit for bit: the two products
+// and the sum are `precise` (no fused multiply-add) and each is correctly rounded, so every
+// conforming driver computes numpy's float32 a*cos - b*sin and a*sin + b*cos (addition commutes
+// exactly). Only a float32 denormal product or result (|value| < 2^-126) may differ: a driver may
+// flush it to zero.
 // Include after declaring the FLAGS and ROPE_DIM spec constants and `rope_tab` (vec4 buffer).
 
 #define F_ROPE_K 32u      // rotate new keys (as they are stored)
@@ -27,12 +31,14 @@ vec4 rope_rotate(vec4 x, vec4 partner, uint u, uint t) {
         const uint H = Q / 2u;               // vec4s per half
         const uint k = u % H;
         const vec4 c = rope_tab[base + k], s = rope_tab[base + H + k];
-        return u < H ? x * c - partner * s : x * c + partner * s;
+        precise vec4 y = u < H ? x * c - partner * s : x * c + partner * s;
+        return y;
     }
     // GPT-J: vec4 u holds pairs 2u, 2u+1 -> angles 2u, 2u+1 (table vec4 u/2, half u%2)
     const vec4 c4 = rope_tab[base + u / 2u], s4 = rope_tab[base + Q / 2u + u / 2u];
     const vec2 c = (u % 2u == 0u) ? c4.xy : c4.zw, s = (u % 2u == 0u) ? s4.xy : s4.zw;
-    return vec4(x.x * c.x - x.y * s.x, x.x * s.x + x.y * c.x, x.z * c.y - x.w * s.y, x.z * s.y + x.w * c.y);
+    precise vec4 y = vec4(x.x * c.x - x.y * s.x, x.x * s.x + x.y * c.x, x.z * c.y - x.w * s.y, x.z * s.y + x.w * c.y);
+    return y;
 }
 
 // the partner vec4 index of u for NeoX (u itself for GPT-J or outside the rotated part)

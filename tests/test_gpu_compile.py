@@ -1,6 +1,9 @@
 """GPU compiler statistics without a GPU: the package's kernels, planned for navi21 as `perf gpu`
 plans them, compiled by RADV/ACO through Mesa's null device (vkattn._vkpipeline). Needs RADV
 (mesa-vulkan-drivers), no AMD GPU."""
+import os
+import sys
+
 import pytest
 
 from vkattn import _vkpipeline as vp
@@ -196,3 +199,56 @@ def test_compile_stats_on_a_device_without_statistics(jobs):
     res = run.jobs[0]
     assert res.result == "VK_SUCCESS"
     assert res.ok == run.device.statistics and (res.ok or "no statistics" in res.error)
+
+
+def _old_helpers(tmp_path):
+    """A copy of the shader tree whose storage helpers round as GLSL's built-ins do (today's main
+    before the exact helpers): packHalf2x16, amax / 127, roundEven(x / scale)."""
+    import re
+    import shutil
+
+    from vkattn.compiler import shader_dir
+    src = tmp_path / "shaders"
+    shutil.copytree(str(shader_dir()), src)
+    common = (src / "common.glsl").read_text()
+    pack = re.search(r"const uvec4 a = float_to_halves\(x\[0\]\).*?;\n.*?;\n", common, re.S).group(0)
+    common = common.replace(pack, "return uvec4(packHalf2x16(x[0].xy), packHalf2x16(x[0].zw), "
+                                  "packHalf2x16(x[1].xy), packHalf2x16(x[1].zw));\n")
+    common = common.replace("float quant_scale(float amax) {", "float quant_scale(float amax) { return amax / 127.0; }\n"
+                                                                "float quant_scale_exact(float amax) {")
+    common = common.replace("vec4 quantise_prep(vec4 x, uvec3 p) {",
+                            "vec4 quantise_prep(vec4 x, uvec3 p) { return clamp(roundEven(x / uintBitsToFloat(p.x)), "
+                            "-127.0, 127.0); }\nvec4 quantise_prep_exact(vec4 x, uvec3 p) {")
+    common = common.replace("vec4 quantise(vec4 x, float scale) { return quantise_prep(x, quant_prep(scale)); }",
+                            "vec4 quantise(vec4 x, float scale) { return clamp(roundEven(x / scale), -127.0, 127.0); }")
+    (src / "common.glsl").write_text(common)
+    return src
+
+
+def test_numerics_audit_flags_nothing_and_would_flag_builtin_rounding(jobs, tmp_path):
+    """perf gpu's numerics audit on navi21: the exact storage helpers (numerics_probe.comp) and the
+    planned append/attention pipelines hold no round-toward-zero conversion, no mode-rounded
+    float->half conversion and (helpers, append) no reciprocal or division; the same audit on
+    helpers written with GLSL's built-ins flags them (v_cvt_pkrtz_f16_f32, v_rcp_f32)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from perf import gpu as pg
+    info = vp.family_device_info(FAMILY)
+    if info is None:
+        pytest.skip(f"the installed RADV gives no null device for {FAMILY}")
+    dev = PlanningDevice(info)
+    pipes = {}
+    for name, dtype, rows, nn in CALLS:
+        fmt = StorageFormat(8, 128, dtype=dtype, block_size=4096)
+        pipes[name] = attn_pipeline(dev, fmt, 32, rows, nn, 1, 0, 4096, rows == 1)[1]
+    for dtype in ("float16", "int8"):
+        pipes["append-" + dtype] = append_pipeline(dev, StorageFormat(8, 128, dtype=dtype, block_size=4096), 512)
+    now = pg.numerics_audit(FAMILY, pipes)
+    assert "error" not in now and not now.get("failed"), now
+    assert set(now["probes"]) == {w for w, _ in pg.NUMERICS_PROBES} and set(now["pipelines"]) == set(pipes)
+    assert now["flagged"] == 0, now
+    old = pg.numerics_audit(FAMILY, pipes, src_dir=_old_helpers(tmp_path))
+    assert old["probes"]["float16 encode"].get("round toward zero", 0) > 0, old
+    assert old["probes"]["int8 scale + quantise"].get("reciprocal / division", 0) > 0, old
+    assert old["pipelines"]["append-float16"].get("round toward zero", 0) > 0, old
+    assert old["pipelines"]["decode-f16"].get("round toward zero", 0) > 0, old     # the fused store
+    assert old["pipelines"]["append-int8"].get("reciprocal / division", 0) > 0, old

@@ -26,7 +26,13 @@ log = logging.getLogger("vkattn")
 
 
 def shader_dir():
-    """The directory (a Traversable) holding the GLSL sources, found as package data."""
+    """The directory (a Traversable) holding the GLSL sources: the checkout's ``shaders/`` beside
+    this ``vkattn`` package when there is one (a source tree or a git worktree imported from its
+    root, whose sources an editable install's package-data mapping would otherwise replace with the
+    install's), else the installed package data."""
+    beside = Path(__file__).resolve().parent.parent / "shaders"
+    if (beside / "common.glsl").is_file():
+        return beside
     return resources.files("vkattn.shaders")
 
 

@@ -189,8 +189,15 @@ def rope(x, positions, *, base: float = 10000.0, rotary_dim: int | None = None, 
 def quantize_int8(x):
     """Symmetric int8 quantisation per (head, token): x (heads, n, d) float, taken as float32.
 
-    scale = max |x| over d / 127 (float32), q = clip(rint(x / scale), -127, 127) (round half to even);
-    a zero row gets scale 0 and q 0. Returns q (heads, n, d) int8 and scale (heads, n) float32.
+    Defined exactly, so that every device stores the same bits (the shaders compute the same values
+    with integer arithmetic, shaders/common.glsl ``quant_scale`` / ``quantise``):
+    amax = max |x| over d; a row whose amax is 0 or a float32 denormal (< 2^-126, which a GPU may
+    flush to 0) gets scale 0 and q 0. Otherwise scale = amax / 127 correctly rounded to float32
+    (round half to even; numpy's float32 division), and q = the integer nearest the exact quotient
+    x / scale, ties to even, clipped to -127 .. 127. The quotient is taken in float64: both operands
+    have 24-bit significands, so a quotient that is not exactly a .5 tie lies more than 2^-25 away
+    from one, far beyond float64's rounding error (2^-46 at 128), and rint of the float64 quotient
+    is the exact rounding. Returns q (heads, n, d) int8 and scale (heads, n) float32.
     """
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 3:
@@ -198,10 +205,12 @@ def quantize_int8(x):
     if not np.isfinite(x).all():
         raise ValueError("x must be finite")
     amax = np.abs(x).max(axis=-1) if x.shape[2] else np.zeros(x.shape[:2], np.float32)
-    scale = amax / np.float32(127)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    q = np.clip(np.rint(x / safe[..., None]), -127, 127).astype(np.int8)
-    return q, scale.astype(np.float32, copy=False)
+    with np.errstate(under="ignore"):
+        scale = np.where(amax >= np.finfo(np.float32).tiny, amax / np.float32(127), np.float32(0))
+    scale = scale.astype(np.float32, copy=False)
+    safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float64)
+    q = np.clip(np.rint(x.astype(np.float64) / safe[..., None]), -127, 127).astype(np.int8)
+    return q, scale
 
 
 def dequantize_int8(q, scale):

@@ -1,0 +1,293 @@
+"""Bit-exact storage on any conforming Vulkan driver: float16 encode/decode and int8 quantisation.
+
+vkattn promises that a float16 cache stores exactly numpy's ``astype(float16)`` of the input (round
+to nearest even) and an int8 cache exactly ``reference.quantize_int8`` (scale = amax / 127 correctly
+rounded, q = the exact quotient rounded half to even). GLSL leaves all of these roundings to the
+driver (RADV packs halves with round toward zero, divides with a reciprocal; lavapipe happens to
+round to nearest), so the shaders compute them with integer arithmetic (shaders/common.glsl).
+
+The inputs below are built to catch a wrong rounding: exact half-ULP ties and their float32
+neighbours, values next to 65504 and Inf, half subnormals and their ties, float32 denormals and
+signed zeros; int8 rows whose quotients land exactly on .5 (with scales that are not powers of two,
+so a reciprocal is inexact), amax values whose reciprocal-multiply scale differs from the division,
+tiny and denormal amax. Each test also checks that its inputs would catch the rounding today's
+main compiles to on RADV (round toward zero; multiply by a float reciprocal): they are adversarial,
+not merely random. They run through shaders/numerics_probe.comp (the helpers alone) and through the
+real append and fused-forward stores of both kernels.
+"""
+import numpy as np
+import pytest
+
+import vkattn
+from vkattn.compiler import compile_shader
+from vkattn.reference import quantize_int8
+
+F16_MAX = 65504.0
+
+
+def f32(bits):
+    return np.asarray(bits, np.uint32).view(np.float32)
+
+
+def bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def run_probe(device, defines, inv: np.ndarray, n: int, out_words: int, d16: int = 1, scales: int = 1):
+    """numerics_probe.comp on ``device``: inv uint32 words in, (out uint32 words, scale words) back."""
+    be = device.backend
+    params = be.buffer(1, np.uint32, name="params")
+    ib = be.buffer(inv.size, np.uint32, name="in")
+    ob = be.buffer(out_words, np.uint32, name="out")
+    sb = be.buffer(scales, np.uint32, name="scales")
+    params.view()[0] = n
+    ib.view()[:inv.size] = inv.ravel()
+    prog = be.program(compile_shader("numerics_probe", defines), [params, ib, ob, sb], (-(-n // 64), 1, 1),
+                      [64, d16], writes=(2, 3), name="numerics_probe")
+    rec = be.recording().upload(params, ib).dispatch(prog).download(ob, sb).build()
+    rec.run()
+    out, sc = ob.view().copy(), sb.view().copy()
+    for o in (rec, prog, params, ib, ob, sb):
+        o.destroy()
+    return out[:out_words], sc
+
+
+# ------------------------------------------------------------------------------ float16
+
+def half_ties_and_neighbours(rng, count=600):
+    """Exact midpoints between adjacent finite halves (normal and subnormal), with the float32 just
+    below and just above each, both signs; the subnormal/normal boundary; 65504 .. Inf."""
+    h = np.concatenate([rng.integers(0, 0x7bff, count), np.arange(0, 40), np.arange(0x3f0, 0x410),
+                        [0x7bfe]]).astype(np.uint16)
+    lo = h.view(np.float16).astype(np.float32)
+    hi = (h + 1).view(np.float16).astype(np.float32)
+    mid = (lo + hi) / 2                                  # exact in float32 (11-bit significands)
+    vals = np.concatenate([mid, np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))])
+    return np.concatenate([vals, -vals])
+
+
+def rtz_half(x):
+    """float32 -> float16 rounding toward zero (what v_cvt_pkrtz_f16_f32 does), as float32."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(over="ignore"):
+        h = x.astype(np.float16)
+    hb = h.view(np.uint16).copy()
+    over = np.abs(h.astype(np.float32)) > np.abs(x)      # rounded away from zero: step back
+    hb[over] -= 1
+    return hb.view(np.float16).astype(np.float32)
+
+
+def specials():
+    s = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-40, -3e-39, 1.1754942e-38,       # float32 denormals
+                  2.0 ** -25, -(2.0 ** -25), 3 * 2.0 ** -25, 2.0 ** -24, 2.0 ** -14 - 2.0 ** -25,
+                  F16_MAX, -F16_MAX, 65519.996, 65520.0, -65520.0, 1e5, 3e38, 1.0, -2.5], np.float32)
+    return np.concatenate([s, np.nextafter(s, np.float32(np.inf)), np.nextafter(s, np.float32(-np.inf))])
+
+
+def test_half_inputs_would_catch_round_toward_zero(rng):
+    x = half_ties_and_neighbours(rng)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    assert (bits(rtz_half(x)) != bits(want)).mean() > 0.3
+
+
+@pytest.mark.parametrize("native", [0, 1])
+def test_probe_float16_encode_matches_numpy(device, rng, native):
+    x = np.concatenate([half_ties_and_neighbours(rng), specials(),
+                        f32(rng.integers(0, 0xffffffff, 4000, dtype=np.uint32) & 0xc7ffffff)])
+    x = np.concatenate([x, np.zeros(-x.size % 8, np.float32)])
+    out, _ = run_probe(device, {"MODE": 0, "KV_F16": 1, "HALF_NATIVE": native}, bits(x), x.size // 8, x.size // 2)
+    got = out.view(np.uint16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, [(float(x[i]), hex(got[i]), hex(want[i])) for i in bad[:8]]
+
+
+@pytest.mark.parametrize("native", [0, 1])
+def test_probe_float16_decode_every_finite_half(device, native):
+    # every finite half, subnormals and both zeros included: the float32 bits numpy gives. The
+    # lavapipe decoder multiplied a float32 denormal by 2^112, which a flushing driver (Mesa 26's
+    # lavapipe) turns into 0 for all 2046 non-zero half subnormals.
+    h = np.arange(0x10000, dtype=np.uint32)
+    h = h[(h & 0x7c00) != 0x7c00].astype(np.uint16)
+    words = h.view(np.uint32)
+    out, _ = run_probe(device, {"MODE": 1, "KV_F16": 1, "HALF_NATIVE": native}, words, words.size // 4, 2 * words.size)
+    want = bits(h.view(np.float16).astype(np.float32))
+    bad = np.flatnonzero(out != want)
+    assert bad.size == 0, [(hex(h[i]), hex(out[i]), hex(want[i])) for i in bad[:8]]
+    assert ((h & 0x7c00) == 0).sum() == 2048
+
+
+# ------------------------------------------------------------------------------ int8
+
+def int8_rows(rng, d=32):
+    """Rows (n, d) float32 whose quantisation a reciprocal-based implementation gets wrong."""
+    rows = []
+    # scale 3 * 2^-e exactly (amax = 381 * 2^-e): quotients (k + 1/2) exactly and one float32 either
+    # side; 1/scale is inexact, so x * (1/scale) misses the tie
+    for e in (-3, 0, 4, 9, 20, 60, 120):
+        scale = np.float32(3.0 * 2.0 ** -e)
+        k = rng.integers(-127, 127, d - 1)
+        for nudge in (None, np.inf, -np.inf):
+            x = ((k + 0.5) * np.float64(scale)).astype(np.float32)
+            if nudge is not None:
+                x = np.nextafter(x, np.float32(nudge))
+            rows.append(np.concatenate([[np.float32(381.0 * 2.0 ** -e)], x]))
+    # amax whose scale amax * float32(1/127) is one ULP off amax / 127
+    cand = (rng.random(20000) * 10).astype(np.float32) + np.float32(0.01)
+    off = cand[cand * np.float32(1 / 127) != cand / np.float32(127)][:24]
+    for a in off:
+        rows.append(np.concatenate([[a], (rng.standard_normal(d - 1) * a / 3).astype(np.float32)]))
+    # tiny and huge rows: subnormal scales, denormal elements, a denormal-only row (a zero row),
+    # a zero row, one nonzero element
+    tiny = np.float32(2.0 ** -126)
+    rows += [np.full(d, tiny * 3, np.float32) * np.linspace(-1, 1, d, dtype=np.float32),
+             np.concatenate([[np.float32(1e-37)], f32(rng.integers(1, 0x7fffff, d - 1, dtype=np.uint32))]),
+             np.concatenate([[np.float32(2.0 ** -120)], np.float32([2.0 ** -127, -(2.0 ** -128)] * ((d - 1) // 2 + 1))[:d - 1]]),
+             f32(rng.integers(1, 0x7fffff, d, dtype=np.uint32)),
+             np.zeros(d, np.float32),
+             np.eye(1, d, 5, dtype=np.float32)[0] * np.float32(-3.0),
+             rng.uniform(-3.3e38, 3.3e38, d).astype(np.float32)]
+    return np.stack([r[:d] for r in rows]).astype(np.float32)
+
+
+def rcp_quantise(x):
+    """today's main on RADV: scale = amax * float32(1/127), q = rint(x * float32(1/scale))."""
+    amax = np.abs(x).max(axis=-1)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
+        scale = amax * np.float32(1 / 127)
+        inv = np.float32(1) / np.where(scale > 0, scale, np.float32(1))
+        q = np.clip(np.rint(x * inv[..., None]), -127, 127)
+    return q.astype(np.int8), scale
+
+
+def test_int8_rows_would_catch_reciprocal_division(rng):
+    x = int8_rows(rng)
+    q, scale = quantize_int8(x[None])
+    rq, rscale = rcp_quantise(x)
+    assert (rscale != scale[0]).sum() >= 20
+    assert (rq != q[0]).sum() >= 50
+
+
+def test_reference_quantisation_definition(rng):
+    x = int8_rows(rng)
+    q, scale = quantize_int8(x[None])
+    q, scale = q[0].astype(np.int64), scale[0].astype(np.float64)
+    amax = np.abs(x).max(axis=1).astype(np.float64)
+    live = amax >= 2.0 ** -126
+    assert not scale[~live].any() and not q[~live].any()
+    # scale: the float32 nearest amax / 127 (its neighbours are farther, exactly)
+    s = scale[live]
+    below, above = np.nextafter(s.astype(np.float32), 0), np.nextafter(s.astype(np.float32), np.inf)
+    err = np.abs(s - amax[live] / 127)
+    assert (err <= np.abs(below.astype(np.float64) - amax[live] / 127)).all()
+    assert (err <= np.abs(above.astype(np.float64) - amax[live] / 127)).all()
+    # q: nearest to the quotient, ties to even, from exact rational arithmetic
+    from fractions import Fraction
+    for i in np.flatnonzero(live)[::5]:
+        for j in range(x.shape[1]):
+            quo = Fraction(float(x[i, j])) / Fraction(float(scale[i]))
+            want = max(-127, min(127, round(quo)))          # Python's round: half to even
+            assert q[i, j] == want, (i, j, float(quo))
+    # ties are present, and land on even integers
+    quo = x.astype(np.float64)[live] / scale[live][:, None]
+    tie = np.abs(quo - np.floor(quo)) == 0.5
+    assert tie.sum() >= 100 and (q[live][tie] % 2 == 0).all()
+
+
+def test_probe_int8_quantise_matches_reference(device, rng):
+    x = int8_rows(rng)
+    n, d = x.shape
+    out, sc = run_probe(device, {"MODE": 2, "KV_F16": 0, "KV_I8": 1}, bits(x), n, n * d // 4, d16=d // 16, scales=n)
+    q, scale = quantize_int8(x[None])
+    got_q = out.view(np.int8).reshape(n, d)
+    assert np.array_equal(sc[:n], bits(scale[0])), np.flatnonzero(sc[:n] != bits(scale[0]))
+    bad = np.argwhere(got_q != q[0])
+    assert bad.size == 0, [(tuple(i), float(x[tuple(i)]), int(got_q[tuple(i)]), int(q[0][tuple(i)])) for i in bad[:8]]
+
+
+# ------------------------------------------------------------------------------ the real stores
+
+def _kv_rows(vals, hkv, n, d, rng):
+    """(hkv, n, d): every value of vals once (in random places), the rest drawn from vals again;
+    n <= 32, so forward fuses the append into the attention dispatch."""
+    assert n <= 32 and vals.size <= hkv * n * d
+    flat = np.concatenate([vals, rng.choice(vals, hkv * n * d - vals.size)])
+    return rng.permutation(flat).reshape(hkv, n, d).astype(np.float32)
+
+
+@pytest.mark.parametrize("kernel", ["lane", "tile"])
+@pytest.mark.parametrize("how", ["append", "forward"])
+def test_float16_store_is_numpys_rounding(device, rng, monkeypatch, kernel, how):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    x = np.concatenate([half_ties_and_neighbours(rng, 120), specials()])
+    x = x[np.abs(x) <= F16_MAX]                          # a float16 cache refuses larger values
+    hkv, n, d, dv = 2, 30, 24, 40
+    k = _kv_rows(x, hkv, n, d, rng)
+    v = _kv_rows(x, hkv, n, dv, rng)
+    cache = vkattn.KVCache(64, hkv, d, dv, dtype="float16", device=device)
+    if how == "append":
+        cache.append(k, v)
+    else:
+        q = np.zeros((hkv, n, d), np.float32)             # zero scores: no overflow whatever K holds
+        cache.forward(q, k, v)
+    ks, vs = cache.read()
+    for got, want in ((ks, k), (vs, v)):
+        ref = want.astype(np.float16).astype(np.float32)
+        bad = np.argwhere(bits(got) != bits(ref))
+        assert bad.size == 0, [(float(want[tuple(i)]), float(got[tuple(i)]), float(ref[tuple(i)])) for i in bad[:8]]
+    assert (bits(rtz_half(k)) != bits(k.astype(np.float16).astype(np.float32))).mean() > 0.2
+
+
+@pytest.mark.parametrize("kernel", ["lane", "tile"])
+@pytest.mark.parametrize("how", ["append", "forward"])
+def test_int8_store_is_the_reference_quantisation(device, rng, monkeypatch, kernel, how):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    rows = int8_rows(rng, d=32)                           # (n, 32)
+    rows = rows[rng.permutation(len(rows))]
+    hkv = 2
+    n = min(32, len(rows) // hkv)
+    k = rows[:hkv * n].reshape(hkv, n, 32)
+    v = np.roll(rows, 7, axis=0)[:hkv * n].reshape(hkv, n, 32)[..., :24]
+    cache = vkattn.KVCache(64, hkv, 32, 24, dtype="int8", device=device)
+    if how == "append":
+        cache.append(k, v)
+    else:
+        cache.forward(np.zeros((hkv, n, 32), np.float32), k, v)
+    ks, vs = cache.read()
+    for got, want in ((ks, k), (vs, v)):
+        q, scale = quantize_int8(want)
+        ref = q.astype(np.float32) * scale[..., None]
+        bad = np.argwhere(bits(got) != bits(ref))
+        assert bad.size == 0, [(tuple(i), float(want[tuple(i)]), float(got[tuple(i)]), float(ref[tuple(i)]))
+                               for i in bad[:8]]
+
+
+def _round32(exact, mode):
+    """float64 values rounded to float32: "rte" nearest even, "rtz" toward zero."""
+    r = exact.astype(np.float32)
+    if mode == "rtz":
+        away = np.abs(r.astype(np.float64)) > np.abs(exact)
+        r[away] = np.nextafter(r[away], np.float32(0))
+    return r
+
+
+@pytest.mark.parametrize("mode", ["rte", "rtz"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_quantiser_reciprocal_estimate_holds_on_any_rounding(mode, fused):
+    # common.glsl quant_prep: y ~ 1/s from a bit trick and 4 Newton steps in float32; quantise1
+    # relies on |y s - 1| < 2^-20 whatever the driver's rounding (nearest or toward zero) and
+    # whether it fuses y (2 - f y) into an fma. Emulated here for a dense sample of every s.
+    s = np.concatenate([np.arange(1 << 23, 1 << 24, 7), [(1 << 24) - 1, 1 << 23, (1 << 23) + 1]]).astype(np.uint32)
+    f = s.astype(np.float32)                                      # exact
+    y = (np.uint32(0x7ef311c7) - f.view(np.uint32)).view(np.float32)
+    assert np.abs(y.astype(np.float64) * s - 1).max() < 0.125
+    for _ in range(4):
+        fy = f.astype(np.float64) * y                               # exact in float64
+        if not fused:
+            fy = _round32(fy, mode).astype(np.float64)
+        t = _round32(2.0 - fy, mode)
+        y = _round32(y.astype(np.float64) * t, mode)
+    assert np.abs(y.astype(np.float64) * s - 1).max() < 2.0 ** -20
+

@@ -120,7 +120,7 @@ class KVCache(CacheBase):
             n_new = check_int("n_new", n_new, 0, self.capacity)
             flags = self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0
             total = min(self._length + n_new, self.capacity)
-            for p in self._forward_plans(hq, s, n_new, flags, AttnPlan.aux_need(1, s, hq, 0, 0), total):
+            for p in self._forward_plans(hq, s, n_new, flags, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0), total):
                 if p is not None:
                     p.warm()
 
@@ -202,7 +202,8 @@ class KVCache(CacheBase):
         n = 0 if k is None else k.shape[1]
         variant, mask = call["variant"], call["mask"]
         flags = variant.flags(mask is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
-        words = AttnPlan.aux_need(1, s, hq, 0, 0 if mask is None else mask.size)
+        # sized for the row bucket: lengths that share a plan share its aux bucket too
+        words = AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0 if mask is None else mask.size)
         total = self._length + n
         append, plan = self._forward_plans(hq, s, n, flags, words, total)   # both built before either runs
         if append is not None:                  # the new rows go in first, in their own submission

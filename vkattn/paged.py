@@ -255,8 +255,8 @@ class PagedKVCache(CacheBase):
         """The attention plan of a batch call (AppendPlan ``plan``; ``split``: its rows are appended
         first, so the dispatch carries none)."""
         total, nseq = sum(plan.n_new), len(plan.n_new)
-        words = AttnPlan.aux_need(nseq, total, hq, sum(len(t) for t in plan.tables),
-                                  0 if masks is None else sum(m.size for m in masks))
+        words = AttnPlan.aux_need(nseq, total if total == nseq else row_bucket(total), hq,
+                                  sum(len(t) for t in plan.tables), 0 if masks is None else sum(m.size for m in masks))
         bucket = aux_bucket(words)
         nn = 0 if split else total
         decode = total == nseq

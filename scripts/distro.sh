@@ -52,10 +52,10 @@ host_mirror() {
              if ($i ~ /^Suites:/ && $i ~ /-security/) sec=1 }
            if (deb && uri != "" && !sec) { print uri; exit } }' "$f"
   done
-  cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null |
+  { cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null || true; } |
     awk '$1 == "deb" && $0 !~ /-security/ { for (i = 2; i <= NF; i++) if ($i !~ /^\[/ && $i !~ /\]$/) { print $i; exit } }'
 }
-mirror=$(host_mirror | head -1)
+mirror=$(host_mirror | head -1 || true)
 [ -n "$mirror" ] || { say "no Debian mirror found in the host's apt configuration"; exit 1; }
 
 cache="${VKATTN_DISTRO_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/vkattn/distro}"

@@ -115,6 +115,7 @@ fi
 
 # 2. a fresh root for this run
 root=$(mktemp -d /var/tmp/vkattn-distro.XXXXXX)
+chmod 755 "$root"
 tar -C "$root" -xf "$base"
 enter
 mkdir -p "$cache/apt-$suite" "$cache/pip-$suite" "$cache/wheels-$suite"
@@ -125,7 +126,8 @@ cp -L /etc/resolv.conf "$root/etc/resolv.conf"
 printf 'deb %s %s main\ndeb %s %s-updates main\n' "$mirror" "$suite" "$mirror" "$suite" > "$root/etc/apt/sources.list"
 # the host's apt proxy settings, if any
 apt-config dump 2>/dev/null | grep -iE '^Acquire::[a-z]+::Proxy' > "$root/etc/apt/apt.conf.d/80vkattn-host-proxy" || true
-echo 'APT::Keep-Downloaded-Packages "true";' > "$root/etc/apt/apt.conf.d/81vkattn-keep-debs"
+# keep the .debs (the cache is bind-mounted); the cache is root's, so apt downloads as root
+printf 'APT::Keep-Downloaded-Packages "true";\nAPT::Sandbox::User "root";\n' > "$root/etc/apt/apt.conf.d/81vkattn"
 
 # CA certificates: the host's bundle, named by every variable pip, requests and OpenSSL read
 ca="${PIP_CERT:-${REQUESTS_CA_BUNDLE:-${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}}}"

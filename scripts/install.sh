@@ -4,8 +4,8 @@
 #
 #   bash scripts/install.sh /path/to/venv          (or: make install VENV=/path/to/venv)
 #
-# Installs the missing Debian packages (as root; otherwise names them), numpy<2 (kp 0.9 needs
-# numpy 1.x), kp 0.9.0 (built once, then from ~/.cache/vkattn/wheels) and vkattn from this clone.
+# Installs the missing Debian packages (as root; otherwise names them), numpy (2 where kp can be
+# built against a pybind11 >= 2.12, else <2: scripts/lib.sh vkattn_numpy_plan), kp 0.9.0 (built once, then from ~/.cache/vkattn/wheels) and vkattn from this clone.
 # torch and transformers are left as they are. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,12 +23,13 @@ fi
 # shellcheck source=lib.sh
 . scripts/lib.sh
 vkattn_system_packages
+vkattn_numpy_plan "$py"
 old=$("$py" -c "import numpy; print(numpy.__version__)" 2>/dev/null || true)
-case "$old" in
-  ""|1.*) ;;
-  *) echo "vkattn install: numpy $old -> 1.x in $venv (kp 0.9 is built against numpy 1)" ;;
+case "$VKATTN_NUMPY/$old" in
+  */|"numpy<2"/1.*|"numpy>=2"/[2-9].*) ;;
+  *) echo "vkattn install: numpy $old -> $VKATTN_NUMPY in $venv (kp is built against $VKATTN_PYBIND11 pybind11)" ;;
 esac
-"$py" -m pip install -q "numpy<2"
+"$py" -m pip install -q "$VKATTN_NUMPY"
 vkattn_kp "$py"
 "$py" -m pip install -q --no-deps .
 "$py" -c "import vkattn; vkattn.default_device()"

@@ -3,6 +3,8 @@
     cache = vkattn.KVCache(capacity, num_kv_heads, head_dim, dtype="float16")
     out = cache.forward(q, k, v)          # append k/v at the live length, then attend q
 """
+from . import _driverfix
+_driverfix.apply()          # before any Vulkan driver loads: llvmpipe of Mesa 25 with AVX-512 (see there)
 from . import reference
 from ._vkinfo import VulkanUnavailableError
 from ._attn import RoPE

@@ -1,0 +1,48 @@
+"""The llvmpipe workaround of vkattn._driverfix: which drivers it covers and when it stays away."""
+import os
+
+import pytest
+
+from vkattn import _driverfix
+
+
+@pytest.mark.parametrize("name, info, hit", [
+    ("llvmpipe", "Mesa 25.0.7-2+deb13u1 (LLVM 19.1.7)", True),
+    ("llvmpipe", "Mesa 25.2.0 (LLVM 20.1.0)", True),
+    ("llvmpipe", "Mesa 22.3.6 (LLVM 15.0.6)", False),
+    ("llvmpipe", "Mesa 26.1.6-1~bpo13+1 (LLVM 19.1.7)", False),
+    ("radv", "Mesa 25.0.7", False),
+    ("llvmpipe", "", False),
+])
+def test_affected(name, info, hit):
+    assert _driverfix.affected(name, info) is hit
+
+
+def test_user_settings_and_opt_out_win(monkeypatch):
+    monkeypatch.setattr(_driverfix, "_probe", lambda: pytest.fail("probed although the user decided"))
+    monkeypatch.setattr(_driverfix, "_avx512", lambda: True)
+    for var, val in [("LP_NATIVE_VECTOR_WIDTH", "128"), ("GALLIUM_OVERRIDE_CPU_CAPS", "avx"),
+                     ("VKATTN_DRIVER_WORKAROUNDS", "0")]:
+        with monkeypatch.context() as m:
+            m.setenv(var, val)
+            assert _driverfix.apply() == {}
+
+
+def test_probe_result_is_remembered(monkeypatch, tmp_path):
+    for var in ("LP_NATIVE_VECTOR_WIDTH", "GALLIUM_OVERRIDE_CPU_CAPS", "VKATTN_DRIVER_WORKAROUNDS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("VKATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_driverfix, "_avx512", lambda: True)
+    monkeypatch.setattr(_driverfix, "_lavapipe_libraries", lambda: ["/x/libvulkan_lvp.so:1:2"])
+    monkeypatch.setattr(_driverfix, "applied", {})
+    calls = []
+    monkeypatch.setattr(_driverfix, "_probe", lambda: calls.append(1) or [("llvmpipe", "Mesa 25.0.7 (LLVM 19.1.7)")])
+    assert _driverfix.apply() == _driverfix.FIX
+    assert os.environ["GALLIUM_OVERRIDE_CPU_CAPS"] == "avx"
+    monkeypatch.delenv("GALLIUM_OVERRIDE_CPU_CAPS")
+    assert _driverfix.apply() == _driverfix.FIX and calls == [1]      # second time from the cache file
+    monkeypatch.delenv("GALLIUM_OVERRIDE_CPU_CAPS")
+    monkeypatch.setattr(_driverfix, "applied", {})
+    monkeypatch.setattr(_driverfix, "_lavapipe_libraries", lambda: ["/x/libvulkan_lvp.so:1:3"])   # upgraded
+    monkeypatch.setattr(_driverfix, "_probe", lambda: [("llvmpipe", "Mesa 26.1.6 (LLVM 19.1.7)")])
+    assert _driverfix.apply() == {} and "GALLIUM_OVERRIDE_CPU_CAPS" not in os.environ

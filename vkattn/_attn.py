@@ -173,7 +173,7 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
     if cfg.kernel == "lane":
         shader, defines = "attn_lane", dict(fmt._defines)
     else:
-        shader, defines = "attn", dict(fmt._defines, TILE_SHUFFLE=int(cfg.ds > 1))
+        shader, defines = "attn", dict(fmt._defines, TILE_SHUFFLE=int(cfg.ds > 1 and cfg.shuffle))
     return cfg, Pipeline(shader, shader, defines, tuple(spec), grid, ATTN_BINDINGS)
 
 

@@ -15,7 +15,8 @@
 //              stored) into their slots, then reads them back like any cache row.
 //   q        : float32 [HKV*G, R, DK4*CH] vec4, zero padded
 //   out      : float32 [HKV*G, R, DV] normalised (a row that sees nothing gives zeros, never NaN)
-//   lse      : float32 [HKV*G, R] natural log-sum-exp of the row's scores (-inf: nothing seen)
+//   lse      : float32 [HKV*G, R] natural log-sum-exp of the row's scores (-inf: nothing seen),
+//              then (TILE_SHUFFLE) one word: gl_SubgroupSize of this pipeline, as uint bits
 //   part, ml : with SPLIT, each split's un-normalised sums, float32 [SPLITS, HKV*G*R, DV4*CH*4],
 //              and (running max in log2 units, running sum) vec2 [SPLITS, HKV*G*R]. The last
 //              workgroup of a tile to finish (a device-scope counter in aux, zeroed by the call's
@@ -384,6 +385,12 @@ void main() {
     col = (t / DS) % COLS;
     rg = t / (DS * COLS);
     if (y >= aux[14]) return;                 // the grid is sized for the largest batch
+#if TILE_SHUFFLE
+    // the subgroup size this pipeline really runs with, after lse's rows: the host checks it
+    // against DS where it could not pin it
+    if (gl_WorkGroupID == uvec3(0u) && t == 0u)
+        lsebuf[gl_NumWorkGroups.z * G * aux[10]] = uintBitsToFloat(gl_SubgroupSize);
+#endif
     sq = load_seq(aux[aux[13] + 2u * y]);
     const uint qt = aux[aux[13] + 2u * y + 1u];
     const bool causal = aux[1] != 0u;

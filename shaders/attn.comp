@@ -166,7 +166,9 @@ void cluster_sum_dots() {
         barrier();
         [[unroll]] for (uint x = 0u; x < RPT * KB; ++x) {
             float sum = 0.0;
-            [[unroll]] for (uint d = 0u; d < DS; ++d) sum += s_red[c0 + d * NRED + x];
+            // rolled: unrolled, a compiler issues all DS * RPT * KB reads at once (gfx1100, d 128,
+            // RPT 4: 132 VGPRs and spills)
+            [[dont_unroll]] for (uint d = 0u; d < DS; ++d) sum += s_red[c0 + d * NRED + x];
             dots[x] = sum;
         }
         barrier();

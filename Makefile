@@ -5,7 +5,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-hf install demo check test test-validation perf gpu-report gpu-bench clean
+.PHONY: setup setup-hf install demo check test test-validation test-noshuffle test-subgroup4 perf gpu-report gpu-bench clean
 setup:
 	@bash scripts/setup.sh
 
@@ -27,6 +27,15 @@ test: setup            # both cores: llvmpipe compiles each new pipeline on one 
 
 test-validation: setup
 	bash scripts/validation.sh
+
+# the parity tests of attn.comp with its no-shuffle path forced (clusters sum through shared
+# memory), and the parity tests of both kernels with lavapipe's subgroup at 4 lanes (issue 20)
+PARITY := tests/test_attention.py tests/test_variants.py tests/test_int8.py tests/test_paged.py tests/test_subgroup.py
+test-noshuffle: setup
+	VKATTN_KERNEL=tile VKATTN_TILE_CLUSTER=1 $(PY) -m pytest -q -n auto $(PARITY) -k "not lane"
+
+test-subgroup4: setup
+	LP_NATIVE_VECTOR_WIDTH=128 $(PY) -m pytest -q -n auto $(PARITY)
 
 perf: setup
 	$(PY) -m perf

@@ -4,7 +4,7 @@
 # python3-venv and python3-dev: `python3 -m venv` needs ensurepip, and kp's build the Python headers
 # (Debian 13's minimal root has neither).
 VKATTN_APT_PKGS="mesa-vulkan-drivers libvulkan-dev glslang-tools vulkan-validationlayers libfmt-dev pybind11-dev cmake g++ \
-python3-venv python3-dev"
+python3-venv python3-dev patch"
 # kp's build options: the system Vulkan headers, fmt and pybind11 instead of kp's CMake downloading
 # them (plain `pip install kp` fails here on "git clone" of the Vulkan headers).
 # KOMPUTE_OPT_DISABLE_VK_DEBUG_LAYERS: without it kp turns on VK_LAYER_KHRONOS_validation in every
@@ -12,6 +12,9 @@ python3-venv python3-dev"
 # call; `make test-validation` enables the layer itself through VK_INSTANCE_LAYERS.
 VKATTN_KP_FLAGS="KOMPUTE_OPT_INSTALL=OFF KOMPUTE_OPT_USE_BUILT_IN_VULKAN_HEADER=OFF KOMPUTE_OPT_USE_BUILT_IN_FMT=OFF \
 KOMPUTE_OPT_USE_BUILT_IN_PYBIND11=OFF KOMPUTE_OPT_DISABLE_VULKAN_VERSION_CHECK=ON KOMPUTE_OPT_DISABLE_VK_DEBUG_LAYERS=ON"
+# vkattn's patch to the sdist (optional device features, a required subgroup size per pipeline; its
+# header says why); its hash is part of the wheel cache key and of each venv's stamp
+VKATTN_KP_PATCH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/kp-0.9.0-features.patch"
 
 # Install the missing Debian packages (as root), or stop naming them.
 vkattn_system_packages() {
@@ -66,14 +69,15 @@ vkattn_numpy_plan() {
   esac
 }
 
-# vkattn_kp PYTHON: make kp 0.9.0, built with VKATTN_KP_FLAGS against $VKATTN_PYBIND11 (call
-# vkattn_numpy_plan first), importable by PYTHON (a venv's python). The wheel is built once per
+# vkattn_kp PYTHON: make kp 0.9.0, built from its sdist with VKATTN_KP_PATCH applied, with
+# VKATTN_KP_FLAGS against $VKATTN_PYBIND11 (call vkattn_numpy_plan first), importable by PYTHON
+# (a venv's python). The wheel is built once per
 # Python version, flag set and pybind11 into $VKATTN_WHEELS (default ~/.cache/vkattn/wheels),
 # and every venv installs that wheel. The build's make runs on the machine's cores (at most 9:
 # kp's setup.py appends the variable's characters to `make -j`).
 vkattn_kp() {
   local py="$1" prefix stamp key dir tmp path jobs want pbdir
-  want="$VKATTN_KP_FLAGS pybind11=${VKATTN_PYBIND11:?call vkattn_numpy_plan first}"
+  want="$VKATTN_KP_FLAGS pybind11=${VKATTN_PYBIND11:?call vkattn_numpy_plan first} patch=$(sha256sum "$VKATTN_KP_PATCH" | cut -c1-16)"
   prefix=$("$py" -c 'import sys; print(sys.prefix)')
   stamp="$prefix/.vkattn-kp-flags"
   if "$py" -c "import kp" 2>/dev/null && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
@@ -84,7 +88,7 @@ vkattn_kp() {
   dir="${VKATTN_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/vkattn/wheels}/kp-0.9.0-$key"
   if ! ls "$dir"/kp-0.9.0-*.whl >/dev/null 2>&1; then
     jobs=$(nproc 2>/dev/null || echo 2); [ "$jobs" -gt 9 ] && jobs=9
-    echo "vkattn: building kp 0.9.0 from its sdist against the system Vulkan/fmt and ${VKATTN_PYBIND11% *}" \
+    echo "vkattn: building kp 0.9.0 from its sdist, patched, against the system Vulkan/fmt and ${VKATTN_PYBIND11% *}" \
          "pybind11 ${VKATTN_PYBIND11#* } (make -j$jobs; about 90 s, once per Python)"
     mkdir -p "$(dirname "$dir")"
     tmp=$(mktemp -d "$dir.XXXXXX")
@@ -97,13 +101,16 @@ vkattn_kp() {
       "$py" -m pip install -q --no-deps --target "$tmp/pybind11" "pybind11==${VKATTN_PYBIND11#* }" || { rm -rf "$tmp"; return 1; }
       pbdir="$tmp/pybind11/pybind11"
     fi
-    if ! env PATH="$path" $VKATTN_KP_FLAGS KOMPUTE_PYTHON_NUM_PARALLEL_THREADS="$jobs" \
-         ${pbdir:+pybind11_ROOT="$pbdir" CMAKE_PREFIX_PATH="$pbdir${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"} \
-         "$py" -m pip wheel -q --no-cache-dir --no-deps --no-binary kp -w "$tmp/wheel" "kp==0.9.0"; then
+    if ! { "$py" -m pip download -q --no-cache-dir --no-deps --no-binary :all: -d "$tmp/sdist" "kp==0.9.0" &&
+           tar xzf "$tmp"/sdist/kp-0.9.0.tar.gz -C "$tmp/sdist" &&
+           patch -s -p1 -d "$tmp/sdist/kp-0.9.0" < "$VKATTN_KP_PATCH" &&
+           env PATH="$path" $VKATTN_KP_FLAGS KOMPUTE_PYTHON_NUM_PARALLEL_THREADS="$jobs" \
+             ${pbdir:+pybind11_ROOT="$pbdir" CMAKE_PREFIX_PATH="$pbdir${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"} \
+             "$py" -m pip wheel -q --no-cache-dir --no-deps -w "$tmp/wheel" "$tmp/sdist/kp-0.9.0"; }; then
       rm -rf "$tmp"
       return 1
     fi
-    rm -rf "$tmp/pybind11"
+    rm -rf "$tmp/pybind11" "$tmp/sdist"
     mv "$tmp/wheel"/kp-0.9.0-*.whl "$tmp/" && rmdir "$tmp/wheel"
     mv -T "$tmp" "$dir" 2>/dev/null || rm -rf "$tmp"     # another build may have won the race
   fi

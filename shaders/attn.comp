@@ -15,7 +15,8 @@
 //              stored) into their slots, then reads them back like any cache row.
 //   q        : float32 [HKV*G, R, DK4*CH] vec4, zero padded
 //   out      : float32 [HKV*G, R, DV] normalised (a row that sees nothing gives zeros, never NaN)
-//   lse      : float32 [HKV*G, R] natural log-sum-exp of the row's scores (-inf: nothing seen)
+//   lse      : float32 [HKV*G, R] natural log-sum-exp of the row's scores (-inf: nothing seen),
+//              then (TILE_SHUFFLE) one word: gl_SubgroupSize of this pipeline, as uint bits
 //   part, ml : with SPLIT, each split's un-normalised sums, float32 [SPLITS, HKV*G*R, DV4*CH*4],
 //              and (running max in log2 units, running sum) vec2 [SPLITS, HKV*G*R]. The last
 //              workgroup of a tile to finish (a device-scope counter in aux, zeroed by the call's
@@ -26,7 +27,9 @@
 // Thread layout. A key row is read by a cluster of DS adjacent threads: thread d of the cluster
 // loads the uvec4 words d, d+DS, .. of the row, so a cluster reads one contiguous run of DS*16
 // bytes per load (coalesced), and the partial dot products are summed over the cluster with xor
-// shuffles (DS <= the subgroup size; TILE_SHUFFLE 0: DS = 1, one thread per whole row). Thread
+// shuffles (DS <= the subgroup size), or without them (TILE_SHUFFLE 0, no subgroup operation at
+// all) through shared memory between two barriers, every thread of a cluster adding the DS
+// partials in the same order (DS = 1: one thread per whole row, nothing to sum). Thread
 // t = d + DS*(c + COLS*rg): column c of COLS walks its own keys, row group rg owns query vectors
 // rg*RPT .. rg*RPT+RPT-1 (qv = g*BQ + row). Every thread keeps its slice of its rows' scaled
 // queries and output accumulators, and their running max and sum, in registers: the key loop has
@@ -108,12 +111,19 @@ const uint LAZY_RESCALE = 8u;           // vec4 accumulators per thread from whi
 shared float s_m[MERGE], s_l[MERGE];
 shared vec4 s_acc[COLS > 1u ? MERGE * PV : 1u];
 shared uint s_last;
+#if !TILE_SHUFFLE
+// the cluster sums' exchange without shuffles: NRED floats per thread
+const uint NT = DS * COLS * ((NQ + RPT - 1u) / RPT);   // = WG
+const uint NRED = RPT * KB > 2u ? RPT * KB : 2u;
+shared float s_red[DS > 1u ? NT * NRED : 1u];
+#endif
 
 Seq sq;
 uint hh, lane_d, col, rg;
 vec4 qr[RPT * KW * UV];     // this thread's slice of its rows' scaled queries
 vec4 acc[RPT * VW * UV];    // .. and output accumulators
 float m[RPT], l[RPT];       // running max (log2 units) and sum per row
+float dots[RPT * KB];       // a step's partial dot products, summed over the cluster in place
 uint vis_end[RPT];          // key j < vis_end passes the causal rule (0: not a row of this call)
 uint qpos[RPT], qrow[RPT];  // position and row index within the sequence
 float slope[RPT];
@@ -142,6 +152,45 @@ float cluster_max(float x) {
     if (DS > 16u) x = max(x, subgroupShuffleXor(x, 16u));
 #endif
     return x;
+}
+
+// every thread of the workgroup calls these at the same point (uniform control flow): without
+// shuffles they exchange through shared memory between barriers
+void cluster_sum_dots() {
+#if TILE_SHUFFLE
+    [[unroll]] for (uint x = 0u; x < RPT * KB; ++x) dots[x] = cluster_sum(dots[x]);
+#else
+    if (DS > 1u) {
+        const uint t = gl_LocalInvocationID.x, c0 = (t - t % DS) * NRED;
+        [[unroll]] for (uint x = 0u; x < RPT * KB; ++x) s_red[t * NRED + x] = dots[x];
+        barrier();
+        [[unroll]] for (uint x = 0u; x < RPT * KB; ++x) {
+            float sum = 0.0;
+            // rolled: unrolled, a compiler issues all DS * RPT * KB reads at once (gfx1100, d 128,
+            // RPT 4: 132 VGPRs and spills)
+            [[dont_unroll]] for (uint d = 0u; d < DS; ++d) sum += s_red[c0 + d * NRED + x];
+            dots[x] = sum;
+        }
+        barrier();
+    }
+#endif
+}
+
+vec2 cluster_max2(vec2 v) {
+#if TILE_SHUFFLE
+    return vec2(cluster_max(v.x), cluster_max(v.y));
+#else
+    if (DS > 1u) {
+        const uint t = gl_LocalInvocationID.x, c0 = (t - t % DS) * NRED;
+        s_red[t * NRED] = v.x;
+        s_red[t * NRED + 1u] = v.y;
+        barrier();
+        [[unroll]] for (uint d = 0u; d < DS; ++d)
+            v = max(v, vec2(s_red[c0 + d * NRED], s_red[c0 + d * NRED + 1u]));
+        barrier();
+    }
+    return v;
+#endif
 }
 
 // a wave-uniform test where subgroups are usable (a branch the whole subgroup takes or skips)
@@ -174,15 +223,20 @@ void consume(uint lo, uint hi) {
                     kx[(i * KW + w) * UV + e] = unit_ok(w, DKU) ? t[e] : vec4(0.0);
             }
         }
+        [[unroll]] for (uint r = 0u; r < RPT; ++r)
+            [[unroll]] for (uint i = 0u; i < KB; ++i) {
+                float dsum = 0.0;
+                [[unroll]] for (uint x = 0u; x < KW * UV; ++x) dsum += dot(qr[r * KW * UV + x], kx[i * KW * UV + x]);
+                dots[r * KB + i] = dsum;
+            }
+        cluster_sum_dots();
         float p[RPT * KB], alphas[RPT];
         bool grew = false;
         [[unroll]] for (uint r = 0u; r < RPT; ++r) {
             float s[KB];
             float smax = NEG_INF;
             [[unroll]] for (uint i = 0u; i < KB; ++i) {
-                float dsum = 0.0;
-                [[unroll]] for (uint x = 0u; x < KW * UV; ++x) dsum += dot(qr[r * KW * UV + x], kx[i * KW * UV + x]);
-                dsum = cluster_sum(dsum);
+                float dsum = dots[r * KB + i];
 #if KV_I8
                 dsum *= kscale[rows[i]];
 #endif
@@ -262,7 +316,12 @@ void store_fresh() {
         [[unroll]] for (uint w = 0u; w < KW; ++w) if (unit_ok(w, DKU)) kamax = max(kamax, unit_amax(true, nr, my_unit(w, DKU)));
         [[unroll]] for (uint w = 0u; w < VW; ++w) if (unit_ok(w, DVU)) vamax = max(vamax, unit_amax(false, nr, my_unit(w, DVU)));
 #endif
-        const float ksc = quant_scale(cluster_max(kamax)), vsc = quant_scale(cluster_max(vamax));
+#if KV_I8
+        const vec2 amax = cluster_max2(vec2(kamax, vamax));
+#else
+        const vec2 amax = vec2(0.0);      // unused: no scale
+#endif
+        const float ksc = quant_scale(amax.x), vsc = quant_scale(amax.y);
         [[unroll]] for (uint w = 0u; w < KW; ++w) if (unit_ok(w, DKU)) store_unit(true, row, nr, my_unit(w, DKU), ksc);
         [[unroll]] for (uint w = 0u; w < VW; ++w) if (unit_ok(w, DVU)) store_unit(false, row, nr, my_unit(w, DVU), vsc);
 #if KV_I8
@@ -328,6 +387,12 @@ void main() {
     col = (t / DS) % COLS;
     rg = t / (DS * COLS);
     if (y >= aux[14]) return;                 // the grid is sized for the largest batch
+#if TILE_SHUFFLE
+    // the subgroup size this pipeline really runs with, after lse's rows: the host checks it
+    // against DS where it could not pin it
+    if (gl_WorkGroupID == uvec3(0u) && t == 0u)
+        lsebuf[gl_NumWorkGroups.z * G * aux[10]] = uintBitsToFloat(gl_SubgroupSize);
+#endif
     sq = load_seq(aux[aux[13] + 2u * y]);
     const uint qt = aux[aux[13] + 2u * y + 1u];
     const bool causal = aux[1] != 0u;

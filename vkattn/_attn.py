@@ -173,7 +173,7 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
     if cfg.kernel == "lane":
         shader, defines = "attn_lane", dict(fmt._defines)
     else:
-        shader, defines = "attn", dict(fmt._defines, TILE_SHUFFLE=int(cfg.ds > 1))
+        shader, defines = "attn", dict(fmt._defines, TILE_SHUFFLE=int(cfg.ds > 1 and cfg.shuffle))
     return cfg, Pipeline(shader, shader, defines, tuple(spec), grid, ATTN_BINDINGS)
 
 
@@ -189,6 +189,7 @@ class AttnPlan:
 
     def __init__(self, store, hq: int, rows: int, nn: int, nseq: int, flags: int, aux_words: int,
                  key_bound: int, decode: bool, rope_dim: int = 0):
+        self._args = (store, hq, rows, nn, nseq, flags, aux_words, key_bound, decode, rope_dim)
         c = store
         be, hkv = c.device.backend, c.num_kv_heads
         self.c, self.hq, self.rows, self.nn = c, hq, rows, nn
@@ -203,7 +204,7 @@ class AttnPlan:
         self._counters = aux_words                  # split-K: one counter per (kv head, tile)
         self.aux = be.buffer(aux_words + (hkv * pipe.groups[1] if split else 0), np.uint32, name="aux")
         self.out = be.buffer(nrows * c.v_head_dim, np.float32, name="out")
-        self.lse = be.buffer(nrows, np.float32, name="lse")
+        self.lse = be.buffer(nrows + 1, np.float32, name="lse")   # + attn.comp's subgroup size word
         self.rope_dim = rope_dim
         self.rope = be.buffer(max(rows, nn, 1) * max(rope_dim, 4), np.float32, name="rope_table")
         # split-K partials live on the device only: the kernel merges them itself
@@ -214,8 +215,18 @@ class AttnPlan:
         inputs = [self.q, self.aux] + ([self.nk, self.nv] if nn else []) + ([self.rope] if rope_dim else [])
         bindings = [c._k, c._v, self.nk, self.nv, self.q, self.aux, self.out, self.part, self.ml, self.lse,
                     self.rope, c._ks, c._vs]
+        # the subgroup width the kernel's shuffles assume (attn.comp clusters of cfg.ds, attn_lane.comp
+        # one subgroup of cfg.wg): pinned where the device can (a required subgroup size, full
+        # subgroups), else checked on the real pipeline after each run (see run)
+        shuffles = pipe.defines.get("TILE_SHUFFLE", 0) if cfg.kernel == "tile" else 1
+        need = cfg.ds if cfg.kernel == "tile" else cfg.wg
+        pin = c.device.subgroup_pin(cfg.wg, need) if shuffles else (0, False)
+        if cfg.kernel == "lane" and pin[0] != cfg.wg:
+            pin = (0, False)
+        self.subgroup = pin
+        self._check_width = bool(shuffles) and cfg.kernel == "tile" and not pin[0]
         self.attn = be.program(compile_shader(pipe.shader, pipe.defines), bindings, pipe.groups, pipe.spec,
-                               writes=(0, 1, 5, 6, 7, 8, 9, 11, 12), name=pipe.shader)
+                               writes=(0, 1, 5, 6, 7, 8, 9, 11, 12), name=pipe.shader, subgroup=pin)
         self.rec = be.recording().upload(*inputs).dispatch(self.attn).download(self.out, self.lse).build(c.timestamps)
         self._header = np.zeros(HEADER, np.uint32)
         self._tiles = {}
@@ -291,6 +302,17 @@ class AttnPlan:
         aux[seq_off:tile_off] = recs.ravel()
         self.rec.run()
         c._last_rec = self.rec
+        if self._check_width:
+            # the pipeline's real subgroup size (attn.comp writes it after lse): narrower than the
+            # cluster, its shuffles read outside the subgroup and the result is void. The device's
+            # clusters shrink to fit, this plan is built again and the call runs again (the fused
+            # append stores the same rows again)
+            width = int(self.lse.view()[self.hq * rows:].view(np.uint32)[0])
+            if width < cfg.ds:
+                c.device.lower_tile_cluster(width)
+                self.destroy()
+                self.__init__(*self._args)
+                return self.run(q, k, v, seqs, causal, scale, variant, rope)
         out = self.out.view()[:self.hq * rows * c.v_head_dim].reshape(self.hq, rows, c.v_head_dim).copy()
         return out, self.lse.view()[:self.hq * rows].reshape(self.hq, rows).copy()
 

@@ -47,12 +47,21 @@ class Backend:
         self.device_key = device_key or f"device {index}"
         self.software = software
         self._mgr = kp.Manager(index)
+        # kp built with scripts/kp-0.9.0-features.patch: the optional features it enabled (each only
+        # where the device offers it) and required subgroup sizes; a plain kp 0.9: neither
+        self.features = frozenset(self._mgr.enabled_features()) if hasattr(self._mgr, "enabled_features") \
+            else frozenset()
+        self.can_pin = hasattr(self._mgr, "set_pipeline_subgroup_size")
 
     def buffer(self, size: int, dtype=np.uint32, host_visible: bool = True, name: str = "") -> "Buffer":
         return Buffer(self, size, dtype, host_visible, name)
 
-    def program(self, spirv: bytes, bindings, groups, spec, writes=(), name: str = "") -> "Program":
-        return Program(self, spirv, bindings, groups, spec, writes, name)
+    def program(self, spirv: bytes, bindings, groups, spec, writes=(), name: str = "",
+                subgroup: tuple = (0, False)) -> "Program":
+        """``subgroup``: (required subgroup size, full subgroups) of the pipeline, (0, False) for the
+        driver's choice; a size needs a patched kp and the device's subgroupSizeControl, full
+        subgroups its computeFullSubgroups (ValueError otherwise, nothing built)."""
+        return Program(self, spirv, bindings, groups, spec, writes, name, subgroup)
 
     def recording(self) -> "Recording":
         return Recording(self)
@@ -102,8 +111,16 @@ class Buffer:
 class Program:
     """A compute pipeline: SPIR-V + bound buffers + fixed grid + uint32 spec constants."""
 
-    def __init__(self, backend, spirv, bindings, groups, spec, writes, name):
+    def __init__(self, backend, spirv, bindings, groups, spec, writes, name, subgroup=(0, False)):
         self.name = name
+        size, full = int(subgroup[0]), bool(subgroup[1])
+        if size and not (backend.can_pin and "subgroupSizeControl" in backend.features):
+            raise ValueError(f"{name}: subgroup: a required subgroup size needs kp with "
+                             f"scripts/kp-0.9.0-features.patch and the subgroupSizeControl feature")
+        if full and not (backend.can_pin and "computeFullSubgroups" in backend.features):
+            raise ValueError(f"{name}: subgroup: full subgroups need kp with scripts/kp-0.9.0-features.patch "
+                             f"and the computeFullSubgroups feature")
+        self.subgroup = (size, full)
         self.bindings = list(bindings)
         self.writes = {self.bindings[i] for i in writes}
         self.reads = set(self.bindings) - self.writes
@@ -117,8 +134,14 @@ class Program:
                      "afterwards", name, ",".join(map(str, spec.tolist())), backend.device_key.split(" | ")[0],
                      ": lavapipe compiles it to machine code on its first dispatch, which can take seconds"
                      if backend.software else "")
-        self._algo = backend._mgr.algorithm(
-            [b._t for b in self.bindings], spirv, list(self.groups), spec, np.zeros(0, np.uint32))
+        if size or full:
+            backend._mgr.set_pipeline_subgroup_size(size, full)
+        try:
+            self._algo = backend._mgr.algorithm(
+                [b._t for b in self.bindings], spirv, list(self.groups), spec, np.zeros(0, np.uint32))
+        finally:
+            if size or full:
+                backend._mgr.set_pipeline_subgroup_size(0, False)
 
     def destroy(self) -> None:
         if self._algo is not None:

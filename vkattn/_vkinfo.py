@@ -64,6 +64,10 @@ _STYPE_PHYSICAL_DEVICE_PROPERTIES_2 = 1000059001
 _STYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES = 1000094000
 _STYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES = 1000168000
 _STYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES = 1000196000
+_STYPE_PHYSICAL_DEVICE_FEATURES_2 = 1000059000
+_STYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES = 1000225000
+_STYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES = 1000225002
+_EXT_SUBGROUP_SIZE_CONTROL = b"VK_EXT_subgroup_size_control"
 _MEMORY_HEAP_DEVICE_LOCAL_BIT = 0x1
 _MAX_PHYSICAL_DEVICE_NAME_SIZE = 256
 _UUID_SIZE = 16
@@ -77,6 +81,7 @@ def _make_api_version(major: int, minor: int, patch: int = 0) -> int:
 
 _API_VERSION_1_1 = _make_api_version(1, 1)
 _API_VERSION_1_2 = _make_api_version(1, 2)
+_API_VERSION_1_3 = _make_api_version(1, 3)
 
 
 class VkPhysicalDeviceLimits(Structure):
@@ -253,6 +258,35 @@ class VkPhysicalDeviceDriverProperties(Structure):
     ]
 
 
+class VkPhysicalDeviceSubgroupSizeControlProperties(Structure):
+    _fields_ = [
+        ("sType", VkStructureType),
+        ("pNext", c_void_p),
+        ("minSubgroupSize", c_uint32),
+        ("maxSubgroupSize", c_uint32),
+        ("maxComputeWorkgroupSubgroups", c_uint32),
+        ("requiredSubgroupSizeStages", VkFlags),
+    ]
+
+
+class VkPhysicalDeviceSubgroupSizeControlFeatures(Structure):
+    _fields_ = [
+        ("sType", VkStructureType),
+        ("pNext", c_void_p),
+        ("subgroupSizeControl", VkBool32),
+        ("computeFullSubgroups", VkBool32),
+    ]
+
+
+class VkPhysicalDeviceFeatures2Head(Structure):
+    """VkPhysicalDeviceFeatures2: sType, pNext and the 55 VkBool32 of VkPhysicalDeviceFeatures."""
+    _fields_ = [("sType", VkStructureType), ("pNext", c_void_p), ("features", VkBool32 * 55)]
+
+
+class VkExtensionProperties(Structure):
+    _fields_ = [("extensionName", c_char * 256), ("specVersion", c_uint32)]
+
+
 class VkApplicationInfo(Structure):
     _fields_ = [
         ("sType", VkStructureType),
@@ -298,6 +332,7 @@ class VkPhysicalDeviceMemoryProperties(Structure):
 _PFN_GetPhysicalDeviceProperties2 = CFUNCTYPE(
     None, VkPhysicalDevice, POINTER(VkPhysicalDeviceProperties2)
 )
+_PFN_GetPhysicalDeviceFeatures2 = CFUNCTYPE(None, VkPhysicalDevice, c_void_p)
 
 _VK_RESULT_NAMES = {
     0: "VK_SUCCESS",
@@ -370,6 +405,12 @@ class DeviceInfo:
     device_local_bytes: int
     driver_name: str = ""       # VkPhysicalDeviceDriverProperties (Vulkan 1.2 devices)
     driver_info: str = ""
+    # VK_EXT_subgroup_size_control / Vulkan 1.3 (0 / False where the device has neither)
+    min_subgroup_size: int = 0
+    max_subgroup_size: int = 0
+    required_subgroup_size_stages: int = 0
+    subgroup_size_control: bool = False     # feature: a pipeline may require a subgroup size
+    compute_full_subgroups: bool = False    # feature: .. and full subgroups in compute
 
     @property
     def is_software(self) -> bool:
@@ -417,6 +458,10 @@ def _bind(lib: ctypes.CDLL) -> None:
         POINTER(VkPhysicalDeviceMemoryProperties),
     ]
     lib.vkGetPhysicalDeviceMemoryProperties.restype = None
+    lib.vkEnumerateDeviceExtensionProperties.argtypes = [
+        VkPhysicalDevice, c_char_p, POINTER(c_uint32), c_void_p,
+    ]
+    lib.vkEnumerateDeviceExtensionProperties.restype = VkResult
 
 
 def _create_instance(lib: ctypes.CDLL, api_version: int = _API_VERSION_1_1) -> c_void_p:
@@ -465,6 +510,24 @@ def _properties2_fn(lib: ctypes.CDLL, instance: c_void_p) -> Optional[Callable[.
     return None
 
 
+def _features2_fn(lib: ctypes.CDLL, instance: c_void_p) -> Optional[Callable[..., None]]:
+    for name in (b"vkGetPhysicalDeviceFeatures2", b"vkGetPhysicalDeviceFeatures2KHR"):
+        address = lib.vkGetInstanceProcAddr(instance, name)
+        if address:
+            return _PFN_GetPhysicalDeviceFeatures2(address)
+    return None
+
+
+def _device_extensions(lib: ctypes.CDLL, device: c_void_p) -> set:
+    count = c_uint32(0)
+    if lib.vkEnumerateDeviceExtensionProperties(device, None, byref(count), None) != 0 or not count.value:
+        return set()
+    arr = (VkExtensionProperties * count.value)()
+    if lib.vkEnumerateDeviceExtensionProperties(device, None, byref(count), arr) not in (0, 5):
+        return set()
+    return {arr[i].extensionName for i in range(count.value)}
+
+
 class _RawProperties:
     """Properties and chained extension structs for one device, as returned by the driver."""
 
@@ -485,6 +548,16 @@ class _RawProperties:
         self.driver = VkPhysicalDeviceDriverProperties(sType=_STYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES)
         self.props2_driver = VkPhysicalDeviceProperties2(
             sType=_STYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=ctypes.cast(byref(self.driver), c_void_p))
+        # Vulkan 1.3 core / VK_EXT_subgroup_size_control: asked for only where the device has one
+        self.size_control = VkPhysicalDeviceSubgroupSizeControlProperties(
+            sType=_STYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES)
+        self.props2_size_control = VkPhysicalDeviceProperties2(
+            sType=_STYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=ctypes.cast(byref(self.size_control), c_void_p))
+        self.size_control_features = VkPhysicalDeviceSubgroupSizeControlFeatures(
+            sType=_STYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES)
+        self.features2 = VkPhysicalDeviceFeatures2Head(
+            sType=_STYPE_PHYSICAL_DEVICE_FEATURES_2,
+            pNext=ctypes.cast(byref(self.size_control_features), c_void_p))
 
     @property
     def properties(self) -> VkPhysicalDeviceProperties:
@@ -502,6 +575,7 @@ def _query_raw() -> list[_RawProperties]:
     instance = _create_instance(lib, _API_VERSION_1_2)
     try:
         get_props2 = _properties2_fn(lib, instance)
+        get_features2 = _features2_fn(lib, instance)
         raws = []
         for device in _enumerate_physical_devices(lib, instance):
             raw = _RawProperties()
@@ -510,6 +584,12 @@ def _query_raw() -> list[_RawProperties]:
                 get_props2(device, byref(raw.props2))
             if get_props2 is not None and raw.properties.apiVersion >= _API_VERSION_1_2:
                 get_props2(device, byref(raw.props2_driver))
+            if (get_props2 is not None and get_features2 is not None
+                    and raw.properties.apiVersion >= _API_VERSION_1_1
+                    and (raw.properties.apiVersion >= _API_VERSION_1_3
+                         or _EXT_SUBGROUP_SIZE_CONTROL in _device_extensions(lib, device))):
+                get_props2(device, byref(raw.props2_size_control))
+                get_features2(device, ctypes.cast(byref(raw.features2), c_void_p))
             lib.vkGetPhysicalDeviceMemoryProperties(device, byref(raw.memory))
             raws.append(raw)
         return raws
@@ -543,6 +623,11 @@ def _device_info(index: int, raw: _RawProperties) -> DeviceInfo:
         device_local_bytes=sum(h.size for h in heaps if h.flags & _MEMORY_HEAP_DEVICE_LOCAL_BIT),
         driver_name=raw.driver.driverName.decode("utf-8", errors="replace"),
         driver_info=raw.driver.driverInfo.decode("utf-8", errors="replace"),
+        min_subgroup_size=raw.size_control.minSubgroupSize,
+        max_subgroup_size=raw.size_control.maxSubgroupSize,
+        required_subgroup_size_stages=raw.size_control.requiredSubgroupSizeStages,
+        subgroup_size_control=bool(raw.size_control_features.subgroupSizeControl),
+        compute_full_subgroups=bool(raw.size_control_features.computeFullSubgroups),
     )
 
 
@@ -579,6 +664,9 @@ def _describe(info: DeviceInfo) -> str:
         f"wg_size={wg} storage_range={info.max_storage_buffer_range} "
         f"max_alloc={info.max_memory_allocation_size} device_local={info.device_local_bytes} "
         f"timestamp_period={info.timestamp_period:g}ns"
+        + (f" subgroup_sizes={info.min_subgroup_size}..{info.max_subgroup_size}"
+           f"{' pinnable' if info.subgroup_size_control and info.required_subgroup_size_stages & 0x20 else ''}"
+           f"{' full' if info.compute_full_subgroups else ''}" if info.max_subgroup_size else "")
         + (f" driver={info.driver_name} {info.driver_info}" if info.driver_name else "")
     )
 

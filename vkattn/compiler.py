@@ -26,13 +26,16 @@ log = logging.getLogger("vkattn")
 
 
 def shader_dir():
-    """The directory (a Traversable) holding the GLSL sources: the checkout's ``shaders/`` beside
-    this ``vkattn`` package when there is one (a source tree or a git worktree imported from its
-    root, whose sources an editable install's package-data mapping would otherwise replace with the
-    install's), else the installed package data."""
-    beside = Path(__file__).resolve().parent.parent / "shaders"
-    if (beside / "common.glsl").is_file():
-        return beside
+    """The directory (a Traversable) holding the GLSL sources: the package data of an installed
+    vkattn, or, where vkattn is imported from a source checkout, that checkout's ``shaders/``
+    (pyproject maps vkattn.shaders to it). Not the package data first: an editable install maps
+    vkattn.shaders to *its* checkout, so a second checkout or worktree imported from its own root
+    (its vkattn first on sys.path) would otherwise compile the installed checkout's shaders."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "shaders"
+    if not (here / "shaders").is_dir() and (checkout / "__init__.py").is_file() \
+            and (here.parent / "pyproject.toml").is_file():
+        return checkout
     return resources.files("vkattn.shaders")
 
 

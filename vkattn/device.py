@@ -46,17 +46,59 @@ class _Limits:
     def max_workgroup_count(self) -> tuple:
         return self.info.max_compute_workgroup_count
 
-    def _shuffles(self) -> bool:
-        from .tuning import COMPUTE_STAGE, SUBGROUP_SHUFFLE
-        return bool(self.info.subgroup_supported_operations & SUBGROUP_SHUFFLE and
+    def _shuffles(self, vote: bool = False) -> bool:
+        """Compute shaders have subgroup shuffles (and, with ``vote``, votes: attn.comp's
+        subgroupAny)."""
+        from .tuning import COMPUTE_STAGE, SUBGROUP_SHUFFLE, SUBGROUP_VOTE
+        ops = SUBGROUP_SHUFFLE | (SUBGROUP_VOTE if vote else 0)
+        return bool(self.info.subgroup_supported_operations & ops == ops and
                     self.info.subgroup_supported_stages & COMPUTE_STAGE)
 
     def _cluster_wanted(self) -> int:
-        """attn.comp's key-row cluster if the reported subgroup holds: min(TILE_CLUSTER, subgroup
-        size) where compute shaders have shuffles, else 1."""
+        """attn.comp's key-row cluster if the reported subgroup holds: the largest power of two
+        <= min(TILE_CLUSTER, subgroup size) where compute shaders have shuffles and votes, else 1."""
         from .tuning import TILE_CLUSTER
-        want = min(TILE_CLUSTER, self.subgroup_size)
-        return want if self._shuffles() and want > 1 and want & (want - 1) == 0 else 1
+        if not self._shuffles(vote=True):
+            return 1
+        want = 1
+        while 2 * want <= min(TILE_CLUSTER, self.subgroup_size):
+            want *= 2
+        return want
+
+    def _forced_cluster(self, largest: int) -> int:
+        """VKATTN_TILE_CLUSTER if set (validated: a power of two up to TILE_CLUSTER, and at most
+        ``largest``, what the device's shuffles hold), else ``largest``."""
+        env = forced_tile_cluster()
+        if env is None:
+            return largest
+        if env > largest:
+            raise ValueError(f"VKATTN_TILE_CLUSTER={env}: subgroup shuffles on {self.name!r} hold clusters of at "
+                             f"most {largest}")
+        return env
+
+    def subgroup_pin(self, wg: int, need: int) -> tuple:
+        """(required subgroup size, full subgroups) to pin a ``wg``-invocation compute pipeline
+        whose shuffles need a subgroup of ``need`` invocations or more, or (0, False) where the
+        device cannot pin it (no subgroupSizeControl enabled, compute not in
+        requiredSubgroupSizeStages, no power of two in min..maxSubgroupSize >= need). The size is
+        the reported subgroupSize when it qualifies (what the cluster was sized and probed for),
+        else the smallest qualifying one; full subgroups where computeFullSubgroups is enabled and
+        ``wg`` is a multiple of the size. VKATTN_PIN_SUBGROUP=0 turns pinning off."""
+        from .tuning import COMPUTE_STAGE
+        info = self.info
+        feats = self._pin_features()
+        if ("subgroupSizeControl" not in feats or not info.required_subgroup_size_stages & COMPUTE_STAGE
+                or not pinning_enabled()):
+            return 0, False
+        sizes = [1 << i for i in range(8) if info.min_subgroup_size <= 1 << i <= info.max_subgroup_size
+                 and 1 << i >= need]
+        if not sizes:
+            return 0, False
+        size = info.subgroup_size if info.subgroup_size in sizes else sizes[0]
+        return size, "computeFullSubgroups" in feats and wg % size == 0
+
+    def _pin_features(self) -> frozenset:
+        return frozenset()
 
 
 class Device(_Limits):
@@ -80,6 +122,9 @@ class Device(_Limits):
         self._lane_subgroup = None
         self._tile_cluster = None
 
+    def _pin_features(self) -> frozenset:
+        return self.backend.features
+
     def lane_subgroup(self) -> int:
         """The workgroup size attn_lane.comp may use here: the reported subgroup size if a probe
         dispatch confirms that a workgroup of that many invocations is exactly one subgroup with
@@ -91,14 +136,26 @@ class Device(_Limits):
         return self._lane_subgroup
 
     def tile_cluster(self) -> int:
-        """How many adjacent invocations of an attn.comp workgroup may share a key row (summing
-        with xor shuffles): min(TILE_CLUSTER, subgroup size) if a probe dispatch of a WORKGROUP-
-        sized workgroup confirms it, else 1 (no shuffles: one invocation per row). Once per device."""
+        """How many adjacent invocations of an attn.comp workgroup may share a key row summing with
+        xor shuffles: the largest of min(TILE_CLUSTER, subgroup size), then its halves (32, 16, 8,
+        4, 2) that a probe dispatch of a WORKGROUP-sized workgroup confirms, else 1 (no shuffles:
+        tile_config sums through shared memory). Probed once per device; VKATTN_TILE_CLUSTER
+        forces a smaller one. A plan that cannot pin its subgroup size checks the real pipeline's
+        subgroup too and lowers this (``lower_tile_cluster``)."""
         if self._tile_cluster is None:
             from .tuning import WORKGROUP
             want = self._cluster_wanted()
-            self._tile_cluster = want if want > 1 and self._probe(WORKGROUP, want) else 1
-        return self._tile_cluster
+            while want > 1 and not self._probe(WORKGROUP, want):
+                want //= 2
+            self._tile_cluster = want
+        return self._forced_cluster(self._tile_cluster)
+
+    def lower_tile_cluster(self, subgroup: int) -> None:
+        """A pipeline ran with subgroups of ``subgroup`` invocations: clusters no wider from now on."""
+        c = max(1, min(self.tile_cluster(), subgroup))
+        while c & (c - 1):
+            c &= c - 1
+        self._tile_cluster = c
 
     def _probe(self, wg: int, cluster: int, need_one_subgroup: bool = False) -> bool:
         """subgroup_probe.comp: do clusters of ``cluster`` invocations of a ``wg``-invocation
@@ -154,10 +211,31 @@ class PlanningDevice(_Limits):
         return 0
 
     def tile_cluster(self) -> int:
-        return self._cluster_wanted()
+        return self._forced_cluster(self._cluster_wanted())
 
     def __repr__(self) -> str:
         return f"PlanningDevice({self.name!r})"
+
+
+def forced_tile_cluster():
+    """VKATTN_TILE_CLUSTER as an int (a power of two from 1 to TILE_CLUSTER), None if unset;
+    ValueError naming it otherwise. 1 forces attn.comp's no-shuffle path."""
+    from .tuning import TILE_CLUSTER
+    env = os.environ.get("VKATTN_TILE_CLUSTER", "").strip()
+    if not env:
+        return None
+    if not env.isdigit() or not 1 <= int(env) <= TILE_CLUSTER or int(env) & (int(env) - 1):
+        raise ValueError(f"VKATTN_TILE_CLUSTER={env!r}: expected a power of two from 1 to {TILE_CLUSTER}")
+    return int(env)
+
+
+def pinning_enabled() -> bool:
+    """VKATTN_PIN_SUBGROUP: "0" turns required subgroup sizes off (the probing fallback), "1" or
+    unset leaves them on where the device offers them; anything else is a ValueError."""
+    env = os.environ.get("VKATTN_PIN_SUBGROUP", "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"VKATTN_PIN_SUBGROUP={env!r}: expected 0 or 1")
+    return env != "0"
 
 
 def _pick(devices, selector: str | None) -> int:

@@ -25,6 +25,16 @@ WORKGROUP = 64          # threads of the grid-stride kernels (append, gather, co
 TILE_MAX_WG = 256       # attn.comp threads per workgroup at most
 TILE_CLUSTER = 32       # attn.comp threads per key row at most (a float16 head_dim-128 row is 16
                         # units of 16 bytes: one 256-byte run per load instruction and cluster)
+TILE_SHARED_CLUSTER = 16   # .. where the row's partial dot products are summed through shared memory
+                        # instead (no usable shuffle cluster wide enough): every thread of a cluster
+                        # reads the cluster's DS partials, so fewer threads read less; at 16 a thread
+                        # holds at most 4 units of a head_dim-256 row
+TILE_MAX_UNITS = 8      # float vec4 per thread and K (or V) row at most with shuffles: a narrower
+                        # shuffle cluster (subgroup 4, a forced VKATTN_TILE_CLUSTER) sums through
+                        # shared memory instead, so a thread's registers stay bounded at any head dim
+                        # (head_dim 256 float32 at a cluster of 8: 8; at 4 it would be 16)
+TILE_SHARED_BUDGET = 16384   # attn.comp shared memory per workgroup at most (the column merge gives up
+                        # columns to stay below it): 16 KiB is Vulkan's guaranteed minimum
 TILE_ROW_FLOATS = 80    # attn.comp prefill: register floats per thread for its rows' query and
                         # accumulator slices (+ max, sum); sets the rows per thread, at most
 TILE_MAX_RPT = 4        # .. this many (RADV navi21 / gfx1100 / vega10, perf gpu: float16 head_dim
@@ -65,6 +75,7 @@ class AttnConfig:
     rpt: int = 1   # attn.comp: query vectors per thread
     cols: int = 1  # attn.comp: key columns per workgroup
     kb: int = 1    # attn.comp: keys per column and step
+    shuffle: bool = True   # attn.comp: a key row's cluster sums with subgroup shuffles (else shared memory)
 
     def qtiles(self, s: int) -> int:
         return -(-s // self.bq)
@@ -77,11 +88,14 @@ class AttnConfig:
         return head + ([self.ds, self.rpt, self.cols, self.kb] if self.kernel == "tile" else [])
 
     def shared_bytes(self, group: int, dv4: int, ch: int) -> int:
-        """attn.comp's shared memory: the column merge (COLS > 1) and a flag."""
+        """attn.comp's shared memory: the column merge (COLS > 1), a flag and, without shuffles,
+        the cluster sums' exchange (attn.comp s_red)."""
         merge = self.cols * group * self.bq if self.cols > 1 else 1
-        return 8 * merge + 16 * (merge * dv4 * ch if self.cols > 1 else 1) + 4
+        red = self.wg * max(self.rpt * self.kb, 2) if self.ds > 1 and not self.shuffle else 1
+        return 8 * merge + 16 * (merge * dv4 * ch if self.cols > 1 else 1) + 4 + 4 * red
 
 
+SUBGROUP_VOTE = 0x2           # VkSubgroupFeatureFlagBits: VOTE (attn.comp's subgroupAny)
 SUBGROUP_SHUFFLE = 0x10       # VkSubgroupFeatureFlagBits: SHUFFLE
 COMPUTE_STAGE = 0x20          # VkShaderStageFlagBits: COMPUTE
 
@@ -168,17 +182,31 @@ def decode_key_bound(live: int, capacity: int) -> int:
 
 def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,
                 num_kv_heads: int) -> AttnConfig:
-    """attn.comp: a cluster of DS threads per key row (the smallest power of two covering the row's
-    16-byte words, at most TILE_CLUSTER and the device's shuffle cluster), RPT query vectors per
-    thread (decode: 1, the fewest registers; prefill: as many as TILE_ROW_FLOATS allows, so each
-    K/V load serves several rows), key columns to fill a WORKGROUP-thread workgroup."""
+    """attn.comp: a cluster of DS threads per key row, RPT query vectors per thread (decode: 1, the
+    fewest registers; prefill: as many as TILE_ROW_FLOATS allows, so each K/V load serves several
+    rows), key columns to fill a WORKGROUP-thread workgroup.
+
+    DS is the smallest power of two covering the row's 16-byte units, at most TILE_CLUSTER and the
+    device's shuffle cluster (``device.tile_cluster()``: probed, or VKATTN_TILE_CLUSTER), the
+    partial dot products summed with xor shuffles -- unless that leaves a thread more than
+    TILE_MAX_UNITS vec4 of a row (a shuffle cluster of 1, 2 or 4 at a large head dim): then DS is
+    the covering power of two up to TILE_SHARED_CLUSTER and the cluster sums through shared memory
+    (attn.comp's TILE_SHUFFLE 0 path: barriers, no subgroup operation). Either way a thread holds a
+    few units of a row, so no head dim spills, and the column merge gives up columns until the
+    workgroup's shared memory fits TILE_SHARED_BUDGET."""
     from .errors import DeviceLimitError
 
     uv = 2 if ch == 4 else ch            # float vec4 per load unit: int8 rows are read by 8 bytes
     dku, dvu = dk4 * ch // uv, dv4 * ch // uv
+    units = max(dku, dvu)
+    cluster = min(TILE_CLUSTER, device.tile_cluster())
     ds = 1
-    while ds < min(max(dku, dvu), TILE_CLUSTER, device.tile_cluster()):
+    while ds < min(units, cluster):
         ds *= 2
+    shuffle = -(-units // ds) * uv <= TILE_MAX_UNITS
+    if not shuffle:
+        while ds < min(units, TILE_SHARED_CLUSTER):
+            ds *= 2
     row_floats = (-(-dku // ds) + -(-dvu // ds)) * uv * 4 + 2
     max_wg = min(TILE_MAX_WG, device.max_workgroup_size)
     if s == 1:
@@ -210,7 +238,15 @@ def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacit
         splits = max(1, min(32, -(-want // tiles), -(-capacity // TILE_SPLIT_KEYS)))
     if device.is_software:
         splits = max(splits, -(-capacity // TILE_MAX_KEYS))
-    cfg = AttnConfig(kernel="tile", wg=threads * cols, bq=bq, splits=splits, ds=ds, rpt=rpt, cols=cols, kb=kb)
+
+    def make(c: int) -> AttnConfig:
+        return AttnConfig(kernel="tile", wg=threads * c, bq=bq, splits=splits, ds=ds, rpt=rpt, cols=c, kb=kb,
+                          shuffle=shuffle or ds == 1)
+
+    cfg = make(cols)
+    budget = min(TILE_SHARED_BUDGET, device.max_shared_memory)
+    while cfg.cols > 1 and cfg.shared_bytes(group, dv4, ch) > budget:
+        cfg = make(cfg.cols // 2)
     need = cfg.shared_bytes(group, dv4, ch)
     if need > device.max_shared_memory:
         raise DeviceLimitError(f"attention tile needs {need} bytes of shared memory; the device has "

@@ -350,6 +350,7 @@ def device_facts(dev) -> dict:
     info["is_software"] = dev.is_software
     info["tile_cluster"] = dev.tile_cluster()
     info["lane_subgroup"] = dev.lane_subgroup()
+    info["kp_enabled_features"] = sorted(dev.backend.features)      # empty: kp unpatched or none offered
     return info
 
 
@@ -413,7 +414,8 @@ def main(argv=None) -> int:
           f"Vulkan {i.api_version}")
     print(f"limits   : subgroup {i.subgroup_size}, shared memory {i.max_compute_shared_memory_size} B, "
           f"storage range {i.max_storage_buffer_range} B, workgroup {dev.max_workgroup_size}")
-    print(f"kernels  : tile cluster {dev.tile_cluster()}, lane subgroup {dev.lane_subgroup() or 'unusable'}")
+    print(f"kernels  : tile cluster {dev.tile_cluster()}, lane subgroup {dev.lane_subgroup() or 'unusable'}; "
+          f"device features enabled: {', '.join(sorted(dev.backend.features)) or 'none'}")
     print("(the first run on a machine builds every pipeline: up to a few minutes on lavapipe)")
     print(f"\n{'case':32} {'kernel':6} {'dtype':8} {'max|err|':>10} {'NMSE':>10} {'n':>5} {'s':>7}  result")
     print("-" * 100)

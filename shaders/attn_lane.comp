@@ -309,7 +309,7 @@ void main() {
         kend = max(kend, vis_end[qv]);
         m[qv] = NEG_INF;
         l[qv] = 0.0;
-        const uint qbase = ((h * G + g) * R + sq.q_start + r) * PK;
+        const uint qbase = ((h * G + g) * R + sq.q_start + min(r, sq.q_len - 1u)) * PK;   // padding rows: in bounds
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
             const uint c = lane + i * WG;
             [[unroll]] for (uint e = 0u; e < CH; ++e) {

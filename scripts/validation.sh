@@ -1,35 +1,69 @@
 #!/usr/bin/env bash
-# The whole pytest suite under the Khronos validation layer with synchronization validation on.
-# Fails if the layer is not active (a deliberately racy probe must be reported), if any test
-# fails, or if the layer prints any validation or synchronization message during the suite.
+# Two passes under the Khronos validation layer; fails on any message, on any failed test, or if
+# the layer is not really doing what the pass relies on (a deliberately wrong probe must be
+# reported first):
+#   sync   the whole pytest suite with synchronization validation on (probe: tests/sync_probe.py,
+#          a racy sequence that must give SYNC-HAZARD-READ-AFTER-WRITE)
+#   gpuav  tests/test_bounds.py (odd shapes, every dtype and variant, paged batches, both kernels)
+#          with GPU-assisted validation's buffer bounds checks on (probe: tests/gpuav_probe.py, an
+#          out-of-bounds read that must give VUID-vkCmdDispatch-None-02706): every kernel stays
+#          inside its buffers. GPU-AV instruments every buffer access, so lavapipe compiles slowly
+#          there: this pass runs a sweep chosen for it, not the whole suite.
+# VKATTN_VALIDATION=sync or =gpuav runs one pass (default: both). Arguments go to the sync pass's
+# pytest (e.g. a test selection).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${VENV:-.venv}/bin/python
+passes=${VKATTN_VALIDATION:-sync gpuav}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cat > "$work/vk_layer_settings.txt" <<'SETTINGS'
-khronos_validation.enables = VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT
+pattern='Validation (Error|Warning)|VUID-|SYNC-HAZARD'
+
+settings() {   # $1: the khronos_validation.enables line and any further settings
+  cat > "$work/vk_layer_settings.txt" <<SETTINGS
+$1
 khronos_validation.debug_action = VK_DBG_LAYER_ACTION_LOG_MSG
 khronos_validation.report_flags = error,warn
 khronos_validation.log_filename = stdout
 SETTINGS
+}
 export VK_LAYER_SETTINGS_PATH="$work/vk_layer_settings.txt" VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation
-pattern='Validation (Error|Warning)|VUID-|SYNC-HAZARD'
 
-"$PY" tests/sync_probe.py > "$work/probe.log" 2>&1
-if ! grep -q "SYNC-HAZARD-READ-AFTER-WRITE" "$work/probe.log"; then
-  echo "validation: the layer did not report the probe's hazard; is vulkan-validationlayers installed?" >&2
-  cat "$work/probe.log" >&2
-  exit 1
-fi
-echo "validation: layer active (probe hazard reported); running the suite under it"
+# run_pass NAME PROBE EXPECTED PYTEST-ARGS...: the probe must be reported, then the tests give 0 messages
+run_pass() {
+  local name=$1 probe=$2 expect=$3
+  shift 3
+  "$PY" "$probe" > "$work/probe.log" 2>&1
+  if ! grep -q -- "$expect" "$work/probe.log"; then
+    echo "validation ($name): the layer did not report the probe's $expect; is vulkan-validationlayers installed?" >&2
+    cat "$work/probe.log" >&2
+    return 1
+  fi
+  echo "validation ($name): layer active (probe reported $expect); running the tests under it"
+  local start=$SECONDS
+  "$PY" -m pytest -q -s -p no:cacheprovider "$@" 2>&1 | tee "$work/$name.log"
+  local status=${PIPESTATUS[0]}
+  local count
+  count=$(grep -cE "$pattern" "$work/$name.log")
+  echo "validation ($name): $count validation messages, $((SECONDS - start)) s"
+  if [ "$count" -ne 0 ]; then
+    grep -E "$pattern" "$work/$name.log" | sort | uniq -c | head -20 >&2
+    return 1
+  fi
+  return "$status"
+}
 
-"$PY" -m pytest -q -s -p no:cacheprovider "$@" 2>&1 | tee "$work/suite.log"
-status=${PIPESTATUS[0]}
-count=$(grep -cE "$pattern" "$work/suite.log")
-echo "validation: $count validation/synchronization messages during the suite"
-if [ "$count" -ne 0 ]; then
-  grep -E "$pattern" "$work/suite.log" | sort | uniq -c | head -20 >&2
-  exit 1
-fi
-exit "$status"
+rc=0
+for pass in $passes; do
+  case $pass in
+    sync)
+      settings "khronos_validation.enables = VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT"
+      run_pass sync tests/sync_probe.py SYNC-HAZARD-READ-AFTER-WRITE "$@" || rc=1 ;;
+    gpuav)
+      settings "khronos_validation.enables = VK_VALIDATION_FEATURE_ENABLE_GPU_ASSISTED_EXT
+khronos_validation.gpuav_buffer_oob = true"
+      run_pass gpuav tests/gpuav_probe.py VUID-vkCmdDispatch-None-02706 tests/test_bounds.py --durations=5 || rc=1 ;;
+    *) echo "validation: unknown pass '$pass' in VKATTN_VALIDATION (sync, gpuav)" >&2; exit 2 ;;
+  esac
+done
+exit "$rc"

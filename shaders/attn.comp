@@ -21,6 +21,25 @@
 //              and (running max in log2 units, running sum) vec2 [SPLITS, HKV*G*R]. The last
 //              workgroup of a tile to finish (a device-scope counter in aux, zeroed by the call's
 //              upload) merges them into out and lse: one dispatch, no host round trip.
+//
+// Split-K ordering by the Vulkan memory model (appendix "Memory Model"), without the optional
+// vulkanMemoryModel feature (kp 0.9 enables none), so in what glslang emits for core GLSL:
+//   memoryBarrierBuffer() = OpMemoryBarrier, scope Device, semantics AcquireRelease|UniformMemory:
+//                           a release and acquire barrier over storage buffers, device wide
+//   barrier()             = OpControlBarrier, execution scope Workgroup (its memory semantics,
+//                           WorkgroupMemory only, do not order buffer accesses by themselves)
+//   atomicAdd             = OpAtomicIAdd, scope Device, semantics Relaxed (StorageBuffer class)
+//   coherent (part, ml)   = per-access availability / visibility at device scope (the appendix
+//                           maps GLSL coherent to MakePointerAvailable / MakePointerVisible)
+// The rules used: a release barrier A synchronizes-with an acquire barrier B when A is
+// program-ordered before a control barrier C and C before B, all in C's execution scope instance
+// (C1: each thread's F1 -> thread 0's F2; C2: thread 0's F3 -> each thread's F4); and when A is
+// program-ordered before an atomic write X, B after an atomic read Y that reads X or a later
+// read-modify-write of X's release sequence, with X's storage class in both semantics (F2 of
+// every earlier split -> F3 of the last; a relaxed X heads a release sequence for this rule).
+// Each link carries UniformMemory, so inter-thread-happens-before<UniformMemory> chains from every
+// partial write to every merge read, and the coherent accesses make the write available to and
+// visible from the shader domain along that chain: no data race, the merge reads the partials.
 // numpy, one q head of one sequence:
 //   s = scale * q @ K[:T].T (+ variants, invisible keys -inf);  out = softmax(s) @ V[:T]
 //
@@ -487,14 +506,25 @@ void main() {
     }
     if (SPLIT == 0u) return;
 
-    // split-K: the last workgroup of this tile to get here merges the splits (release: our
-    // partials are made visible before the counter moves; acquire: the last one reads them after)
-    memoryBarrierBuffer();
-    barrier();
-    if (t == 0u) s_last = atomicAdd(auxc[aux[17] + hh * gl_NumWorkGroups.y + y], 1u);
-    barrier();
+    // split-K: the last workgroup of this tile to get here merges the splits. Ordered by the
+    // Vulkan memory model with core features only (the chain is spelled out in the header):
+    //   every thread  F1: release barrier over its partial writes ........ memoryBarrierBuffer
+    //   C1 (control barrier: F1 of every thread synchronizes-with F2)
+    //   thread 0      F2: acquire (the workgroup's partials), release before the counter
+    //                 the counter increment (a relaxed device-scope atomic)
+    //                 F3: acquire after it (every earlier split's F2 synchronizes-with it)
+    //   C2 (control barrier: F3 synchronizes-with every thread's F4; s_last is known to all)
+    //   every thread  F4: acquire, then the partials are read (coherent: device-scope visibility)
+    memoryBarrierBuffer();                                                    // F1
+    barrier();                                                                // C1
+    if (t == 0u) {
+        memoryBarrierBuffer();                                                // F2
+        s_last = atomicAdd(auxc[aux[17] + hh * gl_NumWorkGroups.y + y], 1u);
+        memoryBarrierBuffer();                                                // F3
+    }
+    barrier();                                                                // C2
     if (s_last != gl_NumWorkGroups.x - 1u) return;
-    memoryBarrierBuffer();
+    memoryBarrierBuffer();                                                    // F4
     [[unroll]] for (uint r = 0u; r < RPT; ++r) {
         const uint qv = rg * RPT + r;
         if (col == 0u && qv < NQ && qrow[r] < sq.q_len) {

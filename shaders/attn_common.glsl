@@ -68,9 +68,13 @@ uint cache_row(uint bt, uint h, uint j) {
     return aux[bt + j / bs] * aux[5] + h * aux[4] + j % bs;
 }
 
-// additive mask of q head hq, row r, key j (natural units) in log2 units
+// additive mask of q head hq, row r, key j (natural units) in log2 units. Callers evaluate it
+// for every query vector of a tile, also the padding ones (a row past q_len, a head past the
+// tile's G): the head and row are clamped into the mask (the caller discards those scores) and
+// j must be a key of the sequence (< past + n_new), so the read never leaves the sequence's mask
 float mask_at(Seq sq, uint hq, uint r, uint j) {
-    const uint row = aux[16] != 0u ? hq * sq.q_len + r : r;
+    const uint r_in = min(r, sq.q_len - 1u);
+    const uint row = aux[16] != 0u ? min(hq, gl_NumWorkGroups.z * G - 1u) * sq.q_len + r_in : r_in;
     return uintBitsToFloat(aux[sq.mask + row * (sq.past + sq.n_new) + j]) * LOG2E;
 }
 

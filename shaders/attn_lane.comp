@@ -309,7 +309,7 @@ void main() {
         kend = max(kend, vis_end[qv]);
         m[qv] = NEG_INF;
         l[qv] = 0.0;
-        const uint qbase = ((h * G + g) * R + sq.q_start + r) * PK;
+        const uint qbase = ((h * G + g) * R + sq.q_start + min(r, sq.q_len - 1u)) * PK;   // padding rows: in bounds
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
             const uint c = lane + i * WG;
             [[unroll]] for (uint e = 0u; e < CH; ++e) {
@@ -359,14 +359,21 @@ void main() {
     }
     if (SPLIT == 0u) return;
 
-    // split-K: the last workgroup of this tile to get here merges every split's partial (our
-    // partials are made visible before the counter moves; the last one reads the others' after)
-    memoryBarrierBuffer();
-    subgroupBarrier();
+    // split-K: the last workgroup of this tile to get here merges every split's partial. The
+    // memory-model chain of attn.comp (see its header), with the workgroup's one subgroup as the
+    // control barriers' execution scope: F1 in every lane, C1, lane 0's F2 / counter / F3, C2,
+    // F4 in every lane, then the coherent partials are read
+    memoryBarrierBuffer();                                                    // F1
+    subgroupBarrier();                                                        // C1
     uint done = 0u;
-    if (lane == 0u) done = atomicAdd(auxc[aux[17] + h * gl_NumWorkGroups.y + y], 1u);
+    if (lane == 0u) {
+        memoryBarrierBuffer();                                                // F2
+        done = atomicAdd(auxc[aux[17] + h * gl_NumWorkGroups.y + y], 1u);
+        memoryBarrierBuffer();                                                // F3
+    }
+    subgroupBarrier();                                                        // C2
     if (subgroupShuffle(done, 0u) != gl_NumWorkGroups.x - 1u) return;
-    memoryBarrierBuffer();
+    memoryBarrierBuffer();                                                    // F4
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
         const uint r = qt * BQ + qv % BQ;
         if (r >= sq.q_len) continue;

@@ -1,0 +1,153 @@
+"""Buffer bounds sweep: odd shapes, every storage dtype, every variant, paged batches, both kernels.
+
+Each case is an ordinary parity test against the numpy reference, and the module is also the
+GPU-assisted-validation pass of `make test-validation` (scripts/validation.sh runs it under the
+Khronos layer with `gpuav_buffer_oob`, once per kernel, and fails on any message): every kernel
+dispatch -- attn.comp, attn_lane.comp, append.comp, gather_slots.comp, copy_rows.comp -- must
+stay inside every buffer it is bound to. Out-of-bounds reads do not show in results on lavapipe
+(the bytes past a buffer are there, or read as zero), so the validation pass is what catches
+them; the shapes are chosen so that a stray read leaves its buffer: the masks end at the very
+last word of the aux buffer (issue 20 finding 5: mask words of padded query rows were read past
+it), query tiles have padding rows and padding heads, head dims are not multiples of a storage
+word. The pipelines are few (every variant at once per call) and their tiles small (query rows
+x heads per workgroup at most 8 or so: the lane kernel's key block is unrolled over them) so the
+pass stays short: GPU-AV instruments every buffer access, and lavapipe compiles each instrumented
+pipeline cold (a 16-query-vector lane prefill took 50 s on this 2-core machine).
+"""
+import numpy as np
+import pytest
+
+import vkattn
+from conftest import Mirror, assert_close
+from vkattn._attn import AttnPlan, aux_bucket
+from vkattn.reference import attention, rope, round_to
+
+KERNELS = ["lane", "tile"]
+LSE_TOL = dict(atol=2e-5, rtol=2e-4)
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch):
+    monkeypatch.setenv("VKATTN_KERNEL", request.param)
+    return request.param
+
+
+def past_filling_aux(s, hq, per_head, lo):
+    """The smallest past >= lo for which a KVCache call of s new rows (one query tile) with a mask
+    has its mask end closer to the end of the aux buffer than one mask row: a padding row's mask
+    words would then lie past the buffer. (aux_need counts 2*s + hq words besides the header,
+    sequence record and mask; the tile table takes 2 of them.)"""
+    for past in range(lo, lo + 100000):
+        need = AttnPlan.aux_need(1, s, hq, 0, (hq if per_head else 1) * s * (past + s))
+        if aux_bucket(need) - need + 2 * s + hq < past + s:
+            return past
+    raise AssertionError("no such past")
+
+
+def rand(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("hkv,group,d,s,per_head", [
+    (2, 2, 64, 3, True),            # a per-head mask ending near the aux buffer's last word
+    (2, 2, 64, 3, False),           # a broadcast one (issue 20 finding 5: 137 cached + 7 new rows)
+    (1, 3, 24, 2, True),            # group 3: the tile kernel has padding query vectors past G heads
+])
+def test_mask_at_the_end_of_aux(device, rng, kernel, hkv, group, d, s, per_head):
+    hq = hkv * group
+    past = past_filling_aux(s, hq, per_head, 100)
+    cache = vkattn.KVCache(past + s + 3, hkv, d, dtype="float16", device=device)
+    mirror = Mirror(cache)
+    k, v = rand(rng, hkv, past, d), rand(rng, hkv, past, d)
+    cache.append(k, v)
+    mirror.append(k, v)
+    k, v, q = rand(rng, hkv, s, d), rand(rng, hkv, s, d), rand(rng, hq, s, d)
+    mask = rand(rng, *((hq,) if per_head else ()), s, past + s)
+    out, lse = cache.forward(q, k, v, mask=mask, return_lse=True)
+    mirror.append(k, v)
+    ref, ref_lse = attention(q, mirror.k, mirror.v, mask=mask, return_lse=True)
+    assert_close(out, ref, "float16")
+    np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int8"])
+def test_every_variant_odd_shapes(device, rng, kernel, dtype):
+    # head_dim 37 / v_head_dim 29: rows end inside a storage word; RoPE on 16 of 37 dims; window +
+    # sinks + softcap + ALiBi + mask in one call (one pipeline), with the log-sum-exp; append.comp
+    # (append), a prefill with a past whose tile has padding rows, split-K decode steps with a
+    # per-head mask, read() (gather_slots.comp)
+    hkv, group, d, dv = 2, 2, 37, 29
+    hq = hkv * group
+    cfg = vkattn.RoPE(style="neox", rotary_dim=16)
+    cache = vkattn.KVCache(300, hkv, d, v_head_dim=dv, dtype=dtype, device=device, rope=cfg)
+    slopes = np.linspace(0.02, 0.4, hq).astype(np.float32)
+    cache.append(rand(rng, hkv, 93, d), rand(rng, hkv, 93, dv))
+
+    def call(s, mask_heads):
+        k, v, q = rand(rng, hkv, s, d), rand(rng, hkv, s, dv), rand(rng, hq, s, d)
+        total = cache.length + s
+        mask = rand(rng, *((hq,) if mask_heads else ()), s, total)
+        mask[..., :: 7] = -np.inf
+        kw = dict(window=19, n_sink=3, softcap=3.0, alibi_slopes=slopes, mask=mask)
+        out, lse = cache.forward(q, k, v, rope_q=True, return_lse=True, **kw)
+        k_all, v_all = cache.read()
+        qr = rope(q, np.arange(total - s, total), rotary_dim=16, style="neox")
+        ref, ref_lse = attention(qr, k_all, v_all, return_lse=True, **kw)
+        assert_close(out, ref, dtype)
+        np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
+
+    call(3, False)         # fused append, a query tile with a padding row
+    call(1, True)          # decode: split-K merged by the last workgroup
+    call(1, True)
+    assert cache.read()[0].shape == (hkv, 98, d)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_paged_batch_fork_read(device, rng, kernel, dtype):
+    # ragged batch over blocks of 5 with per-sequence masks (the last one ends the aux buffer's
+    # data), batch decode with per-head masks, a fork (copy_rows.comp), an append-only call
+    # (append.comp), reads (gather_slots.comp)
+    hkv, group, d = 2, 2, 24
+    hq = hkv * group
+    cache = vkattn.PagedKVCache(60, 5, hkv, d, dtype=dtype, device=device)
+    sids = [cache.add_sequence() for _ in range(3)]
+    model = {sid: (np.zeros((hkv, 0, d), np.float32), np.zeros((hkv, 0, d), np.float32)) for sid in sids}
+
+    def add(sid, k, v):           # the stored rows, as the cache rounds them (int8: not mirrored)
+        if dtype == "int8" or sid not in model:
+            return
+        mk, mv = model[sid]
+        model[sid] = (np.concatenate([mk, round_to(k, dtype)], 1), np.concatenate([mv, round_to(v, dtype)], 1))
+
+    def step(ids, counts, heads, **kw):
+        total = sum(counts)
+        q, k, v = rand(rng, hq, total, d), rand(rng, hkv, total, d), rand(rng, hkv, total, d)
+        masks = [rand(rng, *((hq,) if heads else ()), n, cache.length(sid) + n) for sid, n in zip(ids, counts)]
+        out, lse = cache.forward(ids, q, k, v, n_new=counts, mask=masks, return_lse=True, **kw)
+        a = 0
+        for sid, n, mask in zip(ids, counts, masks):
+            rows = slice(a, a + n)
+            k_sid, v_sid = cache.read(sid)
+            ref, ref_lse = attention(q[:, rows], k_sid, v_sid, mask=mask, return_lse=True, **kw)
+            assert_close(out[:, rows], ref, dtype)
+            np.testing.assert_allclose(lse[:, rows], ref_lse, **LSE_TOL)
+            add(sid, k[:, rows], v[:, rows])
+            a += n
+
+    k, v = rand(rng, hkv, 41, d), rand(rng, hkv, 41, d)
+    cache.append(sids, k, v, n_new=[7, 22, 12])       # append.comp, no attention
+    for sid, rows in zip(sids, (slice(0, 7), slice(7, 29), slice(29, 41))):
+        add(sid, k[:, rows], v[:, rows])
+    kw = dict(softcap=4.0, window=6, n_sink=2)        # the same variant throughout: two pipelines
+    step(sids, [1, 2, 1], False, **kw)
+    step(sids[::-1], [2, 1, 1], True, **kw)
+    step(sids, [1, 1, 1], True, **kw)
+    child = cache.fork(sids[1])                       # a partial last block: copied on the device
+    k, v = rand(rng, hkv, 2, d), rand(rng, hkv, 2, d)
+    cache.append([child, sids[0]], k, v, n_new=[1, 1])
+    step([child, sids[2]], [1, 1], False, **kw)
+    if dtype != "int8":
+        for sid in sids[1:]:
+            k_sid, v_sid = cache.read(sid)
+            assert np.array_equal(k_sid, model[sid][0]) and np.array_equal(v_sid, model[sid][1])
+    assert np.array_equal(cache.read(child)[0][:, :cache.length(sids[1])], cache.read(sids[1])[0])

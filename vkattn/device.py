@@ -53,10 +53,11 @@ class _Limits:
 
     def _cluster_wanted(self) -> int:
         """attn.comp's key-row cluster if the reported subgroup holds: min(TILE_CLUSTER, subgroup
-        size) where compute shaders have shuffles, else 1."""
-        from .tuning import TILE_CLUSTER
+        size) where compute shaders have shuffles and votes (TILE_SHUFFLE uses subgroupAny), else 1."""
+        from .tuning import SUBGROUP_VOTE, TILE_CLUSTER
         want = min(TILE_CLUSTER, self.subgroup_size)
-        return want if self._shuffles() and want > 1 and want & (want - 1) == 0 else 1
+        votes = self.info.subgroup_supported_operations & SUBGROUP_VOTE
+        return want if self._shuffles() and votes and want > 1 and want & (want - 1) == 0 else 1
 
 
 class Device(_Limits):

@@ -78,6 +78,7 @@ class AttnConfig:
 
 
 SUBGROUP_SHUFFLE = 0x10       # VkSubgroupFeatureFlagBits: SHUFFLE
+SUBGROUP_VOTE = 0x02          # VkSubgroupFeatureFlagBits: VOTE (attn.comp's subgroupAny)
 COMPUTE_STAGE = 0x20          # VkShaderStageFlagBits: COMPUTE
 
 

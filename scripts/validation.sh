@@ -29,10 +29,12 @@ SETTINGS
 }
 export VK_LAYER_SETTINGS_PATH="$work/vk_layer_settings.txt" VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation
 
-# run_pass NAME PROBE EXPECTED PYTEST-ARGS...: the probe must be reported, then the tests give 0 messages
+# run_pass NAME PROBE EXPECTED SHARDS PYTEST-ARGS...: the probe must be reported, then the tests
+# give 0 messages. SHARDS: "" (one pytest) or -k expressions run as parallel pytest processes (the
+# layer logs to each process's stdout, which pytest-xdist workers would not pass on)
 run_pass() {
-  local name=$1 probe=$2 expect=$3
-  shift 3
+  local name=$1 probe=$2 expect=$3 shards=$4
+  shift 4
   "$PY" "$probe" > "$work/probe.log" 2>&1
   if ! grep -q -- "$expect" "$work/probe.log"; then
     echo "validation ($name): the layer did not report the probe's $expect; is vulkan-validationlayers installed?" >&2
@@ -40,9 +42,20 @@ run_pass() {
     return 1
   fi
   echo "validation ($name): layer active (probe reported $expect); running the tests under it"
-  local start=$SECONDS
-  "$PY" -m pytest -q -s -p no:cacheprovider "$@" 2>&1 | tee "$work/$name.log"
-  local status=${PIPESTATUS[0]}
+  local start=$SECONDS status=0
+  if [ -z "$shards" ]; then
+    "$PY" -m pytest -q -s -p no:cacheprovider "$@" 2>&1 | tee "$work/$name.log"
+    status=${PIPESTATUS[0]}
+  else
+    local i=0 pids=()
+    for k in $shards; do
+      "$PY" -m pytest -q -s -p no:cacheprovider -k "$k" "$@" > "$work/$name.$i.log" 2>&1 &
+      pids+=($!)
+      i=$((i + 1))
+    done
+    for p in "${pids[@]}"; do wait "$p" || status=1; done
+    cat "$work/$name".*.log | tee "$work/$name.log"
+  fi
   local count
   count=$(grep -cE "$pattern" "$work/$name.log")
   echo "validation ($name): $count validation messages, $((SECONDS - start)) s"
@@ -58,11 +71,11 @@ for pass in $passes; do
   case $pass in
     sync)
       settings "khronos_validation.enables = VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT"
-      run_pass sync tests/sync_probe.py SYNC-HAZARD-READ-AFTER-WRITE "$@" || rc=1 ;;
+      run_pass sync tests/sync_probe.py SYNC-HAZARD-READ-AFTER-WRITE "" "$@" || rc=1 ;;
     gpuav)
       settings "khronos_validation.enables = VK_VALIDATION_FEATURE_ENABLE_GPU_ASSISTED_EXT
 khronos_validation.gpuav_buffer_oob = true"
-      run_pass gpuav tests/gpuav_probe.py VUID-vkCmdDispatch-None-02706 tests/test_bounds.py --durations=5 || rc=1 ;;
+      run_pass gpuav tests/gpuav_probe.py VUID-vkCmdDispatch-None-02706 "lane tile" tests/test_bounds.py --durations=5 || rc=1 ;;
     *) echo "validation: unknown pass '$pass' in VKATTN_VALIDATION (sync, gpuav)" >&2; exit 2 ;;
   esac
 done

@@ -36,7 +36,7 @@
 // Positions: the T = past + n_new keys of a sequence are positions 0 .. T-1; its query row r sits
 // at position p = T - q_len + r. Key j is visible to row r iff (!causal || j <= p) and, with
 // WINDOW, (p - j < window || j < n_sink). Scores are in log2 units (q is pre-scaled by
-// scale*log2(e)): s = scale*log2(e) * q.k; SOFTCAP: s = c*tanh(s/c) with c = softcap*log2(e);
+// scale*log2(e)): s = scale*log2(e) * q.k; SOFTCAP: s = c*tanh(s/c) with c = softcap*log2(e) (softcap_score);
 // ALIBI: s += slope*log2(e) * (j - p); MASK: s += mask[r, j] * log2(e).
 // ROPE_K / ROPE_Q (rope.glsl): new keys / queries are rotated at their positions on load.
 
@@ -78,12 +78,22 @@ float mask_at(Seq sq, uint hq, uint r, uint j) {
     return uintBitsToFloat(aux[sq.mask + row * (sq.past + sq.n_new) + j]) * LOG2E;
 }
 
+// c * tanh(s / c), finite for every s (c > 0, a normal float: the host checks the softcap). GLSL
+// leaves tanh's precision to the implementation, and a driver that builds it as
+// (e^2x - 1) / (e^2x + 1) returns inf / inf = NaN once e^2x overflows (|s/c| above ~44). Here
+// tanh|x| = (1 - e) / (1 + e) with e = 2^(-2 log2(e) |x|) in (0, 1] (|x| clamped to 16, where
+// tanh is 1.0 in float32): no overflow, and the divisor lies in [1, 2], inside the range where
+// GLSL specifies division (2.5 ULP); c itself lies in [2^-126, 2^126], so s / c is specified
+// too. Against numpy's tanh: an absolute error of a few float32 ULP of c in the score.
+float softcap_score(float s, float c) {
+    const float x = min(abs(s / c), 16.0);
+    const float e = exp2(x * (-2.0 * LOG2E));
+    return sign(s) * c * ((1.0 - e) / (1.0 + e));
+}
+
 // score transforms; s in log2 units, already scaled
 float shape_score(float s, float alibi, uint j, uint p) {
-    if (HAS(F_SOFTCAP)) {
-        const float c = uintBitsToFloat(aux[9]);
-        s = c * tanh(s / c);
-    }
+    if (HAS(F_SOFTCAP)) s = softcap_score(s, uintBitsToFloat(aux[9]));
     if (HAS(F_ALIBI)) s += alibi * (float(j) - float(p));
     return s;
 }

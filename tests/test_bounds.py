@@ -78,7 +78,11 @@ def test_every_variant_odd_shapes(device, rng, kernel, dtype):
     # per-head mask, read() (gather_slots.comp)
     hkv, group, d, dv = 2, 2, 37, 29
     hq = hkv * group
-    cfg = vkattn.RoPE(style="neox", rotary_dim=16)
+    # int8 without RoPE: its rotated quantising store multiplies the instrumented loads, and
+    # lavapipe builds every compute shader as an LLVM coroutine whose frame analysis grows with the
+    # blocks GPU-AV adds (7.4 min for this case cold with RoPE); RoPE's reads are covered by the others
+    rotary = 0 if dtype == "int8" else 16
+    cfg = vkattn.RoPE(style="neox", rotary_dim=rotary) if rotary else None
     cache = vkattn.KVCache(300, hkv, d, v_head_dim=dv, dtype=dtype, device=device, rope=cfg)
     slopes = np.linspace(0.02, 0.4, hq).astype(np.float32)
     cache.append(rand(rng, hkv, 93, d), rand(rng, hkv, 93, dv))
@@ -89,9 +93,9 @@ def test_every_variant_odd_shapes(device, rng, kernel, dtype):
         mask = rand(rng, *((hq,) if mask_heads else ()), s, total)
         mask[..., :: 7] = -np.inf
         kw = dict(window=19, n_sink=3, softcap=3.0, alibi_slopes=slopes, mask=mask)
-        out, lse = cache.forward(q, k, v, rope_q=True, return_lse=True, **kw)
+        out, lse = cache.forward(q, k, v, rope_q=bool(rotary), return_lse=True, **kw)
         k_all, v_all = cache.read()
-        qr = rope(q, np.arange(total - s, total), rotary_dim=16, style="neox")
+        qr = rope(q, np.arange(total - s, total), rotary_dim=rotary, style="neox") if rotary else q
         ref, ref_lse = attention(qr, k_all, v_all, return_lse=True, **kw)
         assert_close(out, ref, dtype)
         np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)

@@ -116,3 +116,22 @@ def test_program_checks_the_binding_count(device):
         be.program(compiler.compile_shader("copy_rows"), bufs, (1, 1, 1), [64], name="copy_rows")
     for b in bufs:
         b.destroy()
+
+
+def test_tile_shuffles_need_subgroup_votes(device, monkeypatch):
+    # attn.comp's shuffle path also calls subgroupAny (GL_KHR_shader_subgroup_vote): a device that
+    # reports shuffles but not votes gets the no-shuffle kernel (cluster 1, TILE_SHUFFLE=0)
+    import dataclasses
+    monkeypatch.setenv("VKATTN_KERNEL", "tile")
+
+    from vkattn._attn import StorageFormat, attn_pipeline
+    from vkattn.device import PlanningDevice
+    ops = device.info.subgroup_supported_operations | tuning.SUBGROUP_SHUFFLE | tuning.SUBGROUP_VOTE
+    with_votes = PlanningDevice(dataclasses.replace(device.info, subgroup_supported_operations=ops))
+    no_votes = PlanningDevice(dataclasses.replace(device.info, subgroup_supported_operations=ops & ~tuning.SUBGROUP_VOTE))
+    assert with_votes.tile_cluster() == min(tuning.TILE_CLUSTER, device.subgroup_size) > 1
+    assert no_votes.tile_cluster() == 1
+    fmt = StorageFormat(2, 64, dtype="float16", block_size=256)
+    for dev, shuffle in ((with_votes, 1), (no_votes, 0)):
+        cfg, pipe = attn_pipeline(dev, fmt, 4, 1, 0, 1, 0, 256, True)
+        assert pipe.defines["TILE_SHUFFLE"] == shuffle and (cfg.ds > 1) == bool(shuffle)

@@ -108,7 +108,8 @@ def test_split_keys_and_merge_equals_whole(device, rng, monkeypatch, kernel, s):
 @pytest.mark.parametrize("bad,exc", [
     (dict(window=0), ValueError), (dict(window=2.5), TypeError), (dict(n_sink=-1), ValueError),
     (dict(n_sink=3), ValueError),                      # sinks without a window
-    (dict(softcap=0.0), ValueError), (dict(softcap=float("nan")), ValueError), (dict(softcap="1"), TypeError),
+    (dict(softcap=0.0), ValueError), (dict(softcap=float("nan")), ValueError), (dict(softcap=1e-31), ValueError),
+    (dict(softcap=float("inf")), ValueError), (dict(softcap="1"), TypeError),
     (dict(alibi_slopes=np.ones(3, np.float32)), ValueError), (dict(alibi_slopes=[1.0] * 4), TypeError),
     (dict(alibi_slopes=np.array([1, 2, 3, 4])), TypeError),
     (dict(alibi_slopes=np.array([1, 2, np.nan, 4], np.float32)), ValueError),
@@ -133,3 +134,26 @@ def test_verify_mode_covers_variants(device, rng):
     q = rand_q(rng, cache, 2, 4)
     out = cache.attend(q, window=5, n_sink=2, softcap=3.0, alibi_slopes=np.array([0.1, 0.2], np.float32))
     assert out.shape == (2, 4, 8)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("s", [1, 6])
+def test_softcap_with_huge_scores_is_finite(device, rng, monkeypatch, kernel, s):
+    # |score / softcap| in the hundreds to thousands: a tanh built as (e^2x - 1) / (e^2x + 1)
+    # overflows to inf / inf = NaN there; softcap_score (attn_common.glsl) stays finite
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.KVCache(200, 2, 64, dtype="float32", device=device)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, 150)
+    k *= 40.0
+    cache.append(k, v)
+    mirror.append(k, v)
+    q = rand_q(rng, cache, 2, s) * 40.0
+    for softcap in (0.5, 3.0):
+        out, lse = cache.attend(q, softcap=softcap, return_lse=True)
+        ref, ref_lse = vkattn.reference.attention(q, mirror.k, mirror.v, softcap=softcap, return_lse=True)
+        scores = np.abs(np.einsum("hd,hjd->hj", q[:, -1], np.repeat(mirror.k, 2, axis=0))) / 8.0 / softcap
+        assert np.median(scores) > 100 and scores.max() > 1000
+        assert np.isfinite(out).all() and np.isfinite(lse).all()
+        assert_close(out, ref, "float32")
+        np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)

@@ -93,8 +93,8 @@ def check_variant(num_qo_heads: int, window=None, n_sink=0, softcap=None, alibi_
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
             raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
         softcap = float(softcap)
-        if not np.isfinite(softcap) or softcap <= 0:
-            raise ValueError(f"softcap: expected a finite float > 0, got {softcap}")
+        if not 1e-30 <= softcap <= 1e30:    # NaN too; keeps softcap*log2(e) a normal float (softcap_score)
+            raise ValueError(f"softcap: expected a float in [1e-30, 1e30], got {softcap}")
     alibi = None
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, np.ndarray):

@@ -97,7 +97,6 @@ class AttnConfig:
 
 SUBGROUP_VOTE = 0x2           # VkSubgroupFeatureFlagBits: VOTE (attn.comp's subgroupAny)
 SUBGROUP_SHUFFLE = 0x10       # VkSubgroupFeatureFlagBits: SHUFFLE
-SUBGROUP_VOTE = 0x02          # VkSubgroupFeatureFlagBits: VOTE (attn.comp's subgroupAny)
 COMPUTE_STAGE = 0x20          # VkShaderStageFlagBits: COMPUTE
 
 

@@ -120,7 +120,7 @@ def test_program_checks_the_binding_count(device):
 
 def test_tile_shuffles_need_subgroup_votes(device, monkeypatch):
     # attn.comp's shuffle path also calls subgroupAny (GL_KHR_shader_subgroup_vote): a device that
-    # reports shuffles but not votes gets the no-shuffle kernel (cluster 1, TILE_SHUFFLE=0)
+    # reports shuffles but not votes gets the no-shuffle kernel (cluster 1, TILE_SHUFFLE=0, shared-memory sums)
     import dataclasses
     monkeypatch.setenv("VKATTN_KERNEL", "tile")
 
@@ -134,4 +134,6 @@ def test_tile_shuffles_need_subgroup_votes(device, monkeypatch):
     fmt = StorageFormat(2, 64, dtype="float16", block_size=256)
     for dev, shuffle in ((with_votes, 1), (no_votes, 0)):
         cfg, pipe = attn_pipeline(dev, fmt, 4, 1, 0, 1, 0, 256, True)
-        assert pipe.defines["TILE_SHUFFLE"] == shuffle and (cfg.ds > 1) == bool(shuffle)
+        # without shuffles a key row may still be split over cfg.ds invocations: they sum through
+        # shared memory (tile_config), so only the shuffle flag follows the votes
+        assert pipe.defines["TILE_SHUFFLE"] == shuffle and cfg.shuffle == bool(shuffle)

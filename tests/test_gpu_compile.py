@@ -1,6 +1,7 @@
 """GPU compiler statistics without a GPU: the package's kernels, planned for navi21 as `perf gpu`
-plans them, compiled by RADV/ACO through Mesa's null device (vkattn._vkpipeline). Needs RADV
-(mesa-vulkan-drivers), no AMD GPU."""
+plans them, compiled by RADV/ACO for a family whose GPU is not there (vkattn._vkpipeline): Mesa's
+null hardware (RADV_FORCE_FAMILY) up to Mesa 25, AMDGPU's drm-shim on Mesa 26. Needs RADV
+(mesa-vulkan-drivers), and on Mesa 26 the shim (mesa-drm-shim); no AMD GPU."""
 import os
 import sys
 
@@ -15,6 +16,7 @@ from vkattn.device import PlanningDevice
 FAMILY = "navi21"
 COPY = [64]                          # copy_rows.comp: workgroup size; 5 bindings
 MESA_22_3 = (22, 3)
+MESA_26_1 = (26, 1)
 KEY_STATS = ("VGPRs", "SGPRs", "Spilled VGPRs", "Spilled SGPRs", "Scratch size", "LDS size",
              "Subgroups per SIMD", "Instructions")
 # calls of 32 query / 8 kv heads, head_dim 128, capacity 4096: (name, dtype, query rows, new rows)
@@ -38,10 +40,17 @@ def _planned_jobs():
     return jobs
 
 
+def _need_compiler():
+    """The mechanism that reaches RADV's compiler here, or a skip naming why none does."""
+    mech = vp.null_mechanism()
+    if not mech.available:
+        pytest.skip(f"no AMD compiler reachable: {mech.reason}")
+    return mech
+
+
 @pytest.fixture(scope="module")
 def jobs():
-    if vp.radeon_icd() is None:
-        pytest.skip("RADV is not installed (no radeon_icd*.json; Debian: mesa-vulkan-drivers)")
+    _need_compiler()
     with pytest.MonkeyPatch.context() as mp:      # the GPUs' own kernel choice, whatever a
         mp.delenv("VKATTN_KERNEL", raising=False)  # whole-suite VKATTN_KERNEL run forces here
         found = _planned_jobs()
@@ -65,7 +74,9 @@ def _mesa(run) -> tuple:
 
 def test_null_device_and_feature_support(navi21):
     dev = navi21.device
-    assert dev.name.startswith("Null hardware") and "NAVI21" in dev.name
+    mech = vp.null_mechanism()
+    assert "NAVI21" in dev.name and "RADV" in dev.name
+    assert dev.name.startswith("Null hardware") == (mech.kind == vp.FORCE_FAMILY), (dev.name, mech)
     assert dev.statistics and "VK_KHR_pipeline_executable_properties" in dev.extensions
     assert dev.subgroup_size_range == (32, 64)
     assert set(dev.features) == set(vp.FEATURES)
@@ -107,19 +118,26 @@ def test_planned_pipelines_do_not_regress_on_navi21(navi21):
 
 
 def test_reported_waves_follow_the_documented_rule(navi21, jobs):
-    if _mesa(navi21) != MESA_22_3:
-        pytest.skip("the rule in the module docstring is read from Mesa 22.3's source")
-    for job, res in zip(jobs, navi21.jobs):
+    # the rule in the module docstring, read from Mesa 22.3's source; Mesa 26 as measured (a wave32
+    # pipeline gets as many wave slots as a wave64 one): both checked on every job + a wave32 copy
+    mesa = _mesa(navi21)
+    if mesa not in (MESA_22_3, MESA_26_1):
+        pytest.skip(f"the rule is checked against Mesa 22.3 and 26.1; this is {mesa}")
+    copy = jobs[-1]
+    wave32 = vp.Job("copy-w32", copy.spirv, COPY, 5, subgroup_size=32)
+    extra = vp.family_stats([FAMILY], [wave32])[FAMILY].jobs
+    for job, res in zip(jobs + [wave32], navi21.jobs + extra):
         exe = res.executables[0]
         st = exe.stats
         waves, limits = vp.radv_waves_per_simd(FAMILY, st["VGPRs"], st["LDS size"], job.spec[0],
-                                               exe.subgroup_size, st["SGPRs"])
+                                               exe.subgroup_size, st["SGPRs"], mesa=mesa)
         assert waves == st["Subgroups per SIMD"], (job.name, limits)
+    assert extra[0].executables[0].subgroup_size == 32
+    assert extra[0].stats["Subgroups per SIMD"] == (32 if mesa == MESA_22_3 else 16)
 
 
 def test_failures_and_unknown_families_are_reported_not_raised(jobs):
-    if vp.radeon_icd() is None:
-        pytest.skip("RADV is not installed")
+    _need_compiler()
     good = jobs[-1]
     bad = [vp.Job("truncated", good.spirv[:64], COPY, 5),                   # the driver crashes
            vp.Job("wave16", good.spirv, COPY, 5, subgroup_size=16)]        # not offered: refused
@@ -135,8 +153,7 @@ def test_failures_and_unknown_families_are_reported_not_raised(jobs):
 
 
 def test_cswave32_and_required_subgroup_size(jobs):
-    if vp.radeon_icd() is None:
-        pytest.skip("RADV is not installed")
+    _need_compiler()
     copy = jobs[-1]
     wave32 = vp.Job("copy-w32", copy.spirv, COPY, 5, subgroup_size=32)
     run = vp.family_stats([FAMILY], [copy], env={"RADV_PERFTEST": "cswave32"})[FAMILY]
@@ -152,11 +169,75 @@ def test_child_environment(monkeypatch):
     monkeypatch.setenv("VK_INSTANCE_LAYERS", "VK_LAYER_KHRONOS_validation")
     monkeypatch.setenv("RADV_PERFTEST", "cswave32")
     monkeypatch.setenv("RADV_DEBUG", "llvm")
-    env = vp._child_env("vega10", "/x/radeon_icd.json", {"RADV_DEBUG": "nocache"})
-    assert env["RADV_FORCE_FAMILY"] == "vega10"
+    monkeypatch.setenv("AMDGPU_GPU_ID", "navi10")
+    monkeypatch.setenv("LD_PRELOAD", "/x/libother.so")
+    force = vp.NullMechanism(vp.FORCE_FAMILY, "/x/radeon_icd.json", (22, 3, 6))
+    env = vp._child_env("navi31", force, {"RADV_DEBUG": "nocache"})
+    assert env["RADV_FORCE_FAMILY"] == "gfx1100"          # RDNA3 in the null winsys' spelling
     assert env["VK_DRIVER_FILES"] == env["VK_ICD_FILENAMES"] == "/x/radeon_icd.json"
     assert "VK_INSTANCE_LAYERS" not in env and env["VK_LOADER_LAYERS_DISABLE"] == "~all~"
     assert "RADV_PERFTEST" not in env and env["RADV_DEBUG"] == "nocache"
+    assert "AMDGPU_GPU_ID" not in env and env["LD_PRELOAD"] == "/x/libother.so"
+    shim = vp.NullMechanism(vp.DRM_SHIM, "/x/radeon_icd.json", (26, 1, 6), "/x/libamdgpu_noop_drm_shim.so")
+    env = vp._child_env("gfx1100", shim, None)
+    assert env["AMDGPU_GPU_ID"] == "navi31" and "RADV_FORCE_FAMILY" not in env
+    assert env["LD_PRELOAD"] == "/x/libamdgpu_noop_drm_shim.so /x/libother.so"    # shim first
+    assert vp._child_env("gfx1201", shim, None)["AMDGPU_GPU_ID"] == "gfx1201"
+    with pytest.raises(RuntimeError, match="no AMD compiler"):
+        vp._child_env("navi21", vp.NullMechanism(None, reason="test"), None)
+
+
+def _fake_mesa(tmp_path, version, shim: bool):
+    """An ICD manifest naming a driver library that carries ``Mesa <version>`` (+ the shim)."""
+    libdir = tmp_path / "lib"
+    libdir.mkdir()
+    (libdir / "libvulkan_radeon.so").write_bytes(b"\x7fELF" + b"\0" * 64 + f"Mesa {version}-1~bpo13+1".encode()
+                                                 + b"\0" * 64)
+    if shim:
+        (libdir / vp.DRM_SHIM_LIBRARY).write_bytes(b"\x7fELF")
+    icd = tmp_path / "radeon_icd.json"
+    icd.write_text('{"file_format_version": "1.0.1", "ICD": {"library_path": "lib/libvulkan_radeon.so"}}')
+    return str(icd)
+
+
+@pytest.mark.parametrize("version, shim, override, kind", [
+    ("22.3.6", False, "", vp.FORCE_FAMILY),
+    ("25.0.7", True, "", vp.FORCE_FAMILY),          # both work on 25: the null hardware, as before
+    ("25.0.7", True, "drm-shim", vp.DRM_SHIM),
+    ("26.1.6", True, "", vp.DRM_SHIM),
+    ("26.1.6", False, "", None),                   # 26 without the shim: nothing, and why
+    ("26.1.6", False, "force-family", vp.FORCE_FAMILY),
+])
+def test_mechanism_from_mesa_version_and_shim(tmp_path, monkeypatch, version, shim, override, kind):
+    monkeypatch.delenv("VKATTN_DRM_SHIM", raising=False)
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/nonexistent")   # no system shim found beside the fake
+    monkeypatch.setattr(vp, "_library_dirs", lambda: ["/nonexistent"])
+    monkeypatch.setenv("VKATTN_RADV_NULL", override)
+    icd = _fake_mesa(tmp_path, version, shim)
+    assert vp.mesa_version(vp.radv_library(icd)) == tuple(int(v) for v in version.split("."))
+    mech = vp.null_mechanism(icd)
+    assert mech.kind == kind and mech.icd == icd
+    if kind is None:
+        assert not mech.available and "mesa-drm-shim" in mech.reason and "removed" in mech.reason
+        assert vp.family_stats(["navi21"], [], mechanism=mech)["navi21"].reason == mech.reason
+    if kind == vp.DRM_SHIM:
+        assert mech.shim.endswith(vp.DRM_SHIM_LIBRARY) and mech.device_match == "RADV"
+        assert vp.default_families(mech) == vp.SHIM_FAMILIES
+    if kind == vp.FORCE_FAMILY:
+        assert mech.device_match == vp.NULL_DEVICE and vp.default_families(mech) == vp.DEFAULT_FAMILIES
+
+
+def test_mechanism_errors_and_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKATTN_RADV_NULL", "shim")
+    with pytest.raises(ValueError, match="VKATTN_RADV_NULL"):
+        vp.null_mechanism(_fake_mesa(tmp_path, "26.1.6", True))
+    monkeypatch.setenv("VKATTN_RADV_NULL", "")
+    monkeypatch.setattr(vp, "radeon_icd", lambda: None)
+    mech = vp.null_mechanism()
+    assert not mech.available and "mesa-vulkan-drivers" in mech.reason
+    assert vp.mesa_version(None) is None and vp.mesa_version(str(tmp_path / "missing.so")) is None
+    assert vp.canonical_family("NAVI31") == vp.canonical_family("gfx1100") == "gfx1100"
+    assert vp.canonical_family("gfx1201") == "gfx1201"
 
 
 def test_spirv_bindings(jobs):
@@ -176,17 +257,35 @@ def test_occupancy_rule_by_generation():
     assert vp.radv_waves_per_simd("polaris10", 24)[1]["slots"] == 8
 
 
-def test_compile_stats_in_this_process(monkeypatch, jobs):
-    """compile_stats: one instance/device in this process; RADV reads RADV_FORCE_FAMILY when an
-    instance is created, so setting it for the call suffices (family_stats isolates crashes)."""
-    if vp.radeon_icd() is None:
-        pytest.skip("RADV is not installed")
-    monkeypatch.setenv("RADV_FORCE_FAMILY", FAMILY)
-    run = vp.compile_stats([jobs[-1], jobs[-1]], features=["storageBuffer8BitAccess"], ir=True)
-    assert "NAVI21" in run.device.name and run.enabled == ["storageBuffer8BitAccess"]
-    assert [r.ok for r in run.jobs] == [True, True]
-    exe = run.jobs[0].executables[0]
-    assert exe["VGPRs"] > 0 and exe.ir and any("Assembly" in k or "ISA" in k for k in exe.ir)
+def test_compile_stats_in_one_process(monkeypatch, jobs, tmp_path):
+    """compile_stats: one instance/device in one process. RADV reads RADV_FORCE_FAMILY when an
+    instance is created, so setting it for the call suffices (family_stats isolates crashes); the
+    drm-shim is preloaded when a process starts, so on Mesa 26 a child started with the
+    mechanism's variables runs the same call."""
+    mech = _need_compiler()
+    if mech.kind == vp.FORCE_FAMILY:
+        monkeypatch.setenv("RADV_FORCE_FAMILY", FAMILY)
+        run = vp.compile_stats([jobs[-1], jobs[-1]], features=["storageBuffer8BitAccess"], ir=True)
+        name, enabled, oks = run.device.name, run.enabled, [r.ok for r in run.jobs]
+        exe = run.jobs[0].executables[0]
+        vgprs, reps = exe["VGPRs"], list(exe.ir)
+    else:
+        import json
+        import subprocess
+        (tmp_path / "copy.spv").write_bytes(jobs[-1].spirv)
+        code = ("import json, sys; from vkattn import _vkpipeline as vp; "
+                "j = vp.Job('copy', open(sys.argv[1], 'rb').read(), [64]); "
+                "r = vp.compile_stats([j, j], device='RADV', features=['storageBuffer8BitAccess'], ir=True); "
+                "e = r.jobs[0].executables[0]; "
+                "print(json.dumps([r.device.name, r.enabled, [x.ok for x in r.jobs], e['VGPRs'], list(e.ir)]))")
+        env = vp._child_env(FAMILY, mech, None)
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "copy.spv")], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        name, enabled, oks, vgprs, reps = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "NAVI21" in name and enabled == ["storageBuffer8BitAccess"]
+    assert oks == [True, True]
+    assert vgprs > 0 and any("Assembly" in k or "ISA" in k for k in reps)
 
 
 def test_compile_stats_on_a_device_without_statistics(jobs):

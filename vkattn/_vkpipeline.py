@@ -1,16 +1,31 @@
 """Compiler statistics of compute pipelines, without a GPU (RADV's null device).
 
-With ``RADV_FORCE_FAMILY=<family>`` in the environment before the Vulkan loader loads its drivers,
-Mesa's RADV exposes a physical device named ``Null hardware (RADV <FAMILY>)``. It has no memory
-types and cannot run anything, but it compiles pipelines with ACO exactly as for the real chip and
-answers ``VK_KHR_pipeline_executable_properties``: per pipeline executable, the registers, spills,
-scratch, LDS, occupancy and ACO's instruction statistics. This module drives that extension with
-plain ``ctypes`` (stdlib only, no ``kp``), on any Vulkan device that offers it:
+Mesa's RADV compiles for an AMD family whose GPU is not there in one of two ways, both set in the
+environment before the Vulkan loader loads its drivers (:class:`NullMechanism`,
+:func:`null_mechanism` picks one):
+
+* Mesa up to 25: ``RADV_FORCE_FAMILY=<family>`` -- a physical device named ``Null hardware (RADV
+  <FAMILY>)`` (RDNA3 is spelled gfx1100, gfx1101, gfx1102).
+* Mesa 26 removed RADV_FORCE_FAMILY ("Please use AMDGPU drm-shim now"): ``LD_PRELOAD=<AMDGPU's
+  drm-shim, libamdgpu_noop_drm_shim.so> AMDGPU_GPU_ID=<family>`` (Debian: mesa-drm-shim) --
+  RADV opens a fake amdgpu device and names it as the product, e.g. ``AMD Radeon RX 7900 XTX
+  (RADV NAVI31)``; the shim's names are code names (navi31, navi33, gfx1201 = RDNA4, phoenix, ...).
+  LD_PRELOAD only acts when a process starts, so this works in child processes only.
+
+Which one: the Mesa version read from RADV's library (:func:`mesa_version`) and whether the shim
+is installed (:func:`drm_shim_library`); ``VKATTN_RADV_NULL=force-family|drm-shim`` overrides.
+Family names are translated between the two spellings (:func:`canonical_family`).
+
+Either device has no usable memory and runs nothing, but it compiles pipelines with ACO exactly as
+for the real chip and answers ``VK_KHR_pipeline_executable_properties``: per pipeline executable,
+the registers, spills, scratch, LDS, occupancy and ACO's instruction statistics. This module
+drives that extension with plain ``ctypes`` (stdlib only, no ``kp``), on any Vulkan device that
+offers it:
 
 * :func:`compile_stats` -- compile jobs on the first device whose name contains ``device`` in
   *this* process (one VkInstance/VkDevice per call) and return their statistics.
 * :func:`family_stats` -- the same for each AMD family, one fresh subprocess per family with
-  ``RADV_FORCE_FAMILY`` set; families the installed Mesa does not know come back unavailable.
+  the mechanism's variables set; families the installed Mesa does not know come back unavailable.
 * :func:`available_families`, :func:`device_support` (extensions, optional features, subgroup
   sizes), :func:`format_table`, and a CLI: ``python -m vkattn._vkpipeline attn --define KV_F16=1
   --spec 64,4,1,16,16,128,32,0,1,4,8 --family navi21,gfx1100``.
@@ -19,6 +34,12 @@ A job is :class:`Job` (or a tuple ``(name, spirv, spec, bindings)``): SPIR-V, ui
 with constant_ids 0..n-1, and ``bindings`` storage buffers 0..n-1 in set 0. Optional feature names
 (:data:`FEATURES`) are enabled at device creation only where the device supports them; the result
 says which were enabled and which were not.
+
+Mesa 26.1 (measured through the drm-shim): compute is still wave64 by default on every family,
+"Subgroups per SIMD" still counts wave32 slots on gfx10+ (16 slots per SIMD on gfx10.3, gfx11
+and gfx12: a small wave64 kernel reports 32, its wave32 build 16), and ACO adds static VALU, SALU,
+VMEM, SMEM and VOPD counts to its statistics. The rule below is 22.3's; :func:`radv_waves_per_simd`
+is not checked against 26.
 
 Reading RADV's numbers (Mesa 22.3, read from its source: radv_shader.c ``radv_get_max_waves``,
 radv_pipeline.c ``radv_GetPipelineExecutableStatisticsKHR``, ac_gpu_info.c and the null winsys,
@@ -78,7 +99,8 @@ does not change the code of a shader that does not use it (the same Hash either 
 compiles what the SPIR-V says; features only make its use valid.
 
 Processes. RADV reads RADV_FORCE_FAMILY when an instance is created, so :func:`compile_stats` in a
-process whose environment has it works, but :func:`family_stats` runs a fresh process per family:
+process whose environment has it works (the drm-shim must be preloaded when the process starts),
+but :func:`family_stats` runs a fresh process per family:
 an unknown family makes 22.3's null winsys ``abort()`` while enumerating devices, and invalid input
 crashes the compiler instead of failing (seen: SIGSEGV for malformed SPIR-V, SIGFPE in ACO for a
 workgroup over the 64 KiB of LDS on gfx8/9). A crashed job is reported and the next jobs compile in
@@ -91,8 +113,10 @@ import base64
 import ctypes
 import glob
 import json
+import mmap
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -116,14 +140,19 @@ from ._vkinfo import (VkBool32, VkFlags, VkPhysicalDevice, VkPhysicalDevicePrope
                       _make_api_version, _result_name)
 
 __all__ = ["Job", "Executable", "JobResult", "CompileResult", "DeviceSupport", "FEATURES",
-           "DEFAULT_FAMILIES", "compile_stats", "device_support", "family_stats",
-           "available_families", "family_device_info", "radeon_icd", "radv_waves_per_simd", "spirv_bindings",
-           "format_table", "main"]
+           "DEFAULT_FAMILIES", "SHIM_FAMILIES", "NullMechanism", "null_mechanism", "compile_stats",
+           "device_support", "family_stats", "available_families", "default_families",
+           "family_device_info", "canonical_family", "radeon_icd", "radv_library", "mesa_version",
+           "drm_shim_library", "radv_waves_per_simd", "spirv_bindings", "format_table", "main"]
 
 NULL_DEVICE = "Null hardware"
 #: families named in this project's studies (gfx8 Polaris, gfx9 Vega, gfx10 RDNA1, gfx10.3 RDNA2,
 #: gfx11 RDNA3); Mesa 22.3 also knows e.g. tonga, fiji, vega20, navi14, navi22, navi23, gfx1101
 DEFAULT_FAMILIES = ("polaris10", "vega10", "navi10", "navi21", "gfx1100")
+#: the same chips as Mesa 26's drm-shim names them, plus gfx1201 (RDNA4); the shim also knows e.g.
+#: bonaire, pitcairn, stoney, polaris12, vega20, raven, renoir, navi33, vangogh, rembrandt,
+#: phoenix, strix1
+SHIM_FAMILIES = ("polaris10", "vega10", "navi10", "navi21", "navi31", "gfx1201")
 
 _API_1_3 = _make_api_version(1, 3)
 _VK_SUCCESS, _VK_INCOMPLETE = 0, 5
@@ -214,6 +243,16 @@ _BLOCKS = (
     _Block(_chained("VkPhysicalDeviceCooperativeMatrixFeaturesKHR", (
         "cooperativeMatrix", "cooperativeMatrixRobustBufferAccess")), 1000506000,
         "VK_KHR_cooperative_matrix", None),
+    _Block(_chained("VkPhysicalDeviceVulkanMemoryModelFeatures", (
+        "vulkanMemoryModel", "vulkanMemoryModelDeviceScope",
+        "vulkanMemoryModelAvailabilityVisibilityChains")), 1000211000,
+        "VK_KHR_vulkan_memory_model", (1, 2)),
+    # float16 dot products accumulating in float32 (v_dot2_f32_f16): llama.cpp's scalar flash
+    # attention picks its DOT2_F16 variant where the device lists it (Mesa 26 RADV, gfx10.3+)
+    _Block(_chained("VkPhysicalDeviceShaderMixedFloatDotProductFeaturesVALVE", (
+        "shaderMixedFloatDotProductFloat16AccFloat32", "shaderMixedFloatDotProductFloat16AccFloat16",
+        "shaderMixedFloatDotProductBFloat16Acc", "shaderMixedFloatDotProductFloat8AccFloat32")),
+        1000673000, "VK_VALVE_shader_mixed_float_dot_product", None),
     _Block(_chained("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR", (
         "pipelineExecutableInfo",)), 1000269000, _EXT_PIPELINE_EXECUTABLE, None),
 )
@@ -637,8 +676,9 @@ class _Session:
             else:
                 raise VulkanUnavailableError(
                     f"no Vulkan device whose name contains {device!r} (found: "
-                    f"{', '.join(names) or 'none'}); for RADV's null device set RADV_FORCE_FAMILY "
-                    "before Vulkan loads, or use family_stats()")
+                    f"{', '.join(names) or 'none'}); for RADV without its GPU set RADV_FORCE_FAMILY "
+                    "(Mesa < 26) or LD_PRELOAD=libamdgpu_noop_drm_shim.so AMDGPU_GPU_ID (Mesa "
+                    "26) before Vulkan loads, or use family_stats()")
         except BaseException:
             self.stack.close()
             raise
@@ -835,10 +875,11 @@ class _Session:
 
     def _radv_gfx10_plus(self) -> bool:
         """True where RADV reports "Subgroups per SIMD" in wave32 slots (gfx10 and later)."""
-        name = self.phys.name.upper()
-        if self.phys.props.vendorID != 0x1002 or "RADV" not in name:
+        if self.phys.props.vendorID != 0x1002 or "RADV" not in self.phys.name.upper():
             return False
-        return any(tag in name for tag in ("NAVI", "GFX1", "VANGOGH", "REMBRANDT"))
+        # gfx10+ is where RADV offers wave32 (gfx8/9: wave64 only), whatever the product name
+        # (the null hardware's "NAVI21", the drm-shim's "RX 7900 XTX (RADV NAVI31)", "PHOENIX")
+        return self.phys.subgroup_control.minSubgroupSize == 32
 
 
 def _check_features(features: Iterable[str]) -> list:
@@ -899,12 +940,29 @@ _MARK = "@vkattn-stats "
 # inherited variables that would change what the child loads or how RADV compiles
 _DROPPED_ENV = ("VK_INSTANCE_LAYERS", "VK_LOADER_LAYERS_ENABLE", "VK_ICD_FILENAMES",
                 "VK_DRIVER_FILES", "VK_ADD_DRIVER_FILES", "VK_LOADER_DRIVERS_SELECT",
-                "VK_LOADER_DRIVERS_DISABLE", "RADV_FORCE_FAMILY", "RADV_DEBUG", "RADV_PERFTEST",
-                "ACO_DEBUG", "MESA_VK_DEVICE_SELECT")
+                "VK_LOADER_DRIVERS_DISABLE", "RADV_FORCE_FAMILY", "AMDGPU_GPU_ID", "RADV_DEBUG",
+                "RADV_PERFTEST", "ACO_DEBUG", "MESA_VK_DEVICE_SELECT")
+
+FORCE_FAMILY, DRM_SHIM = "force-family", "drm-shim"
+#: AMDGPU's drm-shim library (Debian: mesa-drm-shim): RADV on a fake amdgpu device
+DRM_SHIM_LIBRARY = "libamdgpu_noop_drm_shim.so"
+#: the first Mesa without RADV_FORCE_FAMILY ("removed. Please use AMDGPU drm-shim now.")
+_MESA_WITHOUT_FORCE_FAMILY = (26, 0)
+#: the two mechanisms name RDNA3 chips differently: RADV_FORCE_FAMILY (Mesa <= 25) takes the gfx
+#: name, the drm-shim's AMDGPU_GPU_ID the code name; either spelling works with either mechanism
+_GFX_NAME = {"navi31": "gfx1100", "navi32": "gfx1101", "navi33": "gfx1102"}
+_CODE_NAME = {v: k for k, v in _GFX_NAME.items()}
+
+
+def canonical_family(family: str) -> str:
+    """One spelling per chip (RDNA3's gfx names: navi31 -> gfx1100), to compare family names."""
+    family = family.lower()
+    return _GFX_NAME.get(family, family)
 
 
 def radeon_icd() -> Optional[str]:
-    """Path of RADV's ICD manifest (radeon_icd.<arch>.json), or None where RADV is not installed."""
+    """Path of RADV's ICD manifest (radeon_icd.<arch>.json, or radeon_icd.json as in Mesa 26),
+    or None where RADV is not installed."""
     dirs = [d for d in os.environ.get("XDG_DATA_DIRS", "/usr/local/share:/usr/share").split(":")
             if d] + ["/usr/share", "/usr/local/share"]
     found = []
@@ -915,15 +973,168 @@ def radeon_icd() -> Optional[str]:
     return found[0] if found else None
 
 
-def _child_env(family: str, icd: str, env: Optional[dict]) -> dict:
+def _library_dirs() -> list:
+    """Where the dynamic loader looks for a bare library name (LD_LIBRARY_PATH, then the system's
+    multiarch and plain lib directories)."""
+    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    dirs += sorted(glob.glob("/usr/lib/*-linux-gnu")) + sorted(glob.glob("/lib/*-linux-gnu"))
+    dirs += ["/usr/lib64", "/usr/lib", "/usr/local/lib", "/lib64", "/lib"]
+    machine = platform.machine()
+    return sorted(dict.fromkeys(dirs), key=lambda d: "-linux-gnu" in d and machine not in d)
+
+
+def radv_library(icd: Optional[str] = None) -> Optional[str]:
+    """The RADV driver library the manifest ``icd`` (default :func:`radeon_icd`) names, resolved
+    as the loader would; None where it cannot be found."""
+    icd = icd or radeon_icd()
+    if icd is None:
+        return None
+    try:
+        with open(icd) as f:
+            lib = json.load(f)["ICD"]["library_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if os.path.isabs(lib):
+        cands = [lib]
+    elif "/" in lib:
+        cands = [os.path.join(os.path.dirname(icd), lib)]
+    else:
+        cands = [os.path.join(d, lib) for d in _library_dirs()]
+    return next((c for c in cands if os.path.isfile(c)), None)
+
+
+_MESA_VERSION = re.compile(rb"Mesa (\d+)\.(\d+)\.(\d+)")
+_version_cache: dict = {}
+
+
+def mesa_version(library: Optional[str]) -> Optional[tuple]:
+    """(major, minor, patch) of the Mesa a driver library was built from: the version string every
+    Mesa driver carries (its ``driverInfo``, e.g. "Mesa 26.1.6-1~bpo13+1"), read from the file
+    without loading it. None where the file has none."""
+    if not library:
+        return None
+    try:
+        st = os.stat(library)
+    except OSError:
+        return None
+    key = (os.path.realpath(library), st.st_size, st.st_mtime_ns)
+    if key not in _version_cache:
+        found = None
+        try:
+            with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                m = _MESA_VERSION.search(mm)
+                found = tuple(int(g) for g in m.groups()) if m else None
+        except (OSError, ValueError):
+            pass
+        _version_cache[key] = found
+    return _version_cache[key]
+
+
+def drm_shim_library(near: Optional[str] = None) -> Optional[str]:
+    """AMDGPU's drm-shim (:data:`DRM_SHIM_LIBRARY`): ``$VKATTN_DRM_SHIM`` if set, else beside the
+    RADV library ``near``, else in the system's library directories; None where absent."""
+    env = os.environ.get("VKATTN_DRM_SHIM")
+    if env:
+        return env if os.path.isfile(env) else None
+    dirs = ([os.path.dirname(near)] if near else []) + _library_dirs()
+    return next((os.path.join(d, DRM_SHIM_LIBRARY) for d in dirs
+                 if os.path.isfile(os.path.join(d, DRM_SHIM_LIBRARY))), None)
+
+
+@dataclass(frozen=True)
+class NullMechanism:
+    """How a child process gets RADV compiling for a family without its GPU.
+
+    ``kind``: :data:`FORCE_FAMILY` (``RADV_FORCE_FAMILY=<gfx name>``: Mesa up to 25, a device named
+    "Null hardware (RADV ...)"), :data:`DRM_SHIM` (``LD_PRELOAD=<shim> AMDGPU_GPU_ID=<code name>``:
+    Mesa 26, which removed RADV_FORCE_FAMILY; the device is named as the product, e.g. "AMD Radeon
+    RX 7900 XTX (RADV NAVI31)") or None (no AMD compiler reachable: ``reason`` says why).
+    ``mesa``: RADV's version read from its library; ``icd``: its manifest; ``shim``: the library.
+    """
+    kind: Optional[str]
+    icd: Optional[str] = None
+    mesa: Optional[tuple] = None
+    shim: Optional[str] = None
+    reason: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.kind is not None
+
+    @property
+    def device_match(self) -> str:
+        """What the child's device name contains (the loader sees RADV's manifest alone)."""
+        return NULL_DEVICE if self.kind == FORCE_FAMILY else "RADV"
+
+    def family_id(self, family: str) -> str:
+        """``family`` as this mechanism spells it."""
+        family = family.lower()
+        return _GFX_NAME.get(family, family) if self.kind == FORCE_FAMILY else \
+            _CODE_NAME.get(family, family)
+
+    def env(self, family: str) -> dict:
+        """The variables that make RADV's device ``family`` (set before the loader loads)."""
+        if self.kind == FORCE_FAMILY:
+            return {"RADV_FORCE_FAMILY": self.family_id(family)}
+        if self.kind == DRM_SHIM:
+            pre = [p for p in os.environ.get("LD_PRELOAD", "").split() if p != self.shim]
+            return {"LD_PRELOAD": " ".join([self.shim] + pre), "AMDGPU_GPU_ID": self.family_id(family)}
+        raise RuntimeError(f"no AMD compiler is reachable: {self.reason}")
+
+    def describe(self) -> str:
+        mesa = "Mesa " + ".".join(map(str, self.mesa)) if self.mesa else "Mesa (version unknown)"
+        if self.kind == FORCE_FAMILY:
+            return f"RADV/ACO of {mesa}, RADV_FORCE_FAMILY (null hardware)"
+        if self.kind == DRM_SHIM:
+            return f"RADV/ACO of {mesa}, AMDGPU drm-shim ({self.shim})"
+        return f"no AMD compiler: {self.reason}"
+
+
+_MECHANISMS = (FORCE_FAMILY, DRM_SHIM)
+
+
+def null_mechanism(icd: Optional[str] = None) -> NullMechanism:
+    """Which mechanism gives RADV devices here: RADV_FORCE_FAMILY on a Mesa before 26,
+    AMDGPU's drm-shim on Mesa 26 (or where the version cannot be read and the shim is installed).
+    ``VKATTN_RADV_NULL=force-family|drm-shim`` chooses instead (to compare them on Mesa 25)."""
+    icd = icd or radeon_icd()
+    if icd is None:
+        return NullMechanism(None, reason="RADV is not installed (no radeon_icd*.json under "
+                             "*/vulkan/icd.d; Debian: apt-get install mesa-vulkan-drivers)")
+    lib = radv_library(icd)
+    mesa = mesa_version(lib)
+    shim = drm_shim_library(lib)
+    want = os.environ.get("VKATTN_RADV_NULL", "").strip()
+    if want and want not in _MECHANISMS:
+        raise ValueError(f"VKATTN_RADV_NULL={want!r}: choose one of {', '.join(_MECHANISMS)}")
+    no_shim = (f"AMDGPU's drm-shim ({DRM_SHIM_LIBRARY}) is not installed (Debian: apt-get install "
+               "mesa-drm-shim; or point VKATTN_DRM_SHIM at it)")
+    if want == DRM_SHIM or (not want and (mesa is None or mesa >= _MESA_WITHOUT_FORCE_FAMILY)
+                            and shim):
+        if shim is None:
+            return NullMechanism(None, icd, mesa, None, no_shim)
+        return NullMechanism(DRM_SHIM, icd, mesa, shim)
+    if want != FORCE_FAMILY and mesa is not None and mesa >= _MESA_WITHOUT_FORCE_FAMILY:
+        return NullMechanism(None, icd, mesa, None, f"Mesa {mesa[0]}.{mesa[1]} removed "
+                             f"RADV_FORCE_FAMILY and {no_shim}")
+    return NullMechanism(FORCE_FAMILY, icd, mesa, shim)
+
+
+def default_families(mechanism: Optional[NullMechanism] = None) -> tuple:
+    """:data:`DEFAULT_FAMILIES` for RADV_FORCE_FAMILY; :data:`SHIM_FAMILIES` for the drm-shim."""
+    mechanism = mechanism or null_mechanism()
+    return SHIM_FAMILIES if mechanism.kind == DRM_SHIM else DEFAULT_FAMILIES
+
+
+def _child_env(family: str, mechanism: NullMechanism, env: Optional[dict]) -> dict:
     child = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
     child.update({
-        "RADV_FORCE_FAMILY": family,
-        "VK_DRIVER_FILES": icd,              # loader >= 1.3.207
-        "VK_ICD_FILENAMES": icd,             # older loaders
+        "VK_DRIVER_FILES": mechanism.icd,              # loader >= 1.3.207
+        "VK_ICD_FILENAMES": mechanism.icd,             # older loaders
         "VK_LOADER_LAYERS_DISABLE": "~all~",  # no implicit layers (device-select, overlays)
         "NODEVICE_SELECT": "1",              # Mesa's device-select layer, on loaders without ^
     })
+    child.update(mechanism.env(family))
     child.update(env or {})
     return child
 
@@ -954,16 +1165,17 @@ def _child_main() -> int:
     return 0
 
 
-def _run_child(family: str, jobs: list, features, ir: bool, icd: str, env, timeout: float):
+def _run_child(family: str, jobs: list, features, ir: bool, mechanism: NullMechanism, env,
+               timeout: float):
     """One subprocess; returns (header CompileResult or None, [JobResult], failure text)."""
-    request = json.dumps({"jobs": [_job_payload(j) for j in jobs], "device": NULL_DEVICE,
+    request = json.dumps({"jobs": [_job_payload(j) for j in jobs], "device": mechanism.device_match,
                           "features": list(features), "ir": ir})
     # -I -S: no user site, no site-packages: the child runs this file as a script and needs the
     # stdlib and _vkinfo only (the package __init__, which imports kp and numpy, is bypassed)
     cmd = [sys.executable, "-I", "-S", os.path.abspath(__file__), "--child"]
     try:
         proc = subprocess.run(cmd, input=request, capture_output=True, text=True,
-                              env=_child_env(family, icd, env), timeout=timeout)
+                              env=_child_env(family, mechanism, env), timeout=timeout)
         stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -991,7 +1203,8 @@ def _run_child(family: str, jobs: list, features, ir: bool, icd: str, env, timeo
 
 
 def family_stats(families: Iterable[str], jobs, features: Iterable[str] = (), ir: bool = False,
-                 env: Optional[dict] = None, timeout: float = 300.0) -> dict:
+                 env: Optional[dict] = None, timeout: float = 300.0,
+                 mechanism: Optional[NullMechanism] = None) -> dict:
     """{family: CompileResult}: ``jobs`` compiled on RADV's null device for each family.
 
     Each family runs in a fresh ``python -I -S`` process with ``RADV_FORCE_FAMILY=<family>``, the
@@ -1010,16 +1223,16 @@ def family_stats(families: Iterable[str], jobs, features: Iterable[str] = (), ir
     """
     jobs = [Job.of(j) for j in jobs]
     features = _check_features(features)
-    icd = radeon_icd()
+    mechanism = mechanism or null_mechanism()
     out = {}
     for family in families:
-        if icd is None:
-            out[family] = CompileResult(available=False, reason="RADV is not installed (no "
-                                        "radeon_icd*.json under */vulkan/icd.d)")
+        if not mechanism.available:
+            out[family] = CompileResult(available=False, reason=mechanism.reason)
             continue
         run, todo = None, list(jobs)
         while True:
-            header, results, failure = _run_child(family, todo, features, ir, icd, env, timeout)
+            header, results, failure = _run_child(family, todo, features, ir, mechanism, env,
+                                                  timeout)
             if header is None:      # no device: unknown family, no RADV, or a broken driver
                 out[family] = run or CompileResult(available=False, reason=failure or
                                                    "no null device appeared")
@@ -1046,35 +1259,38 @@ def family_stats(families: Iterable[str], jobs, features: Iterable[str] = (), ir
 _family_cache: dict = {}
 
 
-def family_device_info(family: str, env: Optional[dict] = None, timeout: float = 60.0):
-    """The DeviceInfo (vkattn._vkinfo) of RADV's null hardware for ``family``, read in a child
-    process with the environment of :func:`family_stats`; None where RADV or the family is absent.
-    What ``perf gpu`` plans pipelines against (limits, subgroup size and operations)."""
+def family_device_info(family: str, env: Optional[dict] = None, timeout: float = 60.0,
+                       mechanism: Optional[NullMechanism] = None):
+    """The DeviceInfo (vkattn._vkinfo) of RADV's device for ``family`` without its GPU, read in a
+    child process with the environment of :func:`family_stats`; None where RADV or the family is
+    absent. What ``perf gpu`` plans pipelines against (limits, subgroup size and operations)."""
     from ._vkinfo import DeviceInfo
-    icd = radeon_icd()
-    if icd is None:
+    mechanism = mechanism or null_mechanism()
+    if not mechanism.available:
         return None
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vkinfo.py")
     try:
         proc = subprocess.run([sys.executable, "-I", "-S", script, "--json"], capture_output=True,
-                              text=True, timeout=timeout, env=_child_env(family, icd, env))
+                              text=True, timeout=timeout, env=_child_env(family, mechanism, env))
         found = json.loads(proc.stdout or "null")
     except (subprocess.TimeoutExpired, ValueError):
         return None
     for d in found if isinstance(found, list) else []:
-        if d["name"].startswith(NULL_DEVICE):
+        if mechanism.device_match.lower() in d["name"].lower():
             return DeviceInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
     return None
 
 
-def available_families(candidates: Iterable[str] = DEFAULT_FAMILIES,
-                       refresh: bool = False) -> list:
-    """The candidate families for which the installed RADV creates a null device (probed once)."""
+def available_families(candidates: Optional[Iterable[str]] = None, refresh: bool = False,
+                       mechanism: Optional[NullMechanism] = None) -> list:
+    """The candidate families (default :func:`default_families`) for which the installed RADV
+    creates a device without the GPU (probed once per family, manifest and mechanism)."""
+    mechanism = mechanism or null_mechanism()
     found = []
-    for family in candidates:
-        key = (family.lower(), radeon_icd())
+    for family in default_families(mechanism) if candidates is None else candidates:
+        key = (family.lower(), mechanism)
         if refresh or key not in _family_cache:
-            _family_cache[key] = family_stats([family], [])[family].available
+            _family_cache[key] = family_stats([family], [], mechanism=mechanism)[family].available
         if _family_cache[key]:
             found.append(family)
     return found
@@ -1115,6 +1331,7 @@ _GFX_LEVELS = {
     (10, 1): "navi10 navi12 navi14",
     (10, 3): "navi21 navi22 vangogh navi23 navi24 rembrandt gfx1036",
     (11, 0): "gfx1100 gfx1101 gfx1102 gfx1103_r1 gfx1103_r2",
+    (12, 0): "gfx1201",
 }
 _FAMILY_GFX = {fam: gfx for gfx, names in _GFX_LEVELS.items() for fam in names.split()}
 
@@ -1124,23 +1341,30 @@ def _align(value: int, granule: int) -> int:
 
 
 def radv_waves_per_simd(family: str, vgprs: int, lds_bytes: int = 0, workgroup_size: int = 64,
-                        wave_size: int = 64, sgprs: int = 0) -> tuple[int, dict]:
-    """RADV 22.3's "Subgroups per SIMD" of a compute shader, computed (see the module docstring).
+                        wave_size: int = 64, sgprs: int = 0,
+                        mesa: tuple = (22, 3)) -> tuple[int, dict]:
+    """RADV's "Subgroups per SIMD" of a compute shader, computed (see the module docstring).
 
     ``vgprs``/``sgprs`` as allocated (the statistics), ``lds_bytes`` per workgroup. Returns (the
     value in RADV's units -- wave32 slots on gfx10+, wave64 before -- and {limit: waves of the
     pipeline's size per SIMD} for slots, sgprs, vgprs and lds), so a kernel can be sized to a budget
-    before it is written. Families of gfx8..gfx11 only.
+    before it is written. Families of gfx8..gfx11, and gfx1201 on Mesa 26. The rule is 22.3's;
+    with ``mesa`` 26 or later one difference, measured (tests/test_gpu_compile.py): a wave32
+    pipeline gets the same number of wave slots per SIMD as a wave64 one (16 on gfx10.3+, 20 on
+    gfx10), not twice as many; gfx1201 allocates VGPRs as gfx1100 does.
     """
-    gfx = _FAMILY_GFX[family.lower()]
+    family = canonical_family(family)
+    if family not in _FAMILY_GFX:
+        raise ValueError(f"radv_waves_per_simd knows gfx8..gfx11 and gfx1201, not {family!r}")
+    gfx = _FAMILY_GFX[family]
     per64 = 64 // wave_size
     slots = 16 if gfx >= (10, 3) else 20 if gfx == (10, 1) else (
         8 if family.lower() in ("polaris10", "polaris11", "polaris12", "vegam") else 10)
-    limits = {"slots": slots * per64}
+    limits = {"slots": slots * (1 if tuple(mesa) >= _MESA_WITHOUT_FORCE_FAMILY else per64)}
     if sgprs and gfx < (10, 0):
         limits["sgprs"] = 800 // _align(sgprs, 16)
     if vgprs:
-        big = family.lower() in ("gfx1100", "gfx1101")
+        big = family in ("gfx1100", "gfx1101", "gfx1201")
         physical = (768 if big else 512 if gfx >= (10, 0) else 256) * per64
         v = _align(vgprs, 8 if wave_size == 32 else 4)
         if big:

@@ -1,7 +1,8 @@
 """``python -m perf [decode|prefill|append|overhead|batch|loads|hf|newlen ...]``: run the perf cases, print a table, write
 perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py).
 ``python -m perf gpu``: the GPU compiler report (perf/gpu.py), without a GPU.
-``python -m perf gpubench``: the perf cases on a Vulkan GPU (perf/gpubench.py, ``make gpu-bench``)."""
+``python -m perf gpubench``: the perf cases on a Vulkan GPU (perf/gpubench.py, ``make gpu-bench``).
+``python -m perf llama [DIR]``: llama.cpp's flash attention compiled like vkattn's (perf/llama_cpp.py)."""
 from __future__ import annotations
 
 import sys
@@ -23,6 +24,9 @@ def main(argv=None) -> int:
     if argv == ["gpubench"]:            # the perf cases on a Vulkan GPU, torch on the same GPU
         from . import gpubench
         return gpubench.main()
+    if argv[:1] == ["llama"]:           # llama.cpp's flash attention on the same compiler (the anchor)
+        from . import llama_cpp
+        return llama_cpp.main(argv[1:])
     if argv == ["features"]:            # what the features kp leaves off would change (compiler study)
         from . import features
         return features.main()

@@ -89,7 +89,7 @@ def study(families=None) -> list:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         variant_sources(Path(tmp))
-        for fam in families or vp.DEFAULT_FAMILIES:
+        for fam in families or vp.default_families():
             info = vp.family_device_info(fam)
             if info is None:
                 continue
@@ -126,8 +126,9 @@ def study(families=None) -> list:
 
 
 def main(argv=None) -> int:
-    if vp.radeon_icd() is None:
-        print("perf features: RADV is not installed (Debian: apt-get install mesa-vulkan-drivers)", file=sys.stderr)
+    mechanism = vp.null_mechanism()
+    if not mechanism.available:
+        print(f"perf features: {mechanism.reason}", file=sys.stderr)
         return 2
     fams = [f for f in os.environ.get("VKATTN_GPU_FAMILIES", "").split(",") if f.strip()] or None
     rows = study(fams)

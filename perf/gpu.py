@@ -15,8 +15,20 @@ datasheets: memory (unique bytes / bandwidth), arithmetic (flops / fp32 rate) an
 compiler is here, instruction issue (the VALU instructions the compiled code executes / the
 chip's issue rate). The largest is the model time.
 
-Environment: VKATTN_GPU_FAMILIES (comma list; default all five), VKATTN_PERF_OUT (perf/out).
-Writes gpu_report.json, gpu_report.csv and gpu_report.md there.
+The compiler is RADV/ACO of the installed Mesa, reached without the GPU as vkattn._vkpipeline
+finds best: RADV_FORCE_FAMILY up to Mesa 25 (Debian 12's 22.3: polaris10, vega10, navi10, navi21,
+gfx1100), AMDGPU's drm-shim on Mesa 26 (trixie-backports' 26.1: the same chips, RDNA3 spelled
+navi31, and gfx1201 = RDNA4). Beside vkattn's pipelines the report puts llama.cpp's flash attention
+on the same compiler (the anchor: recorded figures, or measured by perf/llama_cpp.py when
+VKATTN_LLAMA_CPP_SHADERS names its shader sources) and, where the device offers
+VK_KHR_cooperative_matrix, the cooperative-matrix prefill kernel: vkattn's attn_coopmat.comp once it
+exists (planned with VKATTN_KERNEL=coopmat), else the study kernel perf/coopmat_tile.comp, with its
+WMMA and VALU instructions per 16x16 block and a modelled prefill time.
+
+Environment: VKATTN_GPU_FAMILIES (comma list; default every family of the mechanism),
+VKATTN_PERF_OUT (perf/out), VKATTN_LLAMA_CPP_SHADERS. Writes gpu_report.{json,csv,md} there on
+Mesa 22.3 (the report committed as perf/gpu_report.*) and gpu_report_mesa<major>.{json,csv,md}
+on any other Mesa (perf/gpu_report_mesa26.* from Debian 13 with trixie-backports' Mesa).
 """
 from __future__ import annotations
 
@@ -55,6 +67,7 @@ class GPU:
     clock_ghz: float    # boost clock
     bandwidth_gbs: float
     fp32_tflops: float
+    f16_matrix_tflops: float | None = None  # dense float16 matrix rate (WMMA), where it has one
 
 
 REFERENCE_GPUS = [
@@ -62,18 +75,65 @@ REFERENCE_GPUS = [
     GPU("Radeon RX Vega 64", "vega10", 64, 1.546, 483.8, 12.66),
     GPU("Radeon RX 5700 XT", "navi10", 40, 1.905, 448.0, 9.75),
     GPU("Radeon RX 6800 XT", "navi21", 72, 2.250, 512.0, 20.74),
-    GPU("Radeon RX 7900 XTX", "gfx1100", 96, 2.500, 960.0, 61.4),
+    GPU("Radeon RX 7900 XTX", "gfx1100", 96, 2.500, 960.0, 61.4, 122.8),
+    GPU("Radeon RX 9070 XT", "gfx1201", 64, 2.970, 640.0, 48.7, 194.7),
     GPU("Arc A770", None, 32, 2.100, 560.0, 17.2),
     GPU("GeForce RTX 4090", None, 128, 2.520, 1008.0, 82.6),
 ]
 
 
-# llama.cpp's scalar Vulkan flash attention (flash_attn.comp, float16 K/V, the spec constants its
-# host code picks for an AMD discrete GPU) on the same Mesa 22.3 ACO: waves per SIMD as RADV reports
-# them, measured and given in issue 16 (not re-measured here)
-LLAMA_CPP = {("decode", 128): {"vega10": 4, "navi21": 18, "gfx1100": 24},
-             ("decode", 256): {"vega10": 2, "navi21": 14, "gfx1100": 18},
-             ("prefill", 128): {"vega10": 1, "navi21": 6, "gfx1100": 8}}
+# llama.cpp's flash attention (float16 K/V, the spec constants its host code picks for an AMD
+# discrete GPU) on the same compiler: waves per SIMD as RADV reports them, per Mesa version.
+# 22.3: issue 16's measurement (its scalar flash_attn.comp of then; not re-measured here).
+# 26.1: perf/llama_cpp.py at ggml d99724f2 (2026-08-21), glslc 2025.2 (shaderc, Debian 13), Mesa
+# 26.1.6 drm-shim -- VGPRs / LDS bytes / waves, and for cm1 the key loop's WMMA and VALU per pass
+# (one 16x16 block per subgroup pass); `python -m perf llama` reproduces them.
+LLAMA_CPP = {
+    (22, 3): {"source": "issue 16",
+              "waves": {"decode 128": {"vega10": 4, "navi21": 18, "gfx1100": 24},
+                        "decode 256": {"vega10": 2, "navi21": 14, "gfx1100": 18},
+                        "prefill 128": {"vega10": 1, "navi21": 6, "gfx1100": 8}}},
+    (26, 1): {"source": "perf/llama_cpp.py, ggml d99724f2",
+              "waves": {"decode 128": {"polaris10": 4, "vega10": 4, "navi10": 16, "navi21": 18, "gfx1100": 32,
+                                       "gfx1201": 32},
+                        "prefill 128": {"polaris10": 2, "vega10": 3, "navi10": 8, "navi21": 8, "gfx1100": 8,
+                                        "gfx1201": 8}},
+              "cm1": {"gfx1100": {"VGPRs": 96, "LDS size": 16384, "Subgroups per SIMD": 16, "Spilled VGPRs": 0,
+                                  "subgroup_size": 64, "wmma": 16, "loop_valu": 434, "valu_total": 990},
+                      "gfx1201": {"VGPRs": 96, "LDS size": 16384, "Subgroups per SIMD": 16, "Spilled VGPRs": 0,
+                                  "subgroup_size": 64, "wmma": 16, "loop_valu": 363, "valu_total": 866}}},
+}
+
+
+def llama_cpp_anchor(mesa, families, mechanism=None) -> dict:
+    """The llama.cpp figures for this report: measured now (perf/llama_cpp.py) when
+    VKATTN_LLAMA_CPP_SHADERS names its sources, else the ones recorded for this Mesa (or none).
+    {"source", "waves": {"decode 128": {family: n}}, "cm1": {family: stats}}, families as the
+    report names them."""
+    if os.environ.get("VKATTN_LLAMA_CPP_SHADERS"):
+        from . import llama_cpp
+        found = llama_cpp.anchors(families, mechanism=mechanism)
+        waves, cm1 = {}, {}
+        for fam, per in found.items():
+            for key, st in per.items():
+                if key == "device" or "error" in st:
+                    continue
+                path, case = key.split()
+                if path == "scalar":
+                    waves.setdefault(f"{case} 128", {})[fam] = st["Subgroups per SIMD"]
+                elif case == "prefill":
+                    cm1[fam] = st
+        return {"source": "perf/llama_cpp.py, measured with this report", "waves": waves, "cm1": cm1,
+                "stats": found}
+    rec = LLAMA_CPP.get(tuple(mesa[:2]) if mesa else None)
+    if rec is None:
+        return {"source": None, "waves": {}, "cm1": {}}
+    rename = {vp.canonical_family(f): f for f in families}
+    return {"source": rec["source"],
+            "waves": {k: {rename[vp.canonical_family(f)]: n for f, n in v.items() if vp.canonical_family(f) in rename}
+                      for k, v in rec["waves"].items()},
+            "cm1": {rename[vp.canonical_family(f)]: st for f, st in rec.get("cm1", {}).items()
+                    if vp.canonical_family(f) in rename}}
 
 
 @dataclass
@@ -302,14 +362,15 @@ def key_loop(asm: str) -> dict:
     call's new rows, before the key loop, is not it). {"valu": VALU instructions of a pass that skips the
     loop's conditional blocks (forward branches inside it: the rescale when no row's max grew),
     "valu_cond": those in the conditional blocks, "loads": buffer loads per pass, "valu_total":
-    every VALU instruction of the shader}."""
+    every VALU instruction of the shader, "wmma" / "wmma_total": the matrix multiply-adds
+    (v_wmma_*, v_swmmac_*; not counted as VALU) in the loop / in the shader}."""
     lines = [ln.strip() for ln in asm.splitlines()]
     labels = {}
     for i, line in enumerate(lines):
         m = _LABEL.match(line)
         if m:
             labels[m.group(1)] = i
-    best = {"valu": 0, "valu_cond": 0, "loads": 0}
+    best = {"valu": 0, "valu_cond": 0, "loads": 0, "wmma": 0}
     for i, line in enumerate(lines):
         m = _BRANCH.match(line)
         if not (m and m.group(1) in labels and labels[m.group(1)] < i):
@@ -320,15 +381,25 @@ def key_loop(asm: str) -> dict:
             f = _BRANCH.match(lines[k])
             if f and f.group(1) in labels and k < labels[f.group(1)] <= i:
                 cond.update(range(k + 1, labels[f.group(1)]))
-        valu = [k for k in range(start, i + 1) if lines[k].startswith("v_")]
+        valu = [k for k in range(start, i + 1) if _is_valu(lines[k])]
         loads = sum(lines[k].startswith(("buffer_load", "global_load")) for k in range(start, i + 1))
         if any(lines[k].startswith(("buffer_store", "global_store")) for k in range(start, i + 1)):
             continue                                    # a loop that stores (the new rows), not the key loop
         every = sum(k not in cond for k in valu)
         if loads and len(valu) > best["valu"] + best["valu_cond"]:
-            best = {"valu": every, "valu_cond": len(valu) - every, "loads": loads}
-    best["valu_total"] = sum(ln.startswith("v_") for ln in lines)
+            best = {"valu": every, "valu_cond": len(valu) - every, "loads": loads,
+                    "wmma": sum(_is_matrix(lines[k]) for k in range(start, i + 1))}
+    best["valu_total"] = sum(_is_valu(ln) for ln in lines)
+    best["wmma_total"] = sum(_is_matrix(ln) for ln in lines)
     return best
+
+
+def _is_matrix(line: str) -> bool:
+    return line.startswith(("v_wmma_", "v_swmmac_"))
+
+
+def _is_valu(line: str) -> bool:
+    return line.startswith("v_") and not _is_matrix(line)
 
 
 STAT_KEYS = ("VGPRs", "SGPRs", "Spilled VGPRs", "Spilled SGPRs", "Scratch size", "LDS size",
@@ -430,11 +501,18 @@ def numerics_audit(family: str, pipelines=None, src_dir=None) -> dict:
 # numerics_audit(..., src_dir=<that commit's shaders/ plus numerics_probe.comp>) on Mesa 22.3.6):
 # flagged instructions per family in the probes + planned pipelines of this report
 AUDIT_BEFORE = {"polaris10": 192, "vega10": 192, "navi10": 192, "navi21": 192, "gfx1100": 192}
+AUDIT_BEFORE_MESA = (22, 3)
 
 
 # ------------------------------------------------------------------------------- the model
 
-ARCH = {"polaris10": "gcn", "vega10": "gcn", "navi10": "rdna", "navi21": "rdna", "gfx1100": "rdna"}
+ARCH = {"polaris10": "gcn", "vega10": "gcn", "navi10": "rdna", "navi21": "rdna", "gfx1100": "rdna",
+        "gfx1201": "rdna"}
+
+
+def same_chip(a, b) -> bool:
+    """Family names of one chip (navi31 and gfx1100 are RDNA3's two spellings)."""
+    return a is not None and b is not None and vp.canonical_family(a) == vp.canonical_family(b)
 
 
 def times(pc: Planned, gpu: GPU, stats: dict | None) -> dict:
@@ -448,7 +526,7 @@ def times(pc: Planned, gpu: GPU, stats: dict | None) -> dict:
     t = {"mem_us": unique / (gpu.bandwidth_gbs * 1e3), "flop_us": pc.flops / (gpu.fp32_tflops * 1e6)}
     if stats is not None:
         wave_instr, critical = 0, 0.0
-        cycles = 4 if ARCH[gpu.family] == "gcn" else 2
+        cycles = 4 if ARCH[vp.canonical_family(gpu.family)] == "gcn" else 2
         for d in pc.dispatches:
             st = stats.get(_job_name(d.pipeline), {})
             if "valu" not in st:
@@ -476,14 +554,17 @@ def _wg_size(d: Dispatch) -> int:
 
 # ------------------------------------------------------------------------------- report
 
-def build(families=None) -> dict:
-    families = list(families or vp.DEFAULT_FAMILIES)
+def build(families=None, mechanism=None) -> dict:
+    mechanism = mechanism or vp.null_mechanism()
+    families = list(families or vp.default_families(mechanism))
     all_calls = calls()
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "families": {}, "calls": [], "pipelines": {},
-              "gpus": [asdict(g) for g in REFERENCE_GPUS]}
+              "gpus": [asdict(g) for g in REFERENCE_GPUS],
+              "compiler": {"mesa": list(mechanism.mesa) if mechanism.mesa else None, "mechanism": mechanism.kind,
+                           "description": mechanism.describe()}}
     plans = {}
     for fam in families:
-        info = vp.family_device_info(fam)
+        info = vp.family_device_info(fam, mechanism=mechanism)
         if info is None:
             report["families"][fam] = {"available": False}
             continue
@@ -509,10 +590,13 @@ def build(families=None) -> dict:
                 "host_up": pc.host_up, "host_down": pc.host_down,
                 "device_reads": [d.reads for d in pc.dispatches], "device_writes": [d.writes for d in pc.dispatches],
                 "unique_bytes": sum(d.unique for d in pc.dispatches), "flops": pc.flops,
-                "times": {g.name: times(pc, g, fstats if g.family == fam else None)
-                          for g in REFERENCE_GPUS if g.family == fam or (g.family is None and fam == ref_fam)},
+                "times": {g.name: times(pc, g, fstats if same_chip(g.family, fam) else None)
+                          for g in REFERENCE_GPUS if same_chip(g.family, fam) or (g.family is None and fam == ref_fam)},
             }
         report["calls"].append(entry)
+    avail = [f for f in plans]
+    report["llama_cpp"] = llama_cpp_anchor(mechanism.mesa, avail, mechanism)
+    report["coopmat"] = coopmat_study(avail, report, mechanism)
     return report
 
 
@@ -527,10 +611,11 @@ def occupancy_table(report: dict) -> list:
     """Rows (what, family, vkattn waves, llama.cpp waves, VGPRs, LDS) for the anchor shapes."""
     picks = {("decode", 128): ("32/8 d128", f"decode step L={L}"), ("decode", 256): ("16/2 d256", f"decode step L={L}"),
              ("prefill", 128): ("32/8 d128", f"prefill {PREFILL}")}
+    anchor = (report.get("llama_cpp") or {}).get("waves", {})
     rows = []
     for key, (shape, call) in picks.items():
         entry = next(c for c in report["calls"] if c["shape"] == shape and c["call"] == call and c["dtype"] == "float16")
-        for fam, want in LLAMA_CPP[key].items():
+        for fam, want in anchor.get(f"{key[0]} {key[1]}", {}).items():
             pf = entry["per_family"].get(fam)
             if pf is None:
                 continue
@@ -542,9 +627,15 @@ def occupancy_table(report: dict) -> list:
 
 def markdown(report: dict) -> str:
     fams = [f for f, v in report["families"].items() if v.get("available")]
-    out = ["### Occupancy against llama.cpp's scalar flash attention (same compiler)", "",
-           "| kernel | family | vkattn waves/SIMD | llama.cpp (issue 16) | vkattn VGPRs | vkattn LDS |",
-           "|---|---|---:|---:|---:|---:|"]
+    comp = report.get("compiler") or {}
+    mesa = tuple(comp.get("mesa") or ())
+    out = []
+    if mesa[:2] != (22, 3):       # the Mesa 22.3 report keeps its form; others say whose compiler
+        out += [f"Compiler: {comp.get('description')}.", ""]
+    source = (report.get("llama_cpp") or {}).get("source") or "none recorded for this Mesa"
+    out += ["### Occupancy against llama.cpp's scalar flash attention (same compiler)", "",
+            f"| kernel | family | vkattn waves/SIMD | llama.cpp ({source}) | vkattn VGPRs | vkattn LDS |",
+            "|---|---|---:|---:|---:|---:|"]
     for what, fam, got, want, vg, lds in occupancy_table(report):
         flag = "" if got is not None and got >= want else " **below**"
         out.append(f"| {what} | {fam} | {got}{flag} | {want} | {vg} | {lds} |")
@@ -580,7 +671,8 @@ def markdown(report: dict) -> str:
     out += ["", f"{len(report['pipelines'])} distinct pipelines; "
             + ("problems: " + "; ".join(problems) if problems else "0 spilled registers and 0 scratch on every family.")]
     out += [""] + audit_markdown(report)
-    gpus = [g for g in REFERENCE_GPUS]
+    out += coopmat_markdown(report)
+    gpus = [g for g in REFERENCE_GPUS if g.family is None or any(same_chip(g.family, f) for f in fams)]
     out += ["", "### Calls: traffic and model time (microseconds, the larger bound decides)", "",
             "| call | shape | dtype | subm. | disp. | host up / down | device read / unique | "
             + " | ".join(g.name for g in gpus) + " |",
@@ -628,7 +720,8 @@ def audit_markdown(report: dict) -> list:
                   for k in AUDIT_RULES if any(audit[f]["pipelines"].get(n, {}).get(k) for n in group)})
             for f in fams) + " |")
     out.append("| **flagged in all** | " + " | ".join(f"**{audit[f]['flagged']}**" for f in fams) + " |")
-    before = [AUDIT_BEFORE.get(f) for f in fams]
+    mesa = tuple((report.get("compiler") or {}).get("mesa") or (22, 3))
+    before = [AUDIT_BEFORE.get(f) if mesa[:2] == AUDIT_BEFORE_MESA else None for f in fams]
     if any(b is not None for b in before):
         out.append("| before (main at 7a35600) | " + " | ".join("-" if b is None else str(b) for b in before) + " |")
     out += ["", "The GPU kernel's float16 decode (reported, not flagged): "
@@ -639,36 +732,238 @@ def audit_markdown(report: dict) -> list:
     return out
 
 
+# ------------------------------------------------------------------------------- cooperative matrices
+
+COOPMAT_FEATURES = ["cooperativeMatrix", "shaderFloat16", "storageBuffer16BitAccess", "vulkanMemoryModel",
+                    "subgroupSizeControl", "computeFullSubgroups"]
+STUDY_KERNEL = Path(__file__).parent / "coopmat_tile.comp"
+MMA = 16                     # 16x16x16 multiply-adds: 2 * 16^3 flops each
+COOPMAT_SHAPE = "32/8 d128"  # the call modelled: prefill 512 from empty, float16
+# the scalar prefill's model time on an RX 7900 XTX in the Mesa 22.3 report (perf/RESULTS.md,
+# session 8): issue 22's baseline; its target is a third of it
+SCALAR_PREFILL_7900XTX_MESA22_US = 155.5
+
+
+@dataclass
+class CoopKernel:
+    """A cooperative-matrix prefill pipeline and what its key loop covers.
+
+    ``tile_rows`` query rows of one head per workgroup, ``step_keys`` keys per loop pass of a
+    workgroup, ``waves`` subgroups per workgroup, ``blocks_per_pass``: 16x16 (rows x keys) blocks
+    of S one subgroup computes per pass of the loop (None: derived from the loop's WMMA count, 2 x
+    head_dim / 16 per block). ``heads_per_group``: query heads one workgroup serves (GQA folded)."""
+    label: str
+    job: object
+    tile_rows: int = 16
+    step_keys: int = 16
+    waves: int = 1
+    blocks_per_pass: float | None = 1
+    heads_per_group: int = 1
+    note: str = ""
+
+
+def _coopmat_kernels(fam: str, info) -> list:
+    """vkattn's cooperative-matrix prefill pipeline for the modelled call where the package has one
+    (shaders/attn_coopmat.comp, planned by the caches' own planner with VKATTN_KERNEL=coopmat), else
+    the study kernel perf/coopmat_tile.comp (one subgroup: 16 rows x 16 keys per pass)."""
+    from vkattn.compiler import shader_dir
+    out, note = [], ""
+    if (shader_dir() / "attn_coopmat.comp").is_file():
+        old = os.environ.get("VKATTN_KERNEL")
+        os.environ["VKATTN_KERNEL"] = "coopmat"
+        try:
+            pc = plan_call(PlanningDevice(info), Call(f"prefill {PREFILL}", COOPMAT_SHAPE, "float16", "forward",
+                                                      s=PREFILL, n_new=PREFILL))
+            d = next(x for x in pc.dispatches if x.role == "attn")
+            if "coopmat" in d.pipeline.shader:
+                p, cfg = d.pipeline, d.cfg
+                hq, hkv, _ = SHAPES[COOPMAT_SHAPE]
+                out.append(CoopKernel(f"vkattn {_job_name(p)}", vp.Job(_job_name(p), compile_shader(p.shader, p.defines),
+                                                                         list(p.spec), p.bindings),
+                                      tile_rows=getattr(cfg, "bq", 16), step_keys=16,
+                                      waves=max(1, _wg_size(d) // max(1, info.subgroup_size)),
+                                      blocks_per_pass=None, heads_per_group=hq // hkv))
+            else:
+                note = f"VKATTN_KERNEL=coopmat planned {d.pipeline.shader}, not a cooperative-matrix kernel"
+        except Exception as exc:      # reported in the table, the study kernel stands in
+            note = f"vkattn's cooperative-matrix kernel could not be planned: {type(exc).__name__}: {exc}"
+        finally:
+            if old is None:
+                os.environ.pop("VKATTN_KERNEL", None)
+            else:
+                os.environ["VKATTN_KERNEL"] = old
+    if not out:
+        out.append(CoopKernel("study kernel perf/coopmat_tile.comp",
+                              vp.Job("coopmat_tile", compile_shader("coopmat_tile", {}, src_dir=STUDY_KERNEL.parent)),
+                              note=note))
+    return out
+
+
+def causal_blocks(q_len: int, tile_rows: int, step_keys: int) -> int:
+    """16x16 blocks of S one head's causal prefill of ``q_len`` rows from an empty cache computes
+    with query tiles of ``tile_rows`` rows walking keys ``step_keys`` at a time up to the tile's
+    last row (the diagonal tile computed whole)."""
+    total = 0
+    for t in range(-(-q_len // tile_rows)):
+        kend = min(q_len, (t + 1) * tile_rows)
+        total += -(-tile_rows // 16) * (-(-kend // step_keys) * step_keys // 16)
+    return total
+
+
+def coopmat_model(st: dict, k: CoopKernel, gpu: GPU, unique_bytes: int, d: int = 128) -> dict | None:
+    """Model time (us) of the 512-token prefill on ``gpu`` from a cooperative-matrix kernel's compiled
+    key loop: matrix time (its WMMA at the datasheet float16 matrix rate, float32 accumulation
+    assumed at that rate) + VALU time (the loop's VALU per block and the rest once per wave, one
+    wave64 instruction per CU and cycle; WMMA and VALU share the issue, so the two add) against
+    memory (the call's unique bytes / bandwidth)."""
+    if gpu.f16_matrix_tflops is None or not st.get("wmma"):
+        return None
+    hq, hkv, _ = SHAPES[COOPMAT_SHAPE]
+    per_pass = k.blocks_per_pass or st["wmma"] / (2 * d / MMA)
+    blocks = causal_blocks(PREFILL, k.tile_rows, k.step_keys) * hq
+    waves = -(-PREFILL // k.tile_rows) * hq // k.heads_per_group * k.waves
+    wmma_block = st["wmma"] / per_pass
+    valu_block = st["loop_valu"] / per_pass
+    rest = max(0, st["valu_total"] - st["loop_valu"])
+    scale = st["subgroup_size"] / 64
+    t = {"matrix_us": blocks * wmma_block * 2 * MMA ** 3 / (gpu.f16_matrix_tflops * 1e6),
+         "valu_us": (blocks * valu_block + waves * rest) * scale / (gpu.cus * gpu.clock_ghz * 1e3),
+         "mem_us": unique_bytes / (gpu.bandwidth_gbs * 1e3)}
+    t["issue_us"] = t["matrix_us"] + t["valu_us"]
+    t["model_us"] = max(t["issue_us"], t["mem_us"])
+    t["bound"] = "issue" if t["issue_us"] >= t["mem_us"] else "mem"
+    t.update(blocks=blocks, wmma_per_block=wmma_block, valu_per_block=valu_block)
+    return t
+
+
+def _stats_of(jr) -> dict:
+    exe = jr.executables[0]
+    asm = next((v for key, v in exe.ir.items() if "Assembly" in key or "ISA" in key), "")
+    loop = key_loop(asm)
+    return {**{key: exe.stats.get(key) for key in STAT_KEYS}, "subgroup_size": exe.subgroup_size, **loop,
+            "loop_valu": loop["valu"] + loop["valu_cond"]}
+
+
+def coopmat_study(families, report: dict, mechanism=None) -> dict:
+    """{family: {"kernels": [{label, stats, model: {gpu: times}}], "llama_cpp_cm1": {...}}} for the
+    families whose device offers VK_KHR_cooperative_matrix (none on Mesa 22.3)."""
+    out = {}
+    entry = next((c for c in report["calls"] if c["shape"] == COOPMAT_SHAPE and c["dtype"] == "float16"
+                  and c["call"] == f"prefill {PREFILL}"), None)
+    for fam in families:
+        head = vp.family_stats([fam], [], features=COOPMAT_FEATURES, mechanism=mechanism)[fam]
+        if not head.available or not head.device.features.get("cooperativeMatrix"):
+            continue
+        info = vp.family_device_info(fam, mechanism=mechanism)
+        kernels = _coopmat_kernels(fam, info)
+        res = vp.family_stats([fam], [k.job for k in kernels], features=COOPMAT_FEATURES, ir=True,
+                              mechanism=mechanism)[fam]
+        gpus = [g for g in REFERENCE_GPUS if same_chip(g.family, fam)]
+        pf = entry["per_family"].get(fam) if entry else None
+        unique = pf["unique_bytes"] if pf else 0
+        rows = []
+        for k, jr in zip(kernels, res.jobs):
+            row = {"label": k.label, "note": k.note}
+            if not jr.ok:
+                row["error"] = f"{jr.result}: {jr.error}"
+            else:
+                st = row["stats"] = _stats_of(jr)
+                row["model"] = {g.name: coopmat_model(st, k, g, unique) for g in gpus}
+                row["scalar_model_us"] = {g.name: pf["times"][g.name]["model_us"] for g in gpus
+                                          if pf and g.name in pf["times"]}
+            rows.append(row)
+        cm1 = (report.get("llama_cpp") or {}).get("cm1", {}).get(fam)
+        llama = None
+        if cm1 and cm1.get("wmma"):
+            # llama.cpp's cm1: 16 rows x 64 keys per workgroup pass, 4 subgroups of one block each;
+            # no GQA folding in prefill
+            k = CoopKernel("llama.cpp flash_attn_cm1.comp", None, tile_rows=16, step_keys=64, waves=4)
+            llama = {"stats": cm1, "model": {g.name: coopmat_model(cm1, k, g, unique) for g in gpus}}
+        out[fam] = {"kernels": rows, "llama_cpp_cm1": llama}
+    return out
+
+
+def coopmat_markdown(report: dict) -> list:
+    """The cooperative-matrix section (empty where no device offers the extension)."""
+    study = report.get("coopmat") or {}
+    if not study:
+        return []
+    out = ["", "### Cooperative matrices (VK_KHR_cooperative_matrix, 16x16x16 float16 -> float32): prefill",
+           "",
+           f"Per 16x16 block of S (16 query rows x 16 keys; S = QK^T and O += PV at head_dim 128 take 16 "
+           f"WMMA): the key loop's WMMA and VALU instructions (every VALU of the loop body, conditional "
+           f"blocks included). Model: prefill {PREFILL} from empty, {COOPMAT_SHAPE}, float16 -- WMMA at the "
+           f"datasheet float16 matrix rate + VALU at one wave64 instruction per CU and cycle, against "
+           f"memory; beside it the scalar kernel's model on this compiler and "
+           f"{SCALAR_PREFILL_7900XTX_MESA22_US} us on the RX 7900 XTX in the Mesa 22.3 report (issue 22's "
+           f"target: a third of it, {SCALAR_PREFILL_7900XTX_MESA22_US / 3:.1f} us).", "",
+           "| kernel | family | subgroup | VGPRs | spilled | LDS | waves/SIMD | WMMA / block | VALU / block "
+           "| model us (bound) | scalar model us |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+
+    def line(label, fam, st, model, scalar=None):
+        models = "; ".join(f"{g}: {t['model_us']:.1f} ({t['bound']})" for g, t in model.items() if t) or "-"
+        m = next((t for t in model.values() if t), None)
+        per = (f"{m['wmma_per_block']:g} | {m['valu_per_block']:.0f}" if m else f"{st.get('wmma')} | -")
+        sc = "; ".join(f"{v:.1f}" for v in (scalar or {}).values()) or "-"
+        return (f"| {label} | {fam} | {st['subgroup_size']} | {st['VGPRs']} | {st['Spilled VGPRs']} | "
+                f"{st['LDS size']} | {st['Subgroups per SIMD']} | {per} | {models} | {sc} |")
+
+    for fam, per in study.items():
+        for row in per["kernels"]:
+            if "error" in row:
+                out.append(f"| {row['label']} | {fam} | failed: {row['error'][:100]} | | | | | | | | |")
+                continue
+            out.append(line(row["label"], fam, row["stats"], row["model"], row.get("scalar_model_us")))
+            if row.get("note"):
+                out.append(f"| ({row['note']}) | {fam} | | | | | | | | | |")
+        if per.get("llama_cpp_cm1"):
+            ll = per["llama_cpp_cm1"]
+            out.append(line("llama.cpp flash_attn_cm1.comp", fam, ll["stats"], ll["model"]))
+    return out
+
+
 def _short(name: str) -> str:
     return name.replace("KV_F16=", "f16=").replace("KV_I8=", "i8=").replace("TILE_SHUFFLE=", "sh=")
 
 
-def write(report: dict, out_dir: Path) -> None:
+def report_stem(mesa) -> str:
+    """gpu_report for Mesa 22.3 (Debian 12's, the committed perf/gpu_report.*), else
+    gpu_report_mesa<major> (perf/gpu_report_mesa26.* from trixie-backports)."""
+    if not mesa or tuple(mesa[:2]) == (22, 3):
+        return "gpu_report"
+    return f"gpu_report_mesa{mesa[0]}"
+
+
+def write(report: dict, out_dir: Path) -> str:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gpu_report.json").write_text(json.dumps(report, separators=(",", ":"), default=str))
-    with open(out_dir / "gpu_report.csv", "w", newline="") as f:
+    stem = report_stem((report.get("compiler") or {}).get("mesa"))
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, separators=(",", ":"), default=str))
+    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["pipeline", "family"] + list(STAT_KEYS) + ["subgroup_size", "key_loop_valu", "key_loop_loads"])
         for name, per in report["pipelines"].items():
             for fam, st in per.items():
                 w.writerow([name, fam] + [st.get(k) for k in STAT_KEYS] +
                            [st.get("subgroup_size"), st.get("valu"), st.get("loads")])
-    (out_dir / "gpu_report.md").write_text(markdown(report) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown(report) + "\n")
+    return stem
 
 
 def main(argv=None) -> int:
     fams = os.environ.get("VKATTN_GPU_FAMILIES", "").strip()
     families = [f.strip() for f in fams.split(",") if f.strip()] or None
-    if vp.radeon_icd() is None:
-        print("perf gpu: RADV is not installed (Debian: apt-get install mesa-vulkan-drivers)", file=sys.stderr)
+    mechanism = vp.null_mechanism()
+    if not mechanism.available:
+        print(f"perf gpu: {mechanism.reason}", file=sys.stderr)
         return 2
     t0 = time.time()
-    report = build(families)
+    report = build(families, mechanism)
     out = Path(os.environ.get("VKATTN_PERF_OUT") or Path(__file__).parent / "out")
-    write(report, out)
+    stem = write(report, out)
     print(markdown(report))
     print(f"\n{len(report['pipelines'])} pipelines on {sum(v.get('available', False) for v in report['families'].values())}"
-          f" families in {time.time() - t0:.0f} s; written to {out}/gpu_report.{{json,csv,md}}")
+          f" families ({mechanism.describe()}) in {time.time() - t0:.0f} s; written to {out}/{stem}.{{json,csv,md}}")
     bad = [1 for per in report["pipelines"].values() for st in per.values() if "error" in st]
     return 1 if bad else 0
 

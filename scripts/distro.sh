@@ -4,7 +4,7 @@
 #
 #   scripts/distro.sh trixie -- make test                      # Debian 13: Python 3.13, Mesa 25.0.7
 #   scripts/distro.sh trixie --mesa backports -- make test     # the same with trixie-backports' Mesa
-#   scripts/distro.sh trixie --mesa backports -- make gpu-report
+#   scripts/distro.sh trixie --mesa backports --out perf/out -- make gpu-report
 #
 # The archive is the mirror of the host's own apt configuration (a user's mirror or proxy is
 # respected); the host's CA certificates and pip configuration (files, PIP_* variables, and the
@@ -18,17 +18,20 @@
 # Whatever happens, what was mounted is unmounted before the root is deleted.
 #
 # Options: --mesa backports  (install mesa-vulkan-drivers and mesa-drm-shim from SUITE-backports
-# first); --keep (leave the root in place and print its path; unmount all the same).
+# first); --out DIR (a host directory, bind-mounted into the root, that the command's results are
+# written to: VKATTN_PERF_OUT points there, so `make gpu-report` leaves gpu_report_mesa26.* in it);
+# --keep (leave the root in place and print its path; unmount all the same).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-usage() { echo "usage: scripts/distro.sh SUITE [--mesa backports] [--keep] -- COMMAND [ARGS...]" >&2; exit 2; }
+usage() { echo "usage: scripts/distro.sh SUITE [--mesa backports] [--out DIR] [--keep] -- COMMAND [ARGS...]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 suite=$1; shift
 case "$suite" in [a-z]*) ;; *) usage ;; esac
-mesa=stock keep=0
+mesa=stock keep=0 out=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --mesa) [ "${2:-}" = backports ] || usage; mesa=backports; shift 2 ;;
+    --out) [ -n "${2:-}" ] || usage; mkdir -p "$2"; out=$(cd "$2" && pwd); shift 2 ;;
     --keep) keep=1; shift ;;
     --) shift; break ;;
     *) usage ;;
@@ -176,6 +179,10 @@ git clone -q --no-hardlinks "$here" "$root/root/vkattn"
 git -C "$root/root/vkattn" checkout -q --detach "$head"
 pass=()
 while IFS= read -r v; do pass+=("$v"); done < <(env | grep -E '^(VKATTN_[A-Z0-9_]*|PYTEST_ADDOPTS|LP_[A-Z_]*|GALLIUM_[A-Z_]*)=' || true)
+if [ -n "$out" ]; then            # results out of the root: the command writes there
+  bind "$out" "$root/root/vkattn-out"
+  pass+=(VKATTN_PERF_OUT=/root/vkattn-out)
+fi
 say "running in a clean clone of ${head:0:12}: $*"
 set +e
 in_root "${env_in[@]}" "${pass[@]}" bash -c 'cd /root/vkattn && exec "$@"' vkattn "$@"

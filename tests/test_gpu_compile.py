@@ -24,8 +24,8 @@ CALLS = [("decode-f16", "float16", 1, 0), ("step-i8", "int8", 1, 1), ("prefill-f
          ("prefill-f32", "float32", 512, 0)]
 
 
-def _planned_jobs():
-    info = vp.family_device_info(FAMILY)
+def _planned_jobs(family=FAMILY):
+    info = vp.family_device_info(family)
     if info is None:
         return None
     dev = PlanningDevice(info)
@@ -101,20 +101,53 @@ def test_every_pipeline_compiles_with_sane_statistics(navi21, jobs):
         assert exe.as_dict()["subgroupSize"] == exe.subgroup_size
 
 
-def test_planned_pipelines_do_not_regress_on_navi21(navi21):
-    # the GPU kernels as planned for RDNA2: no spills, no scratch, and at least the occupancy of
-    # llama.cpp's scalar flash attention on the same compiler (decode 18 wave32 slots per SIMD at
-    # head_dim 128, prefill 6; issue 16), with no shared memory beyond the split-merge flag
-    if _mesa(navi21) != MESA_22_3:
-        pytest.skip(f"targets set with Mesa 22.3; this is {_mesa(navi21)}")
-    want = {"decode-f16": 18, "step-i8": 18, "prefill-f16": 6, "prefill-f32": 6}
+def _llama_cpp_waves(mesa, family):
+    """llama.cpp's scalar flash attention on the same compiler (perf/gpu.py LLAMA_CPP: issue 16's
+    measurement on 22.3, perf/llama_cpp.py's on 26.1): {decode, prefill} waves, head_dim 128."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from perf import gpu as pg
+    rec = pg.LLAMA_CPP[mesa]["waves"]
+    fam = vp.canonical_family(family)
+    return {kind: rec[f"{kind} 128"][fam] for kind in ("decode", "prefill")}
+
+
+def _check_planned(run, mesa, family, lds_granule):
+    # the GPU kernels as planned: no spills, no scratch, at least the occupancy of llama.cpp's
+    # scalar flash attention on the same compiler, no shared memory beyond the split-merge flag
+    anchor = _llama_cpp_waves(mesa, family)
+    want = {"decode-f16": anchor["decode"], "step-i8": anchor["decode"], "prefill-f16": anchor["prefill"],
+            "prefill-f32": anchor["prefill"]}
     for name, waves in want.items():
-        st = navi21[name].stats
+        st = run[name].stats
         assert st["Spilled VGPRs"] == st["Spilled SGPRs"] == st["Scratch size"] == 0, name
-        assert st["Subgroups per SIMD"] >= waves, (name, st)
-        assert st["LDS size"] <= 512, (name, st)
-    exe = navi21["decode-f16"].executables[0]
-    assert exe.subgroup_size == 64 and exe.wave32_units     # RADV 22.3 compiles compute as wave64
+        assert st["Subgroups per SIMD"] >= waves, (family, name, st)
+        assert st["LDS size"] <= lds_granule, (family, name, st)
+    exe = run["decode-f16"].executables[0]
+    assert exe.subgroup_size == 64 and exe.wave32_units     # RADV compiles compute as wave64
+
+
+def test_planned_pipelines_do_not_regress_on_navi21(navi21):
+    # Mesa 22.3: llama.cpp decode 18 wave32 slots per SIMD at head_dim 128, prefill 6 (issue 16);
+    # Mesa 26.1: 18 and 8 (its LDS granule on gfx10.3 is 1 KiB: the flag takes 1024 bytes)
+    mesa = _mesa(navi21)
+    if mesa not in (MESA_22_3, MESA_26_1):
+        pytest.skip(f"targets set with Mesa 22.3 and 26.1; this is {mesa}")
+    _check_planned(navi21, mesa, FAMILY, 512 if mesa == MESA_22_3 else 1024)
+
+
+@pytest.mark.parametrize("family", ["navi31", "gfx1201"])
+def test_planned_pipelines_on_rdna3_and_rdna4_of_mesa26(family):
+    """Issue 21's Mesa 26 columns: RDNA3 and RDNA4 through the drm-shim, llama.cpp's occupancy
+    on the same compiler as the floor (decode 32 wave32 slots, prefill 8)."""
+    mech = _need_compiler()
+    if mech.kind != vp.DRM_SHIM or not mech.mesa or mech.mesa[:2] != MESA_26_1:
+        pytest.skip(f"targets set with Mesa 26.1 through the drm-shim; this is {mech.describe()}")
+    jobs = _planned_jobs(family)
+    assert jobs is not None, f"Mesa 26.1's drm-shim knows {family}"
+    run = vp.family_stats([family], jobs)[family]
+    assert run.available, run.reason
+    assert all(r.ok for r in run.jobs), [(r.name, r.error) for r in run.jobs if not r.ok]
+    _check_planned(run, MESA_26_1, family, 1024)
 
 
 def test_reported_waves_follow_the_documented_rule(navi21, jobs):

@@ -739,8 +739,8 @@ COOPMAT_FEATURES = ["cooperativeMatrix", "shaderFloat16", "storageBuffer16BitAcc
 STUDY_KERNEL = Path(__file__).parent / "coopmat_tile.comp"
 MMA = 16                     # 16x16x16 multiply-adds: 2 * 16^3 flops each
 COOPMAT_SHAPE = "32/8 d128"  # the call modelled: prefill 512 from empty, float16
-# the scalar prefill's model time on an RX 7900 XTX in the Mesa 22.3 report (perf/RESULTS.md,
-# session 8): issue 22's baseline; its target is a third of it
+# the scalar prefill's model time on an RX 7900 XTX in the Mesa 22.3 report of session 8
+# (perf/RESULTS.md; 157.1 in today's perf/gpu_report.md): issue 22's baseline, its target a third
 SCALAR_PREFILL_7900XTX_MESA22_US = 155.5
 
 
@@ -894,9 +894,9 @@ def coopmat_markdown(report: dict) -> list:
            f"WMMA): the key loop's WMMA and VALU instructions (every VALU of the loop body, conditional "
            f"blocks included). Model: prefill {PREFILL} from empty, {COOPMAT_SHAPE}, float16 -- WMMA at the "
            f"datasheet float16 matrix rate + VALU at one wave64 instruction per CU and cycle, against "
-           f"memory; beside it the scalar kernel's model on this compiler and "
-           f"{SCALAR_PREFILL_7900XTX_MESA22_US} us on the RX 7900 XTX in the Mesa 22.3 report (issue 22's "
-           f"target: a third of it, {SCALAR_PREFILL_7900XTX_MESA22_US / 3:.1f} us).", "",
+           f"memory; beside it the scalar kernel's model on this compiler. Issue 22's baseline: the "
+           f"scalar prefill at {SCALAR_PREFILL_7900XTX_MESA22_US} us on an RX 7900 XTX (Mesa 22.3, "
+           f"session 8); its target a third of it, {SCALAR_PREFILL_7900XTX_MESA22_US / 3:.1f} us.", "",
            "| kernel | family | subgroup | VGPRs | spilled | LDS | waves/SIMD | WMMA / block | VALU / block "
            "| model us (bound) | scalar model us |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]

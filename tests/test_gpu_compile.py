@@ -273,6 +273,15 @@ def test_mechanism_errors_and_names(tmp_path, monkeypatch):
     assert vp.canonical_family("gfx1201") == "gfx1201"
 
 
+def test_a_private_radv_named_to_the_loader_comes_first(tmp_path, monkeypatch):
+    icd = _fake_mesa(tmp_path, "25.0.7", False)          # e.g. scripts/mesa25.sh's prefix
+    monkeypatch.setenv("VK_DRIVER_FILES", os.pathsep.join([str(tmp_path / "lvp_icd.json"), icd]))
+    assert vp.radeon_icd() == icd
+    monkeypatch.setenv("VKATTN_RADV_NULL", "")
+    monkeypatch.setattr(vp, "_library_dirs", lambda: ["/nonexistent"])
+    assert vp.null_mechanism().mesa == (25, 0, 7)
+
+
 def test_spirv_bindings(jobs):
     assert vp.spirv_bindings(jobs[0].spirv) == 13
     assert vp.spirv_bindings(jobs[-1].spirv) == 5

@@ -962,7 +962,13 @@ def canonical_family(family: str) -> str:
 
 def radeon_icd() -> Optional[str]:
     """Path of RADV's ICD manifest (radeon_icd.<arch>.json, or radeon_icd.json as in Mesa 26),
-    or None where RADV is not installed."""
+    or None where RADV is not installed. A RADV manifest named in VK_DRIVER_FILES /
+    VK_ICD_FILENAMES comes first (a private Mesa, e.g. scripts/mesa25.sh's)."""
+    for var in ("VK_DRIVER_FILES", "VK_ICD_FILENAMES"):
+        named = [p for p in os.environ.get(var, "").split(os.pathsep)
+                 if os.path.basename(p).startswith("radeon_icd") and os.path.isfile(p)]
+        if named:
+            return named[0]
     dirs = [d for d in os.environ.get("XDG_DATA_DIRS", "/usr/local/share:/usr/share").split(":")
             if d] + ["/usr/share", "/usr/local/share"]
     found = []
@@ -1480,6 +1486,8 @@ def main(argv: Optional[list] = None) -> int:
         if args.json:
             print(json.dumps(report, indent=1))
             return 0
+        if not args.device:
+            print(f"compiler: {null_mechanism().describe()}")
         for label, sup in report.items():
             if "unavailable" in sup:
                 print(f"{label}: unavailable ({sup['unavailable']})")

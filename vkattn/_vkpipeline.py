@@ -38,8 +38,10 @@ says which were enabled and which were not.
 Mesa 26.1 (measured through the drm-shim): compute is still wave64 by default on every family,
 "Subgroups per SIMD" still counts wave32 slots on gfx10+ (16 slots per SIMD on gfx10.3, gfx11
 and gfx12: a small wave64 kernel reports 32, its wave32 build 16), and ACO adds static VALU, SALU,
-VMEM, SMEM and VOPD counts to its statistics. The rule below is 22.3's; :func:`radv_waves_per_simd`
-is not checked against 26.
+VMEM, SMEM and VOPD counts to its statistics. The rule below is 22.3's; one difference was
+measured on 26.1 -- a wave32 pipeline no longer gets twice the wave slots of a wave64 one -- and
+``radv_waves_per_simd(..., mesa=(26, 1))`` applies it (tests/test_gpu_compile.py checks it
+against the driver on navi21).
 
 Reading RADV's numbers (Mesa 22.3, read from its source: radv_shader.c ``radv_get_max_waves``,
 radv_pipeline.c ``radv_GetPipelineExecutableStatisticsKHR``, ac_gpu_info.c and the null winsys,

@@ -205,8 +205,11 @@ def test_child_environment(monkeypatch):
     monkeypatch.setenv("AMDGPU_GPU_ID", "navi10")
     monkeypatch.setenv("LD_PRELOAD", "/x/libother.so")
     force = vp.NullMechanism(vp.FORCE_FAMILY, "/x/radeon_icd.json", (22, 3, 6))
-    env = vp._child_env("navi31", force, {"RADV_DEBUG": "nocache"})
-    assert env["RADV_FORCE_FAMILY"] == "gfx1100"          # RDNA3 in the null winsys' spelling
+    env = vp._child_env("gfx1100", force, {"RADV_DEBUG": "nocache"})
+    assert env["RADV_FORCE_FAMILY"] == "gfx1100"
+    # RDNA3's two names: 22.3's null winsys knows gfx1100, 25's navi31; the drm-shim code names only
+    assert force.spellings("navi31") == ["navi31", "gfx1100"] and force.spellings("GFX1100") == ["gfx1100", "navi31"]
+    assert force.spellings("navi21") == ["navi21"]
     assert env["VK_DRIVER_FILES"] == env["VK_ICD_FILENAMES"] == "/x/radeon_icd.json"
     assert "VK_INSTANCE_LAYERS" not in env and env["VK_LOADER_LAYERS_DISABLE"] == "~all~"
     assert "RADV_PERFTEST" not in env and env["RADV_DEBUG"] == "nocache"
@@ -214,6 +217,7 @@ def test_child_environment(monkeypatch):
     shim = vp.NullMechanism(vp.DRM_SHIM, "/x/radeon_icd.json", (26, 1, 6), "/x/libamdgpu_noop_drm_shim.so")
     env = vp._child_env("gfx1100", shim, None)
     assert env["AMDGPU_GPU_ID"] == "navi31" and "RADV_FORCE_FAMILY" not in env
+    assert shim.spellings("gfx1100") == ["navi31", "gfx1100"]
     assert env["LD_PRELOAD"] == "/x/libamdgpu_noop_drm_shim.so /x/libother.so"    # shim first
     assert vp._child_env("gfx1201", shim, None)["AMDGPU_GPU_ID"] == "gfx1201"
     with pytest.raises(RuntimeError, match="no AMD compiler"):

@@ -950,8 +950,9 @@ FORCE_FAMILY, DRM_SHIM = "force-family", "drm-shim"
 DRM_SHIM_LIBRARY = "libamdgpu_noop_drm_shim.so"
 #: the first Mesa without RADV_FORCE_FAMILY ("removed. Please use AMDGPU drm-shim now.")
 _MESA_WITHOUT_FORCE_FAMILY = (26, 0)
-#: the two mechanisms name RDNA3 chips differently: RADV_FORCE_FAMILY (Mesa <= 25) takes the gfx
-#: name, the drm-shim's AMDGPU_GPU_ID the code name; either spelling works with either mechanism
+#: RDNA3 chips have two names: Mesa 22.3's RADV_FORCE_FAMILY takes the gfx name (gfx1100), Mesa
+#: 25's the code name (navi31), as does the drm-shim's AMDGPU_GPU_ID; either spelling is accepted
+#: and the one the installed Mesa knows is used (NullMechanism.spellings)
 _GFX_NAME = {"navi31": "gfx1100", "navi32": "gfx1101", "navi33": "gfx1102"}
 _CODE_NAME = {v: k for k, v in _GFX_NAME.items()}
 
@@ -1074,11 +1075,20 @@ class NullMechanism:
         """What the child's device name contains (the loader sees RADV's manifest alone)."""
         return NULL_DEVICE if self.kind == FORCE_FAMILY else "RADV"
 
-    def family_id(self, family: str) -> str:
-        """``family`` as this mechanism spells it."""
+    def spellings(self, family: str) -> list:
+        """The names to try for ``family``, in order: as given, then its other spelling (RADV_FORCE_FAMILY:
+        22.3 knows gfx1100, 25 navi31); the drm-shim knows code names only, so those first."""
         family = family.lower()
-        return _GFX_NAME.get(family, family) if self.kind == FORCE_FAMILY else \
-            _CODE_NAME.get(family, family)
+        other = _GFX_NAME.get(family) or _CODE_NAME.get(family)
+        names = [family] + ([other] if other else [])
+        if self.kind == DRM_SHIM:
+            names.sort(key=lambda n: n not in _GFX_NAME)
+        return names
+
+    def family_id(self, family: str) -> str:
+        """``family`` as this mechanism spells it (the spelling the installed Mesa accepted where
+        :func:`family_stats` has tried, else the first of :meth:`spellings`)."""
+        return _spelled.get((self, family.lower())) or self.spellings(family)[0]
 
     def env(self, family: str) -> dict:
         """The variables that make RADV's device ``family`` (set before the loader loads)."""
@@ -1099,6 +1109,21 @@ class NullMechanism:
 
 
 _MECHANISMS = (FORCE_FAMILY, DRM_SHIM)
+_spelled: dict = {}     # (mechanism, family) -> the spelling the installed Mesa accepted
+
+
+def _spell(mechanism: "NullMechanism", family: str, works) -> bool:
+    """Try :meth:`NullMechanism.spellings` of ``family`` with ``works(spelling)`` (True: a device
+    appeared) and remember the first that works; False where none does."""
+    key = (mechanism, family.lower())
+    if key in _spelled:
+        return True
+    for name in mechanism.spellings(family):
+        _spelled[key] = name
+        if works(name):
+            return True
+        del _spelled[key]
+    return False
 
 
 def null_mechanism(icd: Optional[str] = None) -> NullMechanism:
@@ -1238,9 +1263,21 @@ def family_stats(families: Iterable[str], jobs, features: Iterable[str] = (), ir
             out[family] = CompileResult(available=False, reason=mechanism.reason)
             continue
         run, todo = None, list(jobs)
+        tried = []
+
+        def attempt(_name):       # the first child, under each spelling until a device appears
+            tried.append(_run_child(family, todo, features, ir, mechanism, env, timeout))
+            return tried[-1][0] is not None
+
+        if not _spell(mechanism, family, attempt):
+            failure = tried[-1][2] if tried else ""
+            out[family] = CompileResult(available=False, reason=failure or "no device appeared")
+            continue
+        pending = tried[-1] if tried else None
         while True:
-            header, results, failure = _run_child(family, todo, features, ir, mechanism, env,
-                                                  timeout)
+            header, results, failure = pending or _run_child(family, todo, features, ir, mechanism,
+                                                             env, timeout)
+            pending = None
             if header is None:      # no device: unknown family, no RADV, or a broken driver
                 out[family] = run or CompileResult(available=False, reason=failure or
                                                    "no null device appeared")
@@ -1277,16 +1314,23 @@ def family_device_info(family: str, env: Optional[dict] = None, timeout: float =
     if not mechanism.available:
         return None
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vkinfo.py")
-    try:
-        proc = subprocess.run([sys.executable, "-I", "-S", script, "--json"], capture_output=True,
-                              text=True, timeout=timeout, env=_child_env(family, mechanism, env))
-        found = json.loads(proc.stdout or "null")
-    except (subprocess.TimeoutExpired, ValueError):
+    found = []
+
+    def probe(_name) -> bool:
+        try:
+            proc = subprocess.run([sys.executable, "-I", "-S", script, "--json"], capture_output=True,
+                                  text=True, timeout=timeout, env=_child_env(family, mechanism, env))
+            devices = json.loads(proc.stdout or "null")
+        except (subprocess.TimeoutExpired, ValueError):
+            return False
+        found[:] = [d for d in devices if mechanism.device_match.lower() in d["name"].lower()] \
+            if isinstance(devices, list) else []
+        return bool(found)
+
+    if not _spell(mechanism, family, probe) or (not found and not probe(None)):
         return None
-    for d in found if isinstance(found, list) else []:
-        if mechanism.device_match.lower() in d["name"].lower():
-            return DeviceInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-    return None
+    d = found[0]
+    return DeviceInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 def available_families(candidates: Optional[Iterable[str]] = None, refresh: bool = False,

@@ -5,7 +5,7 @@ environment before the Vulkan loader loads its drivers (:class:`NullMechanism`,
 :func:`null_mechanism` picks one):
 
 * Mesa up to 25: ``RADV_FORCE_FAMILY=<family>`` -- a physical device named ``Null hardware (RADV
-  <FAMILY>)`` (RDNA3 is spelled gfx1100, gfx1101, gfx1102).
+  <FAMILY>)`` (RDNA3 is spelled gfx1100 in 22.3, navi31 in 25).
 * Mesa 26 removed RADV_FORCE_FAMILY ("Please use AMDGPU drm-shim now"): ``LD_PRELOAD=<AMDGPU's
   drm-shim, libamdgpu_noop_drm_shim.so> AMDGPU_GPU_ID=<family>`` (Debian: mesa-drm-shim) --
   RADV opens a fake amdgpu device and names it as the product, e.g. ``AMD Radeon RX 7900 XTX

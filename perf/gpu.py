@@ -319,7 +319,8 @@ def _attn_traffic(cfg, pipe, f, call: Call, seqs: list, hq: int, row: int) -> Di
     pv = 16 * f._dv4 * f._ch
     reads = writes = unique = 0
     steps = []
-    step_keys = cfg.cols * cfg.kb if cfg.kernel == "tile" else cfg.wg
+    step_keys = (cfg.cols * cfg.kb if cfg.kernel == "tile" else
+                 getattr(cfg, "bc", 0) or cfg.wg if cfg.kernel == "coopmat" else cfg.wg)
     for past, n_new, q_len in seqs:
         T = past + n_new
         wgs = _ranges(cfg, past, n_new, q_len, call.window, call.n_sink)
@@ -521,11 +522,13 @@ def times(pc: Planned, gpu: GPU, stats: dict | None) -> dict:
     key loop's typical pass times its passes, the rest once) at one wave64 VALU instruction per CU
     and cycle -- GCN runs one on each of 4 SIMD16 in 4 cycles, RDNA on each of 2 SIMD32 in 2
     passes (RDNA3's dual issue is not counted: an upper bound there) -- and no faster than the
-    longest workgroup's own instruction stream on one SIMD (4 or 2 cycles per instruction)."""
+    longest workgroup's own instruction stream on one SIMD (4 or 2 cycles per instruction). A
+    pipeline with matrix instructions (attn_coopmat.comp) adds their time at the GPU's float16
+    matrix rate (they issue through the VALU: the two add)."""
     unique = sum(d.unique for d in pc.dispatches)
     t = {"mem_us": unique / (gpu.bandwidth_gbs * 1e3), "flop_us": pc.flops / (gpu.fp32_tflops * 1e6)}
     if stats is not None:
-        wave_instr, critical = 0, 0.0
+        wave_instr, critical, matrix_us = 0, 0.0, 0.0
         cycles = 4 if ARCH[vp.canonical_family(gpu.family)] == "gcn" else 2
         for d in pc.dispatches:
             st = stats.get(_job_name(d.pipeline), {})
@@ -536,9 +539,13 @@ def times(pc: Planned, gpu: GPU, stats: dict | None) -> dict:
                 loop, rest = st["valu"], st["valu_total"] - st["valu"] - st["valu_cond"]
                 wave_instr += waves * (loop * sum(d.steps) + rest * len(d.steps))
                 critical = max(critical, (loop * max(d.steps) + rest) * cycles)
+                if st.get("wmma") and gpu.f16_matrix_tflops:
+                    subgroups = max(1, _wg_size(d) // (st.get("subgroup_size") or 64))
+                    matrix_us += (subgroups * st["wmma"] * sum(d.steps) * 2 * MMA ** 3
+                                  / (gpu.f16_matrix_tflops * 1e6))
             else:
                 wave_instr += waves * st["valu_total"] * d.pipeline.groups[0]
-        t["issue_us"] = max(wave_instr / gpu.cus, critical) / (gpu.clock_ghz * 1e3)
+        t["issue_us"] = max(wave_instr / gpu.cus, critical) / (gpu.clock_ghz * 1e3) + matrix_us
     return _decide(t)
 
 
@@ -748,10 +755,11 @@ SCALAR_PREFILL_7900XTX_MESA22_US = 155.5
 class CoopKernel:
     """A cooperative-matrix prefill pipeline and what its key loop covers.
 
-    ``tile_rows`` query rows of one head per workgroup, ``step_keys`` keys per loop pass of a
+    ``tile_rows`` query rows of each head per workgroup, ``heads_per_group`` query heads one
+    workgroup serves (GQA folded into the matrix rows), ``step_keys`` keys per loop pass of a
     workgroup, ``waves`` subgroups per workgroup, ``blocks_per_pass``: 16x16 (rows x keys) blocks
     of S one subgroup computes per pass of the loop (None: derived from the loop's WMMA count, 2 x
-    head_dim / 16 per block). ``heads_per_group``: query heads one workgroup serves (GQA folded)."""
+    head_dim / 16 per block)."""
     label: str
     job: object
     tile_rows: int = 16
@@ -778,11 +786,17 @@ def _coopmat_kernels(fam: str, info) -> list:
             if "coopmat" in d.pipeline.shader:
                 p, cfg = d.pipeline, d.cfg
                 hq, hkv, _ = SHAPES[COOPMAT_SHAPE]
-                out.append(CoopKernel(f"vkattn {_job_name(p)}", vp.Job(_job_name(p), compile_shader(p.shader, p.defines),
-                                                                         list(p.spec), p.bindings),
-                                      tile_rows=getattr(cfg, "bq", 16), step_keys=16,
-                                      waves=max(1, _wg_size(d) // max(1, info.subgroup_size)),
-                                      blocks_per_pass=None, heads_per_group=hq // hkv))
+                sg = getattr(cfg, "sg", 0) or info.subgroup_size
+                waves = max(1, _wg_size(d) // max(1, sg))
+                br, bc = getattr(cfg, "br", 0), getattr(cfg, "bc", 0)
+                m, n = (tuple(getattr(cfg, "mnk", ())) + (MMA, MMA))[:2]
+                per_pass = (br // m) * (bc // n) * (m * n / 256) / waves if br and bc else None
+                job = vp.Job(_job_name(p), compile_shader(p.shader, p.defines), list(p.spec), p.bindings,
+                             subgroup_size=getattr(cfg, "sg", 0) or None,
+                             full_subgroups=bool(getattr(cfg, "sg", 0)))
+                out.append(CoopKernel(f"vkattn {_job_name(p)}", job, tile_rows=getattr(cfg, "bq", 16),
+                                      step_keys=bc or MMA, waves=waves, blocks_per_pass=per_pass,
+                                      heads_per_group=hq // hkv))
             else:
                 note = f"VKATTN_KERNEL=coopmat planned {d.pipeline.shader}, not a cooperative-matrix kernel"
         except Exception as exc:      # reported in the table, the study kernel stands in
@@ -799,14 +813,15 @@ def _coopmat_kernels(fam: str, info) -> list:
     return out
 
 
-def causal_blocks(q_len: int, tile_rows: int, step_keys: int) -> int:
-    """16x16 blocks of S one head's causal prefill of ``q_len`` rows from an empty cache computes
-    with query tiles of ``tile_rows`` rows walking keys ``step_keys`` at a time up to the tile's
-    last row (the diagonal tile computed whole)."""
+def causal_blocks(q_len: int, tile_rows: int, step_keys: int, group: int = 1) -> int:
+    """16x16 blocks of S a causal prefill of ``q_len`` rows from an empty cache computes for one
+    workgroup column: query tiles of ``tile_rows`` rows of each of ``group`` heads (folded into
+    group x tile_rows matrix rows) walking keys ``step_keys`` at a time up to the tile's last row
+    (the diagonal tile computed whole)."""
     total = 0
     for t in range(-(-q_len // tile_rows)):
         kend = min(q_len, (t + 1) * tile_rows)
-        total += -(-tile_rows // 16) * (-(-kend // step_keys) * step_keys // 16)
+        total += -(-group * tile_rows // 16) * (-(-kend // step_keys) * step_keys // 16)
     return total
 
 
@@ -820,8 +835,9 @@ def coopmat_model(st: dict, k: CoopKernel, gpu: GPU, unique_bytes: int, d: int =
         return None
     hq, hkv, _ = SHAPES[COOPMAT_SHAPE]
     per_pass = k.blocks_per_pass or st["wmma"] / (2 * d / MMA)
-    blocks = causal_blocks(PREFILL, k.tile_rows, k.step_keys) * hq
-    waves = -(-PREFILL // k.tile_rows) * hq // k.heads_per_group * k.waves
+    columns = hq // k.heads_per_group              # workgroup columns: heads, or KV heads with GQA folded
+    blocks = causal_blocks(PREFILL, k.tile_rows, k.step_keys, k.heads_per_group) * columns
+    waves = -(-PREFILL // k.tile_rows) * columns * k.waves
     wmma_block = st["wmma"] / per_pass
     valu_block = st["loop_valu"] / per_pass
     rest = max(0, st["valu_total"] - st["loop_valu"])

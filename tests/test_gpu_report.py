@@ -25,21 +25,23 @@ def test_report_files_per_mesa():
     assert pg.report_stem((25, 0, 7)) == "gpu_report_mesa25"
 
 
-def _brute_blocks(q_len, tile_rows, step_keys):
-    """16x16 blocks touched, counted one (row block, key block) pair at a time."""
+def _brute_blocks(q_len, tile_rows, step_keys, group=1):
+    """16x16 blocks touched, counted one (row block, key block) pair at a time; ``group`` heads'
+    rows stacked into one workgroup's matrix rows."""
     seen = 0
     for t0 in range(0, q_len, tile_rows):
         kend = min(q_len, t0 + tile_rows)
         steps = -(-kend // step_keys)
-        for r in range(t0, t0 + tile_rows, 16):
+        for r in range(0, group * tile_rows, 16):
             for k in range(0, steps * step_keys, 16):
                 seen += 1
     return seen
 
 
-@pytest.mark.parametrize("tile_rows, step_keys", [(16, 16), (16, 64), (64, 16), (32, 32)])
-def test_causal_blocks(tile_rows, step_keys):
-    assert pg.causal_blocks(512, tile_rows, step_keys) == _brute_blocks(512, tile_rows, step_keys)
+@pytest.mark.parametrize("tile_rows, step_keys, group", [(16, 16, 1), (16, 64, 1), (64, 16, 1), (32, 32, 1),
+                                                         (8, 32, 4), (4, 32, 2)])
+def test_causal_blocks(tile_rows, step_keys, group):
+    assert pg.causal_blocks(512, tile_rows, step_keys, group) == _brute_blocks(512, tile_rows, step_keys, group)
 
 
 def test_coopmat_model_adds_matrix_and_valu_time():
@@ -151,14 +153,19 @@ def test_coopmat_hook_takes_vkattn_kernel_when_it_exists(tmp_path, monkeypatch):
     def planner(dev, call):
         seen["kernel"] = os.environ.get("VKATTN_KERNEL")
         pipe = SimpleNamespace(shader="attn_coopmat", defines={}, spec=(32,), bindings=5)
-        attn = pg.Dispatch("attn", pipe, SimpleNamespace(bq=16))
+        # the study kernel's tile in the planner's terms: one subgroup of 32, 16 rows x 16 keys
+        cfg = SimpleNamespace(kernel="coopmat", bq=4, br=16, bc=16, sg=32, mnk=(16, 16, 16))
+        attn = pg.Dispatch("attn", pipe, cfg)
         return pg.Planned(call, [attn], 1, 0, 0, 0.0)
 
     monkeypatch.setattr(pg, "plan_call", planner)
     (row,) = pg.coopmat_study([fam], _report(fam))[fam]["kernels"]
     assert seen["kernel"] == "coopmat" and "VKATTN_KERNEL" not in os.environ
     assert row["label"].startswith("vkattn attn_coopmat"), row
-    assert row["stats"]["wmma"] == 16 and "error" not in row
+    assert "error" not in row and row["stats"]["wmma"] == 16 and row["stats"]["subgroup_size"] == 32
+    (model,) = [t for t in row["model"].values()]
+    # 4 rows of each of the 4 grouped heads per workgroup: 8 KV heads x the blocks of that tiling
+    assert model["blocks"] == 8 * _brute_blocks(512, 4, 16, 4) and model["wmma_per_block"] == 16
 
     def refuses(dev, call):
         raise ValueError("VKATTN_KERNEL='coopmat': expected 'tile' or 'lane'")

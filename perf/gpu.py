@@ -32,6 +32,7 @@ on any other Mesa (perf/gpu_report_mesa26.* from Debian 13 with trixie-backports
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -407,17 +408,36 @@ STAT_KEYS = ("VGPRs", "SGPRs", "Spilled VGPRs", "Spilled SGPRs", "Scratch size",
              "Subgroups per SIMD", "Instructions")
 
 
+def _is_coopmat(cfg) -> bool:
+    return getattr(cfg, "kernel", "") == "coopmat"
+
+
+def pipeline_job(name: str, p, cfg=None, src_dir=None):
+    """The vp.Job of a planned pipeline. attn_coopmat.comp's pipelines are pinned to the subgroup
+    size its config names (cfg.sg, full subgroups), as the caches create them: compiled at another
+    size the kernel runs no matrix (it checks) and the statistics would be a dead shader's."""
+    sg = getattr(cfg, "sg", 0) if _is_coopmat(cfg) else 0
+    return vp.Job(name, compile_shader(p.shader, p.defines, src_dir=src_dir), list(p.spec), p.bindings,
+                  subgroup_size=sg or None, full_subgroups=bool(sg))
+
+
+def _features_for(cfgs) -> list:
+    """The optional features a set of pipelines needs enabled: the cooperative-matrix ones where one
+    of them is attn_coopmat.comp (none otherwise: enabling a feature changes no other shader)."""
+    return list(COOPMAT_FEATURES) if any(_is_coopmat(c) for c in cfgs) else []
+
+
 def compile_family(family: str, planned_calls) -> dict:
     """{job name: stats + key loop} for every distinct pipeline of the calls, on ``family``."""
-    jobs, seen = [], set()
+    jobs, cfgs, seen = [], [], set()
     for pc in planned_calls:
         for disp in pc.dispatches:
             key = _job_key(disp.pipeline)
             if key not in seen:
                 seen.add(key)
-                p = disp.pipeline
-                jobs.append(vp.Job(_job_name(p), compile_shader(p.shader, p.defines), list(p.spec), p.bindings))
-    res = vp.family_stats([family], jobs, ir=True)[family]
+                jobs.append(pipeline_job(_job_name(disp.pipeline), disp.pipeline, disp.cfg))
+                cfgs.append(disp.cfg)
+    res = vp.family_stats([family], jobs, features=_features_for(cfgs), ir=True)[family]
     out = {}
     for jr in res.jobs:
         if not jr.ok:
@@ -461,19 +481,20 @@ def audit_asm(asm: str, rules=AUDIT_RULES) -> dict:
     return out
 
 
-def numerics_audit(family: str, pipelines=None, src_dir=None) -> dict:
+def numerics_audit(family: str, pipelines=None, src_dir=None, cfgs=None) -> dict:
     """The numerics audit on ``family``: numerics_probe.comp's exact helpers (every rule), the
     planned append pipelines (every rule: they only store) and every other planned pipeline (the
     float->half rules: nothing else in them converts to half). ``pipelines``: {name: Pipeline} as
     planned for the report (default none); ``src_dir``: another shader tree (e.g. an older
-    checkout's, to measure it). Returns {"probes": {what: {rule: n}}, "pipelines": {name: {rule: n}},
+    checkout's, to measure it); ``cfgs``: {name: AttnConfig} of attention pipelines (the
+    cooperative-matrix kernel's subgroup pin). Returns {"probes": {what: {rule: n}}, "pipelines": {name: {rule: n}},
     "native_decode": {instruction: n}, "flagged": total, "error": ...}."""
     jobs = [vp.Job(what, compile_shader("numerics_probe", d, src_dir=src_dir), [64, 2], 4)
             for what, d in NUMERICS_PROBES + [NATIVE_DECODE]]
     pipelines = pipelines or {}
     for name, p in pipelines.items():
-        jobs.append(vp.Job(name, compile_shader(p.shader, p.defines, src_dir=src_dir), list(p.spec), p.bindings))
-    res = vp.family_stats([family], jobs, ir=True)[family]
+        jobs.append(pipeline_job(name, p, (cfgs or {}).get(name), src_dir))
+    res = vp.family_stats([family], jobs, features=_features_for((cfgs or {}).values()), ir=True)[family]
     out = {"probes": {}, "pipelines": {}, "native_decode": {}, "flagged": 0}
     if not res.available:
         return {**out, "error": res.reason}
@@ -581,7 +602,8 @@ def build(families=None, mechanism=None) -> dict:
         stats = compile_family(fam, planned)
         report["families"][fam] = {"available": True, "device": info.name, "driver_version": info.driver_version}
         pipes = {_job_name(d.pipeline): d.pipeline for pc in planned for d in pc.dispatches}
-        report.setdefault("numerics_audit", {})[fam] = numerics_audit(fam, pipes)
+        cfgs = {_job_name(d.pipeline): d.cfg for pc in planned for d in pc.dispatches if d.cfg is not None}
+        report.setdefault("numerics_audit", {})[fam] = numerics_audit(fam, pipes, cfgs=cfgs)
         for name, st in stats.items():
             report["pipelines"].setdefault(name, {})[fam] = st
     ref_fam = next(iter(plans), None)
@@ -626,9 +648,11 @@ def occupancy_table(report: dict) -> list:
             pf = entry["per_family"].get(fam)
             if pf is None:
                 continue
-            st = report["pipelines"][pf["pipelines"][-1]][fam]
-            rows.append((f"{key[0]} float16 head_dim {key[1]}", fam, st.get("Subgroups per SIMD"), want,
-                         st.get("VGPRs"), st.get("LDS size")))
+            name = pf["pipelines"][-1]
+            st = report["pipelines"][name][fam]
+            shader = name.split("[", 1)[0]
+            rows.append((f"{key[0]} float16 head_dim {key[1]}" + ("" if shader == "attn" else f" ({shader})"), fam,
+                         st.get("Subgroups per SIMD"), want, st.get("VGPRs"), st.get("LDS size")))
     return rows
 
 
@@ -770,6 +794,33 @@ class CoopKernel:
     note: str = ""
 
 
+@contextlib.contextmanager
+def _kernel_env(kernel: str):
+    """VKATTN_KERNEL=kernel for the planner inside, restored after."""
+    old = os.environ.get("VKATTN_KERNEL")
+    os.environ["VKATTN_KERNEL"] = kernel
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("VKATTN_KERNEL", None)
+        else:
+            os.environ["VKATTN_KERNEL"] = old
+
+
+def _prefill_call() -> Call:
+    return Call(f"prefill {PREFILL}", COOPMAT_SHAPE, "float16", "forward", s=PREFILL, n_new=PREFILL)
+
+
+def _scalar_prefill_model(fam: str, info, gpus) -> dict:
+    """{gpu: model us} of the prefill on attn.comp (VKATTN_KERNEL=tile), for the comparison where
+    the report's own plan of the call took another kernel."""
+    with _kernel_env("tile"):
+        pc = plan_call(PlanningDevice(info), _prefill_call())
+    stats = compile_family(fam, [pc])
+    return {g.name: times(pc, g, stats)["model_us"] for g in gpus}
+
+
 def _coopmat_kernels(fam: str, info) -> list:
     """vkattn's cooperative-matrix prefill pipeline for the modelled call where the package has one
     (shaders/attn_coopmat.comp, planned by the caches' own planner with VKATTN_KERNEL=coopmat), else
@@ -777,11 +828,9 @@ def _coopmat_kernels(fam: str, info) -> list:
     from vkattn.compiler import shader_dir
     out, note = [], ""
     if (shader_dir() / "attn_coopmat.comp").is_file():
-        old = os.environ.get("VKATTN_KERNEL")
-        os.environ["VKATTN_KERNEL"] = "coopmat"
         try:
-            pc = plan_call(PlanningDevice(info), Call(f"prefill {PREFILL}", COOPMAT_SHAPE, "float16", "forward",
-                                                      s=PREFILL, n_new=PREFILL))
+            with _kernel_env("coopmat"):
+                pc = plan_call(PlanningDevice(info), _prefill_call())
             d = next(x for x in pc.dispatches if x.role == "attn")
             if "coopmat" in d.pipeline.shader:
                 p, cfg = d.pipeline, d.cfg
@@ -791,9 +840,7 @@ def _coopmat_kernels(fam: str, info) -> list:
                 br, bc = getattr(cfg, "br", 0), getattr(cfg, "bc", 0)
                 m, n = (tuple(getattr(cfg, "mnk", ())) + (MMA, MMA))[:2]
                 per_pass = (br // m) * (bc // n) * (m * n / 256) / waves if br and bc else None
-                job = vp.Job(_job_name(p), compile_shader(p.shader, p.defines), list(p.spec), p.bindings,
-                             subgroup_size=getattr(cfg, "sg", 0) or None,
-                             full_subgroups=bool(getattr(cfg, "sg", 0)))
+                job = pipeline_job(_job_name(p), p, cfg)
                 out.append(CoopKernel(f"vkattn {_job_name(p)}", job, tile_rows=getattr(cfg, "bq", 16),
                                       step_keys=bc or MMA, waves=waves, blocks_per_pass=per_pass,
                                       heads_per_group=hq // hkv))
@@ -801,11 +848,6 @@ def _coopmat_kernels(fam: str, info) -> list:
                 note = f"VKATTN_KERNEL=coopmat planned {d.pipeline.shader}, not a cooperative-matrix kernel"
         except Exception as exc:      # reported in the table, the study kernel stands in
             note = f"vkattn's cooperative-matrix kernel could not be planned: {type(exc).__name__}: {exc}"
-        finally:
-            if old is None:
-                os.environ.pop("VKATTN_KERNEL", None)
-            else:
-                os.environ["VKATTN_KERNEL"] = old
     if not out:
         out.append(CoopKernel("study kernel perf/coopmat_tile.comp",
                               vp.Job("coopmat_tile", compile_shader("coopmat_tile", {}, src_dir=STUDY_KERNEL.parent)),
@@ -877,6 +919,10 @@ def coopmat_study(families, report: dict, mechanism=None) -> dict:
         gpus = [g for g in REFERENCE_GPUS if same_chip(g.family, fam)]
         pf = entry["per_family"].get(fam) if entry else None
         unique = pf["unique_bytes"] if pf else 0
+        if pf and not (pf.get("pipelines") or ["attn["])[-1].startswith("attn["):
+            scalar = _scalar_prefill_model(fam, info, gpus)    # the report planned another kernel
+        else:
+            scalar = {g.name: pf["times"][g.name]["model_us"] for g in gpus if pf and g.name in pf["times"]}
         rows = []
         for k, jr in zip(kernels, res.jobs):
             row = {"label": k.label, "note": k.note}
@@ -885,8 +931,7 @@ def coopmat_study(families, report: dict, mechanism=None) -> dict:
             else:
                 st = row["stats"] = _stats_of(jr)
                 row["model"] = {g.name: coopmat_model(st, k, g, unique) for g in gpus}
-                row["scalar_model_us"] = {g.name: pf["times"][g.name]["model_us"] for g in gpus
-                                          if pf and g.name in pf["times"]}
+                row["scalar_model_us"] = scalar
             rows.append(row)
         cm1 = (report.get("llama_cpp") or {}).get("cm1", {}).get(fam)
         llama = None

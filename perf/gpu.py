@@ -100,9 +100,9 @@ LLAMA_CPP = {
                         "prefill 128": {"polaris10": 2, "vega10": 3, "navi10": 8, "navi21": 8, "gfx1100": 8,
                                         "gfx1201": 8}},
               "cm1": {"gfx1100": {"VGPRs": 96, "LDS size": 16384, "Subgroups per SIMD": 16, "Spilled VGPRs": 0,
-                                  "subgroup_size": 64, "wmma": 16, "loop_valu": 434, "valu_total": 990},
+                                  "subgroup_size": 64, "wmma": 16, "loop_valu": 434, "valu_cond": 434, "valu_total": 990},
                       "gfx1201": {"VGPRs": 96, "LDS size": 16384, "Subgroups per SIMD": 16, "Spilled VGPRs": 0,
-                                  "subgroup_size": 64, "wmma": 16, "loop_valu": 363, "valu_total": 866}}},
+                                  "subgroup_size": 64, "wmma": 16, "loop_valu": 363, "valu_cond": 363, "valu_total": 866}}},
 }
 
 
@@ -890,7 +890,8 @@ def coopmat_model(st: dict, k: CoopKernel, gpu: GPU, unique_bytes: int, d: int =
     t["issue_us"] = t["matrix_us"] + t["valu_us"]
     t["model_us"] = max(t["issue_us"], t["mem_us"])
     t["bound"] = "issue" if t["issue_us"] >= t["mem_us"] else "mem"
-    t.update(blocks=blocks, wmma_per_block=wmma_block, valu_per_block=valu_block)
+    t.update(blocks=blocks, wmma_per_block=wmma_block, valu_per_block=valu_block,
+             branch_valu_per_block=st.get("valu_cond", 0) / per_pass)
     return t
 
 
@@ -952,8 +953,11 @@ def coopmat_markdown(report: dict) -> list:
     out = ["", "### Cooperative matrices (VK_KHR_cooperative_matrix, 16x16x16 float16 -> float32): prefill",
            "",
            f"Per 16x16 block of S (16 query rows x 16 keys; S = QK^T and O += PV at head_dim 128 take 16 "
-           f"WMMA): the key loop's WMMA and VALU instructions (every VALU of the loop body, conditional "
-           f"blocks included). Model: prefill {PREFILL} from empty, {COOPMAT_SHAPE}, float16 -- WMMA at the "
+           f"WMMA): the key loop's WMMA and VALU instructions, every instruction of the loop body counted "
+           f"once (static; in brackets the VALU inside its forward branches -- a rescale taken rarely, or a "
+           f"guard every pass takes), divided by the 16x16 blocks one subgroup computes per pass. Where not "
+           f"every pass or subgroup runs every branch this is an upper bound, and so is the model: prefill "
+           f"{PREFILL} from empty, {COOPMAT_SHAPE}, float16 -- WMMA at the "
            f"datasheet float16 matrix rate + VALU at one wave64 instruction per CU and cycle, against "
            f"memory; beside it the scalar kernel's model on this compiler. Issue 22's baseline: the "
            f"scalar prefill at {SCALAR_PREFILL_7900XTX_MESA22_US} us on an RX 7900 XTX (Mesa 22.3, "
@@ -965,7 +969,8 @@ def coopmat_markdown(report: dict) -> list:
     def line(label, fam, st, model, scalar=None):
         models = "; ".join(f"{g}: {t['model_us']:.1f} ({t['bound']})" for g, t in model.items() if t) or "-"
         m = next((t for t in model.values() if t), None)
-        per = (f"{m['wmma_per_block']:g} | {m['valu_per_block']:.0f}" if m else f"{st.get('wmma')} | -")
+        per = (f"{m['wmma_per_block']:g} | {m['valu_per_block']:.0f} ({m['branch_valu_per_block']:.0f})" if m
+               else f"{st.get('wmma')} | -")
         sc = "; ".join(f"{v:.1f}" for v in (scalar or {}).values()) or "-"
         return (f"| {label} | {fam} | {st['subgroup_size']} | {st['VGPRs']} | {st['Spilled VGPRs']} | "
                 f"{st['LDS size']} | {st['Subgroups per SIMD']} | {per} | {models} | {sc} |")

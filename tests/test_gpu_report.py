@@ -45,11 +45,12 @@ def test_causal_blocks(tile_rows, step_keys, group):
 
 
 def test_coopmat_model_adds_matrix_and_valu_time():
-    st = {"wmma": 16, "loop_valu": 200, "valu_total": 260, "subgroup_size": 32}
+    st = {"wmma": 16, "loop_valu": 200, "valu_cond": 50, "valu_total": 260, "subgroup_size": 32}
     k = pg.CoopKernel("x", None, tile_rows=16, step_keys=16, waves=1, blocks_per_pass=1)
     t = pg.coopmat_model(st, k, XTX, unique_bytes=0)
     blocks = 32 * _brute_blocks(512, 16, 16)
     assert t["blocks"] == blocks and t["wmma_per_block"] == 16 and t["valu_per_block"] == 200
+    assert t["branch_valu_per_block"] == 50
     flops = blocks * 16 * 2 * 16 ** 3
     assert t["matrix_us"] == pytest.approx(flops / (XTX.f16_matrix_tflops * 1e6))
     waves = 32 * 32                               # 32 row tiles x 32 heads, one wave each

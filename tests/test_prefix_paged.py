@@ -228,3 +228,19 @@ def test_a_rejected_forward_evicts_nothing(device, rng):
         c.check_fits([t], [5])
     c.check_fits([t], [4])                                           # fits: evicts the last cached block
     c.close()
+
+
+def test_perf_prefix_case_small(device, monkeypatch):
+    """``python -m perf prefix`` on a tiny shape: both rows verified, the hit reuses the whole
+    prefix (no timing is asserted)."""
+    import perf.prefix
+    from perf.common import Shape
+    for name, value in (("VKATTN_PERF_PREFIX_LAYERS", "2"), ("VKATTN_PERF_PREFIX", "40"),
+                        ("VKATTN_PERF_PREFIX_OWN", "8"), ("VKATTN_PERF_CASE", "")):
+        monkeypatch.setenv(name, value)
+    shape = Shape(heads=4, kv_heads=2, head_dim=16, v_head_dim=16, dtype="float16", qlen=8, capacity=None,
+                  iters=4, warmup=0)
+    miss, hit = perf.prefix.run(shape, device)
+    assert miss.verified and hit.verified
+    assert hit.extra["cached_tokens"] == 32 and hit.extra["layers"] == 2
+    assert hit.value == miss.vkattn_ms / hit.vkattn_ms

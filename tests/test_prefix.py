@@ -536,6 +536,24 @@ def test_out_of_blocks_only_when_nothing_is_cached():
     pool.check()
 
 
+def test_evict_cached_keeps_the_plan_and_refuses_a_stale_one():
+    pool = BlockPool(3, 2)
+    s = filled(pool, [1, 1, 2, 2, 3])             # blocks 0, 1 registered
+    pool.remove(s)                                # 1, 0 cached; 2 free
+    t = pool.add()
+    plan = pool.plan_append([t], [6], token_ids=[[1, 1, 2, 2, 4, 4]])
+    assert plan.new_blocks == [[2, 1, 0]]
+    assert plan.evict_cached() == 2 and pool.cached_blocks == 0 and pool.free_blocks == 3
+    assert plan.evict_cached() == 0               # nothing left to evict; the plan is still valid
+    plan.commit()
+    assert pool.block_table(t) == [2, 1, 0] and pool.registered_blocks == 3
+    stale = pool.plan_append([t], [0])
+    pool.add()
+    with pytest.raises(RuntimeError, match="evict_cached: stale plan"):
+        stale.evict_cached()
+    pool.check()
+
+
 def test_cache_full_message_names_cached_blocks():
     pool = BlockPool(3, 2)
     s = pool.add()

@@ -139,10 +139,13 @@ class AppendPlan:
         """Evict the cached blocks among ``new_blocks`` now (unregister them; they stay available
         to this plan), before the device overwrites them: a call that fails between its writes and
         ``commit()`` then leaves no cached block holding other data than its hash says. Changes no
-        sequence, and neither ``free_blocks`` nor the plan's validity. Returns how many it evicted."""
+        sequence, and neither ``free_blocks`` nor the plan's validity. Returns how many it evicted.
+        Raises RuntimeError for a stale plan (its blocks may be anyone's now), changing nothing."""
         pool = self._pool
         if pool._version != self._version:
-            return 0
+            raise RuntimeError(
+                f"AppendPlan.evict_cached: stale plan: the pool changed since the plan was made "
+                f"(version {self._version}, pool at version {pool._version}); make a new plan")
         n = 0
         for blocks in self.new_blocks:
             for b in blocks:

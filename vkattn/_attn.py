@@ -197,21 +197,22 @@ class AttnPlan:
         self.cfg = cfg
         pv4 = c._dv4 * c._ch * 4
         nrows = hq * rows
-        self.q = be.buffer(hq * rows * c._dk4 * c._ch * 4, np.float32, name="q")
-        self.nk = be.buffer(hkv * max(nn, 1) * c._dk4 * c._ch * 4, np.float32, name="new_k")
-        self.nv = be.buffer(hkv * max(nn, 1) * c._dv4 * c._ch * 4, np.float32, name="new_v")
+        # scratch shared with every plan of the same sizes on this device (all layers of a model):
+        # each call fills, dispatches and copies out under the device's lock (Backend.shared_buffer)
+        buf = be.shared_buffer
+        self.q = buf(hq * rows * c._dk4 * c._ch * 4, np.float32, name="q")
+        self.nk = buf(hkv * max(nn, 1) * c._dk4 * c._ch * 4, np.float32, name="new_k")
+        self.nv = buf(hkv * max(nn, 1) * c._dv4 * c._ch * 4, np.float32, name="new_v")
         split = cfg.splits > 1
         self._counters = aux_words                  # split-K: one counter per (kv head, tile)
         self.aux = be.buffer(aux_words + (hkv * pipe.groups[1] if split else 0), np.uint32, name="aux")
-        self.out = be.buffer(nrows * c.v_head_dim, np.float32, name="out")
-        self.lse = be.buffer(nrows + 1, np.float32, name="lse")   # + attn.comp's subgroup size word
+        self.out = buf(nrows * c.v_head_dim, np.float32, name="out")
+        self.lse = buf(nrows + 1, np.float32, name="lse")   # + attn.comp's subgroup size word
         self.rope_dim = rope_dim
-        self.rope = be.buffer(max(rows, nn, 1) * max(rope_dim, 4), np.float32, name="rope_table")
+        self.rope = buf(max(rows, nn, 1) * max(rope_dim, 4), np.float32, name="rope_table")
         # split-K partials live on the device only: the kernel merges them itself
-        self.part = be.buffer(cfg.splits * nrows * pv4 if split else 1, np.float32, host_visible=False,
-                              name="partials")
-        self.ml = be.buffer(cfg.splits * nrows * 2 if split else 2, np.float32, host_visible=False,
-                            name="max_sum")
+        self.part = buf(cfg.splits * nrows * pv4 if split else 1, np.float32, host_visible=False, name="partials")
+        self.ml = buf(cfg.splits * nrows * 2 if split else 2, np.float32, host_visible=False, name="max_sum")
         inputs = [self.q, self.aux] + ([self.nk, self.nv] if nn else []) + ([self.rope] if rope_dim else [])
         bindings = [c._k, c._v, self.nk, self.nv, self.q, self.aux, self.out, self.part, self.ml, self.lse,
                     self.rope, c._ks, c._vs]
@@ -383,9 +384,13 @@ def aux_bucket(words: int) -> int:
 
 
 def put_rows(buf, x: np.ndarray, padded: int) -> None:
-    """Write x (h, n, d) float32 into buf viewed as (h, n, padded); padding stays zero."""
+    """Write x (h, n, d) float32 into buf viewed as (h, n, padded), zeros in the padding (the
+    buffer may be shared scratch that another layout wrote before)."""
     h, n, d = x.shape
-    buf.view()[: h * n * padded].reshape(h, n, padded)[:, :, :d] = x
+    rows = buf.view()[: h * n * padded].reshape(h, n, padded)
+    rows[:, :, :d] = x
+    if d < padded:
+        rows[:, :, d:] = 0
 
 
 def destroy(*objs) -> None:

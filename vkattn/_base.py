@@ -3,7 +3,6 @@ the plan LRU, timings and closing."""
 from __future__ import annotations
 
 import os
-import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -45,7 +44,8 @@ class CacheBase:
         self.timestamps = bool(timestamps) and self.device.info.timestamp_compute_and_graphics
         self._plans: OrderedDict = OrderedDict()
         self._last_rec = None
-        self._lock = threading.RLock()
+        # the device's lock: plans of all caches on a device share scratch buffers (Backend.shared_buffer)
+        self._lock = self.device.backend.lock
         self._closed = False
 
     def _allocate(self, positions: int, name: str, unit: int, what: str) -> None:
@@ -237,10 +237,11 @@ class _SlotWritePlan:
     def __init__(self, c: CacheBase, n: int):
         be, hkv = c.device.backend, c.num_kv_heads
         self.n, self.c = n, c
-        self.nk = be.buffer(hkv * n * c._dk4 * c._ch * 4, np.float32, name="new_k")
-        self.nv = be.buffer(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
-        self.dst = be.buffer(1 + 2 * hkv * n, np.uint32, name="append_rows")
-        self.rope = be.buffer(n * max(c._rope_dim, 4), np.float32, name="rope_table")
+        buf = be.shared_buffer                   # scratch shared on the device (see AttnPlan)
+        self.nk = buf(hkv * n * c._dk4 * c._ch * 4, np.float32, name="new_k")
+        self.nv = buf(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
+        self.dst = buf(1 + 2 * hkv * n, np.uint32, name="append_rows")
+        self.rope = buf(n * max(c._rope_dim, 4), np.float32, name="rope_table")
         pipe = append_pipeline(c.device, c, n)
         self.prog = be.program(compile_shader(pipe.shader, pipe.defines),
                                [c._k, c._v, self.nk, self.nv, self.dst, self.rope, c._ks, c._vs],

@@ -169,13 +169,18 @@ class KVCache(CacheBase):
             if n > self.capacity:
                 raise CacheFullError(f"load: the file holds {n} positions, more than capacity {self.capacity}; "
                                      f"nothing was written")
-            try:
-                persist.write_stored(self, np.arange(n), tensors)
-            except BaseException:
-                self._length = 0        # a device failure part-way: the old contents are gone
-                raise
-            self._length = n
+            self._restore(n, tensors)
             return token_ids
+
+    def _restore(self, n: int, tensors: dict, prefix: str = "") -> None:
+        """Replace the contents with ``n`` positions of checked file tensors (names prefixed by
+        ``prefix``; vkattn.persist), written as stored."""
+        try:
+            persist.write_stored(self, np.arange(n), tensors, prefix)
+        except BaseException:
+            self._length = 0        # a device failure part-way: the old contents are gone
+            raise
+        self._length = n
 
     def __repr__(self) -> str:
         return (f"KVCache(length={self._length}, capacity={self.capacity}, num_kv_heads={self.num_kv_heads}, "

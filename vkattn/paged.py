@@ -251,19 +251,25 @@ class PagedKVCache(CacheBase):
         with self._lock:
             self._check_open()
             n, tensors, token_ids = persist.read_sequence(self, path)
-            sid = self._pool.add(seq_id)
+            return self._restore_sequence(n, tensors, seq_id=seq_id), token_ids
+
+    def _restore_sequence(self, n: int, tensors: dict, prefix: str = "", seq_id: int | None = None) -> int:
+        """A new sequence (id ``seq_id`` or the smallest free) of ``n`` positions of checked file
+        tensors (names prefixed by ``prefix``; vkattn.persist), written as stored; its id. A bad
+        id or too few free blocks raise before anything is written."""
+        sid = self._pool.add(seq_id)
+        try:
             try:
-                try:
-                    plan = self._pool.plan_append([sid], [n])
-                except CacheFullError as e:                 # nothing written yet
-                    raise CacheFullError(f"load_sequence: the file holds {n} positions, {-(-n // self.block_size)} "
-                                         f"blocks of {self.block_size}; {e}") from e
-                persist.write_stored(self, plan.slots(0), tensors)
-                plan.commit()
-            except BaseException:
-                self._pool.remove(sid)
-                raise
-            return sid, token_ids
+                plan = self._pool.plan_append([sid], [n])
+            except CacheFullError as e:                 # nothing written yet
+                raise CacheFullError(f"load_sequence: the file holds {n} positions, {-(-n // self.block_size)} "
+                                     f"blocks of {self.block_size}; {e}") from e
+            persist.write_stored(self, plan.slots(0), tensors, prefix)
+            plan.commit()
+        except BaseException:
+            self._pool.remove(sid)
+            raise
+        return sid
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "

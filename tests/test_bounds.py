@@ -5,8 +5,8 @@ GPU-assisted-validation pass of `make test-validation` (scripts/validation.sh ru
 Khronos layer with `gpuav_buffer_oob`, once per kernel, and fails on any message): every kernel
 dispatch -- attn.comp, attn_lane.comp, append.comp, gather_slots.comp, copy_rows.comp,
 scatter_slots.comp -- must stay inside every buffer it is bound to. Out-of-bounds reads do not
-show in results on lavapipe
-(the bytes past a buffer are there, or read as zero), so the validation pass is what catches
+show in results on lavapipe (the bytes past a buffer are there, or read as zero), so the
+validation pass is what catches
 them; the shapes are chosen so that a stray read leaves its buffer: the masks end at the very
 last word of the aux buffer (issue 20 finding 5: mask words of padded query rows were read past
 it), query tiles have padding rows and padding heads, head dims are not multiples of a storage

@@ -151,6 +151,19 @@ def test_save_replaces_a_file_atomically(device, rng, tmp_path):
     assert vkattn.cache_file_info(path)["length"] == 5
 
 
+def test_save_and_load_keep_no_buffers_and_leave_the_last_timings(device, rng, tmp_path):
+    """Their readback / upload plans are one-off (a many-layer model would otherwise hold one
+    per layer): the cache's plans are the same before and after, and last_timings() still
+    describes the last attention call."""
+    a = vkattn.KVCache(64, HKV, D, v_head_dim=DV, device=device, timestamps=True)
+    q, k, v = rand(rng, HKV * GROUP, 9, D), rand(rng, HKV, 9, D), rand(rng, HKV, 9, DV)
+    a.forward(q, k, v)
+    plans, timings = list(a._plans), [name for name, _ in a.last_timings()]
+    a.save(tmp_path / "a.safetensors")
+    a.load(tmp_path / "a.safetensors")
+    assert list(a._plans) == plans and [name for name, _ in a.last_timings()] == timings
+
+
 # ---------------------------------------------------------------------- PagedKVCache
 
 def paged(device, num_blocks=24, block_size=5, dtype="float16", rope=None):

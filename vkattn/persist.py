@@ -260,25 +260,33 @@ def write_stored(c, slots: np.ndarray, tensors: dict, prefix: str = "") -> None:
     if c._i8:
         ks = np.ascontiguousarray(tensors[prefix + "k_scale"].view(np.uint32).T)
         vs = np.ascontiguousarray(tensors[prefix + "v_scale"].view(np.uint32).T)
-    plan = c._plan(("scatter",), lambda: _ScatterPlan(c))
+    # a one-off plan sized for min(n, READ_ROWS) positions: loading a many-layer model holds one
+    # upload buffer at a time, not one per layer
+    plan, last = _ScatterPlan(c, min(n, READ_ROWS)), c._last_rec
     slots = np.asarray(slots, np.int64)
-    for a in range(0, n, READ_ROWS):
-        part = slice(a, a + READ_ROWS)
-        plan.run(slots[part], kw[part], vw[part], None if ks is None else ks[part], None if vs is None else vs[part])
+    try:
+        for a in range(0, n, READ_ROWS):
+            part = slice(a, a + READ_ROWS)
+            plan.run(slots[part], kw[part], vw[part], None if ks is None else ks[part],
+                     None if vs is None else vs[part])
+    finally:
+        plan.destroy()
+        c._last_rec = last
 
 
 class _ScatterPlan:
-    """scatter_slots.comp: up to READ_ROWS positions of stored K and V words (and int8 scales)
+    """scatter_slots.comp: up to ``rows`` positions of stored K and V words (and int8 scales)
     into the cache rows of their slots (the slot numbering of _base._SlotReadPlan)."""
 
-    def __init__(self, c):
+    def __init__(self, c, rows: int = READ_ROWS):
+        """``rows``: positions per run, at most READ_ROWS (the grid is READ_ROWS' either way)."""
         be, hkv = c.device.backend, c.num_kv_heads
         self.c = c
-        self.ik = be.buffer(READ_ROWS * hkv * c._dk4 * 4, np.uint32, name="load_k")
-        self.iv = be.buffer(READ_ROWS * hkv * c._dv4 * 4, np.uint32, name="load_v")
-        self.params = be.buffer(1 + READ_ROWS * hkv, np.uint32, name="load_rows")
-        self.iks = be.buffer(READ_ROWS * hkv if c._i8 else 1, np.float32, name="load_kscale")
-        self.ivs = be.buffer(READ_ROWS * hkv if c._i8 else 1, np.float32, name="load_vscale")
+        self.ik = be.buffer(rows * hkv * c._dk4 * 4, np.uint32, name="load_k")
+        self.iv = be.buffer(rows * hkv * c._dv4 * 4, np.uint32, name="load_v")
+        self.params = be.buffer(1 + rows * hkv, np.uint32, name="load_rows")
+        self.iks = be.buffer(rows * hkv if c._i8 else 1, np.float32, name="load_kscale")
+        self.ivs = be.buffer(rows * hkv if c._i8 else 1, np.float32, name="load_vscale")
         pipe = scatter_pipeline(c.device, c)
         self.prog = be.program(compile_shader(pipe.shader, pipe.defines),
                                [c._k, c._v, self.ik, self.iv, self.params, c._ks, c._vs, self.iks, self.ivs],
@@ -288,7 +296,7 @@ class _ScatterPlan:
 
     def run(self, slots, kw, vw, ks, vs) -> None:
         """kw (n, num_kv_heads, _dk4 * 4) uint32, vw likewise, ks/vs (n, num_kv_heads) uint32
-        scale bits (int8) or None; n <= READ_ROWS."""
+        scale bits (int8) or None; n <= rows."""
         c, hkv, n = self.c, self.c.num_kv_heads, len(slots)
         p = self.params.view()
         p[0] = n * hkv

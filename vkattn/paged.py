@@ -8,7 +8,9 @@ from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check
 from ._base import CacheBase
 from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
+from . import persist
 from .device import Device
+from .errors import CacheFullError
 from .paging import BlockPool, UnknownSequenceError
 from .tuning import WORKGROUP
 
@@ -224,6 +226,50 @@ class PagedKVCache(CacheBase):
         with self._lock:
             self._check_open()
             return self._read_slots(self._pool.slots(seq_id, 0, self._pool.length(seq_id)))
+
+    def save_sequence(self, seq_id: int, path, token_ids=None) -> None:
+        """Write sequence ``seq_id`` to the file ``path``, as :meth:`KVCache.save` writes a
+        cache (the same file format: either loads into the other): its positions in order, as
+        stored, with the settings a load checks, this cache's block size (informational) and a
+        checksum. ``token_ids``: optional (length,) integers, returned by :meth:`load_sequence`.
+        The cache is not changed."""
+        with self._lock:
+            self._check_open()
+            slots = self._pool.slots(seq_id, 0, self._pool.length(seq_id))
+            persist.save_sequence(self, slots, path, token_ids, block_size=self.block_size)
+
+    def load_sequence(self, path, seq_id: int | None = None) -> tuple:
+        """Add a sequence holding a file that :meth:`save_sequence` or KVCache.save wrote (on
+        this device or another, any block size), bit for bit as stored. ``seq_id``: its id (an
+        unused one; default the smallest free). The file must be intact
+        (vkattn.CacheFileCorruptError), written for this cache's dtype, num_kv_heads, head_dim,
+        v_head_dim and rope (vkattn.CacheFileMismatchError, naming the setting) and fit in the
+        free blocks (CacheFullError); an id in use is a ValueError. Every check runs before
+        anything is written: on any error the cache is unchanged. Returns ``(seq_id,
+        token_ids)``: the new sequence's id and the token ids saved with it ((length,) int64,
+        or None)."""
+        with self._lock:
+            self._check_open()
+            n, tensors, token_ids = persist.read_sequence(self, path)
+            return self._restore_sequence(n, tensors, seq_id=seq_id), token_ids
+
+    def _restore_sequence(self, n: int, tensors: dict, prefix: str = "", seq_id: int | None = None) -> int:
+        """A new sequence (id ``seq_id`` or the smallest free) of ``n`` positions of checked file
+        tensors (names prefixed by ``prefix``; vkattn.persist), written as stored; its id. A bad
+        id or too few free blocks raise before anything is written."""
+        sid = self._pool.add(seq_id)
+        try:
+            try:
+                plan = self._pool.plan_append([sid], [n])
+            except CacheFullError as e:                 # nothing written yet
+                raise CacheFullError(f"load_sequence: the file holds {n} positions, {-(-n // self.block_size)} "
+                                     f"blocks of {self.block_size}; {e}") from e
+            persist.write_stored(self, plan.slots(0), tensors, prefix)
+            plan.commit()
+        except BaseException:
+            self._pool.remove(sid)
+            raise
+        return sid
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "

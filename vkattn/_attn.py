@@ -127,7 +127,9 @@ def check_mask(mask, num_qo_heads: int, s: int, total: int, name: str = "mask") 
 @dataclass
 class SeqCall:
     """One sequence of a call: ``past`` cached keys, ``n_new`` keys appended now (rows
-    ``new_start`` .. of nk/nv), ``q_len`` query rows (packed at ``q_start``), its block table."""
+    ``new_start`` .. of nk/nv), ``q_len`` query rows (packed at ``q_start``), its block table.
+    ``key_lo``: the first key attended (cascade: the keys before it are a shared prefix attended
+    by a dispatch of its own, vkattn.cascade)."""
     past: int
     n_new: int
     q_start: int
@@ -137,6 +139,7 @@ class SeqCall:
     mask: np.ndarray | None = None
     rope_row: int = 0           # its first row in the rotary table, holding position rope_pos
     rope_pos: int = 0
+    key_lo: int = 0
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,7 @@ class AttnPlan:
         self.part = buf(cfg.splits * nrows * pv4 if split else 1, np.float32, host_visible=False, name="partials")
         self.ml = buf(cfg.splits * nrows * 2 if split else 2, np.float32, host_visible=False, name="max_sum")
         inputs = [self.q, self.aux] + ([self.nk, self.nv] if nn else []) + ([self.rope] if rope_dim else [])
+        self.inputs = inputs                        # what a call uploads (a recording of several plans too)
         bindings = [c._k, c._v, self.nk, self.nv, self.q, self.aux, self.out, self.part, self.ml, self.lse,
                     self.rope, c._ks, c._vs]
         # the subgroup width the kernel's shuffles assume (attn.comp clusters of cfg.ds, attn_lane.comp
@@ -227,7 +231,9 @@ class AttnPlan:
         self.subgroup = pin
         self._check_width = bool(shuffles) and cfg.kernel == "tile" and not pin[0]
         self.attn = be.program(compile_shader(pipe.shader, pipe.defines), bindings, pipe.groups, pipe.spec,
-                               writes=(0, 1, 5, 6, 7, 8, 9, 11, 12), name=pipe.shader, subgroup=pin)
+                               # the pools (and int8 scales) are written only by a fused append
+                               writes=(0, 1, 5, 6, 7, 8, 9, 11, 12) if nn else (5, 6, 7, 8, 9),
+                               name=pipe.shader, subgroup=pin)
         self.rec = be.recording().upload(*inputs).dispatch(self.attn).download(self.out, self.lse).build(c.timestamps)
         self._header = np.zeros(HEADER, np.uint32)
         self._tiles = {}
@@ -249,6 +255,40 @@ class AttnPlan:
     def run(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant, rope: RoPE | None = None):
         """q (hq, rows, head_dim) packed; k/v (num_kv_heads, n, d) packed new rows or None.
         Returns out (hq, rows, v_head_dim) and lse (hq, rows) float32."""
+        rows = self.fill(q, k, v, seqs, causal, scale, variant, rope)
+        self.rec.run()
+        self.c._last_rec = self.rec
+        width = self.narrow_subgroup(rows)
+        if width:
+            # the pipeline's real subgroup size is narrower than the cluster: its shuffles read
+            # outside the subgroup and the result is void. The device's clusters shrink to fit,
+            # this plan is built again and the call runs again (the fused append stores the same
+            # rows again)
+            self.c.device.lower_tile_cluster(width)
+            self.destroy()
+            self.__init__(*self._args)
+            return self.run(q, k, v, seqs, causal, scale, variant, rope)
+        return self.result(rows)
+
+    def narrow_subgroup(self, rows: int) -> int:
+        """After a run of ``rows`` rows: the subgroup size the pipeline really ran with (attn.comp
+        writes it after lse) where it could not be pinned and is narrower than the cluster the
+        shuffles assume, else 0."""
+        if not self._check_width:
+            return 0
+        width = int(self.lse.view()[self.hq * rows:].view(np.uint32)[0])
+        return width if width < self.cfg.ds else 0
+
+    def result(self, rows: int) -> tuple:
+        """out (hq, rows, v_head_dim) and lse (hq, rows) float32 of the last run, copied."""
+        c = self.c
+        out = self.out.view()[:self.hq * rows * c.v_head_dim].reshape(self.hq, rows, c.v_head_dim).copy()
+        return out, self.lse.view()[:self.hq * rows].reshape(self.hq, rows).copy()
+
+    def fill(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant,
+             rope: RoPE | None = None) -> int:
+        """Write a call's inputs into the host copies of q, nk/nv, aux and the rotary table (what
+        ``inputs`` uploads); returns its rows per head."""
         c, cfg = self.c, self.cfg
         rows, nn = q.shape[1], (0 if k is None else k.shape[1])    # this call's counts (<= the plan's)
         put_rows(self.q, q, c._dk4 * c._ch * 4)
@@ -281,7 +321,7 @@ class AttnPlan:
             f[alibi_off:free] = variant.alibi * np.float32(_LOG2E)
         recs = np.zeros((nseq, SEQ_WORDS), np.uint32)
         for i, s in enumerate(seqs):
-            kstart, chunk = split_keys(s.past + s.n_new, s.q_len, variant.window, cfg.splits)
+            kstart, chunk = split_keys(s.past + s.n_new, s.q_len, variant.window, cfg.splits, s.key_lo)
             bt = 0
             if s.table is not None:
                 bt = free
@@ -301,31 +341,18 @@ class AttnPlan:
                 self.rope.view()[s.rope_row * self.rope_dim:(s.rope_row + n) * self.rope_dim] = tab.ravel()
         aux[:HEADER] = h
         aux[seq_off:tile_off] = recs.ravel()
-        self.rec.run()
-        c._last_rec = self.rec
-        if self._check_width:
-            # the pipeline's real subgroup size (attn.comp writes it after lse): narrower than the
-            # cluster, its shuffles read outside the subgroup and the result is void. The device's
-            # clusters shrink to fit, this plan is built again and the call runs again (the fused
-            # append stores the same rows again)
-            width = int(self.lse.view()[self.hq * rows:].view(np.uint32)[0])
-            if width < cfg.ds:
-                c.device.lower_tile_cluster(width)
-                self.destroy()
-                self.__init__(*self._args)
-                return self.run(q, k, v, seqs, causal, scale, variant, rope)
-        out = self.out.view()[:self.hq * rows * c.v_head_dim].reshape(self.hq, rows, c.v_head_dim).copy()
-        return out, self.lse.view()[:self.hq * rows].reshape(self.hq, rows).copy()
+        return rows
 
     def destroy(self) -> None:
         destroy(self.rec, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,
                 self.ml, self.rope)
 
 
-def split_keys(total: int, q_len: int, window: int | None, splits: int) -> tuple:
-    """(kstart, chunk): the first key the splits of a sequence of ``total`` keys cover (past any
-    row's window) and the keys per split (at least MIN_CHUNK, or all of them when fewer)."""
-    kstart = 0 if window is None else max(0, total - q_len + 1 - window)
+def split_keys(total: int, q_len: int, window: int | None, splits: int, key_lo: int = 0) -> tuple:
+    """(kstart, chunk): the first key the splits of a sequence of ``total`` keys cover (from
+    ``key_lo``, past any row's window) and the keys per split (at least MIN_CHUNK, or all of them
+    when fewer)."""
+    kstart = key_lo if window is None else max(key_lo, total - q_len + 1 - window)
     span = max(total - kstart, 1)
     return kstart, max(-(-span // splits), min(MIN_CHUNK, span))
 

@@ -13,11 +13,18 @@ Ordering. kp 0.9's Python API records a transfer->shader barrier before every di
 shader->transfer barrier before every download, but nothing between two dispatches. So a recording
 is correct only if no dispatch touches a buffer that an earlier dispatch of the same recording wrote
 (read-after-write, write-after-write) or read and it now writes (write-after-read), unless a download
-of that buffer (whose shader->transfer barrier orders the two) sits in between; and no upload
-overwrites a buffer an earlier dispatch of the recording used. :class:`Recording` checks these
-rules while recording and raises :class:`SyncHazardError`, so every recorded sequence is race-free
-by construction on any Vulkan device, not only on lavapipe (which serialises everything).
-Separate evaluations are ordered by kp's fence wait plus the next submission.
+sits in between; and no upload overwrites a buffer an earlier dispatch of the recording used, unless
+a download sits in between. What a download orders: its barrier's buffer range limits only the
+*memory* dependency (availability of that buffer's shader writes), while the execution dependency
+of a pipeline barrier covers every earlier command at its source stage. So a download followed by
+the transfer->shader barrier of the next dispatch chains (through the transfer stage) into an
+execution dependency from every earlier dispatch to every later dispatch or upload: enough for a
+write-after-read on any buffer, which needs no memory dependency. A read or write after a
+dispatch's write needs that very buffer downloaded in between (its shader writes made available
+and then visible to the later access). :class:`Recording` checks these rules while recording and
+raises :class:`SyncHazardError`, so every recorded sequence is race-free by construction on any
+Vulkan device, not only on lavapipe (which serialises everything). Separate evaluations are
+ordered by kp's fence wait plus the next submission.
 """
 from __future__ import annotations
 
@@ -214,13 +221,13 @@ class Recording:
         self._backend = backend
         self._ops = []
         self._names = []
-        self._written = set()   # written by a dispatch, no download since
-        self._used = set()      # touched by a dispatch, no download since
+        self._written = set()   # written by a dispatch, not downloaded since
+        self._used = set()      # touched by a dispatch, no download (of any buffer) since
         self._seq = None
 
     def upload(self, *bufs: Buffer) -> "Recording":
         for b in bufs:
-            if b in self._used:
+            if b in self._used or b in self._written:
                 raise SyncHazardError(f"upload of {b.name!r} after a dispatch used it in the same recording")
         self._ops.append(kp.OpTensorSyncDevice([b._t for b in bufs]))
         self._names.append("upload " + ",".join(b.name for b in bufs))
@@ -246,7 +253,7 @@ class Recording:
             if not b.host_visible:
                 raise RuntimeError(f"download of device-only buffer {b.name!r}")
             self._written.discard(b)
-            self._used.discard(b)
+        self._used.clear()      # every earlier dispatch now happens-before every later op
         self._ops.append(kp.OpTensorSyncLocal([b._t for b in bufs]))
         self._names.append("download " + ",".join(b.name for b in bufs))
         return self

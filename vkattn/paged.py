@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import cascade
 from .tuning import decode_key_bound, row_bucket
 from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
@@ -187,12 +188,21 @@ class PagedKVCache(CacheBase):
                                     rope_pos=plan.past[i]))
                 start += n
             flags = F_PAGED | variant.flags(masks is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
-            attn = self._batch_plan(plan, hq, flags, masks, split)
+            # a prefix of full blocks several sequences share: attended once for all (vkattn.cascade)
+            groups = cascade.plan_groups(self, plan, hq, variant, masks is not None, call["rope_q"])
+            if groups:
+                key, args = self._batch_plan_args(plan, hq, flags, masks, split, cascade.own_from(plan, groups))
+                attn = cascade.cascade_plan(self, plan, hq, key, args, groups, variant.flags(False))
+            else:
+                attn = self._batch_plan(plan, hq, flags, masks, split)
             if split:                               # both plans are built before either runs
                 self._write_new(plan, k, v)
                 k = v = None
-            out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant,
-                                rope=self.rope)
+            if groups:
+                out, lse = attn.run(q, k, v, seqs, plan, groups, call["causal"], call["scale"], variant,
+                                    rope=self.rope)
+            else:
+                out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant, rope=self.rope)
             plan.commit()
             if self.verify:
                 for sid, s in zip(plan.seq_ids, seqs):
@@ -214,11 +224,17 @@ class PagedKVCache(CacheBase):
             self._check_open()
             plan = self._plan_new(seq_ids, n_new)
             hq = self._check_qo_heads(num_qo_heads)
-            flags = F_PAGED | (self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0)
+            rope_q = self._check_rope_q(rope_q)
+            flags = F_PAGED | (self.rope.flags(rope_q) if self.rope else 0)
             split = self._appends_first(max(plan.n_new))
             if split:
                 self._append_plan(sum(plan.n_new)).warm()
-            self._batch_plan(plan, hq, flags, None, split).warm()
+            groups = cascade.plan_groups(self, plan, hq, check_variant(hq), False, rope_q)
+            if groups:
+                key, args = self._batch_plan_args(plan, hq, flags, None, split, cascade.own_from(plan, groups))
+                cascade.cascade_plan(self, plan, hq, key, args, groups, 0).warm()
+            else:
+                self._batch_plan(plan, hq, flags, None, split).warm()
 
     def read(self, seq_id: int) -> tuple:
         """One sequence as float32 arrays, exactly as stored: K (num_kv_heads, length, head_dim),
@@ -300,6 +316,12 @@ class PagedKVCache(CacheBase):
     def _batch_plan(self, plan, hq, flags, masks, split) -> AttnPlan:
         """The attention plan of a batch call (AppendPlan ``plan``; ``split``: its rows are appended
         first, so the dispatch carries none)."""
+        key, args = self._batch_plan_args(plan, hq, flags, masks, split)
+        return self._plan(key, lambda: AttnPlan(self, *args))
+
+    def _batch_plan_args(self, plan, hq, flags, masks, split, key_lo=None) -> tuple:
+        """(LRU key, AttnPlan arguments after the cache) of _batch_plan; ``key_lo``: each
+        sequence's first attended key (cascade), which sizes a decode plan's key bound."""
         total, nseq = sum(plan.n_new), len(plan.n_new)
         words = AttnPlan.aux_need(nseq, total if total == nseq else row_bucket(total), hq,
                                   sum(len(t) for t in plan.tables), 0 if masks is None else sum(m.size for m in masks))
@@ -308,12 +330,12 @@ class PagedKVCache(CacheBase):
         decode = total == nseq
         # batch decode: sized for the longest sequence's power-of-two bucket (the split count
         # follows the context, tuning.decode_key_bound); prefill and chunks: for the pool
-        bound = decode_key_bound(max(p + n for p, n in zip(plan.past, plan.n_new)), self.slots) if decode \
-            else self.slots
+        lo = key_lo or [0] * nseq
+        bound = decode_key_bound(max(p + n - a for p, n, a in zip(plan.past, plan.n_new, lo)), self.slots) \
+            if decode else self.slots
         rows, nn = (total, nn) if decode else (row_bucket(total), row_bucket(nn) if nn else 0)
-        return self._plan(("attn", hq, rows, nn, nseq, flags, bucket, bound),
-                          lambda: AttnPlan(self, hq, rows, nn, nseq, flags, bucket, bound,
-                                           decode=decode, rope_dim=self._rope_dim))
+        return (("attn", hq, rows, nn, nseq, flags, bucket, bound),
+                (hq, rows, nn, nseq, flags, bucket, bound, decode, self._rope_dim))
 
     def _write_new(self, plan, k, v) -> None:
         """append.comp: every new row of ``plan`` at its slot, rotated at its position (one

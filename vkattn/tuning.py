@@ -59,6 +59,9 @@ FUSED_APPEND_MAX_ROWS = 32   # KVCache.forward with more new rows (PagedKVCache.
                         # rows x query tiles, which soon costs more than one more round trip
                         # (before that design, prefill S=512 from empty on lavapipe: KVCache 98 ->
                         # 67.5 ms per call, PagedKVCache 94-95 -> 58-60 ms)
+CASCADE_MIN_PREFIX = 256   # PagedKVCache.forward attends a prefix of full blocks that two or more
+                        # sequences of a batch share once for all of them (vkattn.cascade) from this
+                        # many shared tokens (VKATTN_CASCADE=1: from one block)
 TILE_MAX_KEYS = 8192    # keys per attn.comp workgroup on a software device (~200 loop iterations per
                         # 64-key tile; measured wrong from ~20000 keys on lavapipe, which ends a loop
                         # after 65535 iterations per invocation). GPUs have no such cap.

@@ -35,7 +35,7 @@ from vkattn._attn import (F_ALIBI, F_MASK, F_PAGED, F_SOFTCAP, F_WINDOW, HEADER,
 from vkattn._base import CacheBase, READ_ROWS, append_pipeline, gather_pipeline
 from vkattn.compiler import compile_shader
 from vkattn.device import PlanningDevice
-from vkattn.cascade import MERGE_PARAMS, merge_pipeline
+from vkattn.cascade import MERGE_PARAMS, merge_pipeline, shared_splits
 from vkattn.paged import copy_pipeline
 from vkattn.tuning import decode_key_bound, row_bucket
 
@@ -240,7 +240,8 @@ def _plan_cascade(dev, call: Call, f, row: int) -> Planned:
     b, p = len(call.lens), call.shared
     srows = row_bucket(b)
     sbound = decode_key_bound(p, call.capacity)
-    scfg, spipe = attn_pipeline(dev, f, hq, srows, 0, 1, F_PAGED, sbound, False)
+    scfg, spipe = attn_pipeline(dev, f, hq, srows, 0, 1, F_PAGED, sbound, False,
+                                splits=shared_splits(dev, hkv, sbound))
     shared = _attn_traffic(scfg, spipe, f, call, [(p, 0, b)], hq, row, causal=False)
     obound = decode_key_bound(max(call.lens) + 1, call.capacity)
     ocfg, opipe = attn_pipeline(dev, f, hq, b, b, b, F_PAGED, obound, True)

@@ -159,14 +159,14 @@ ATTN_BINDINGS = 13      # kc vc nk nv q aux out part ml lse rope ks vs (attn.com
 
 
 def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, key_bound: int,
-                  decode: bool, rope_dim: int = 0):
+                  decode: bool, rope_dim: int = 0, splits: int | None = None):
     """(AttnConfig, Pipeline) of the attention dispatch for ``hq`` heads, ``rows`` packed query
     rows, ``nn`` new rows (fused append: a per-call value, not a specialisation), ``nseq`` sequences, on ``dev`` (a Device, or anything with
     its planning attributes) for the storage format ``fmt`` (a cache: _dk4, _dv4, _ch,
     v_head_dim, num_kv_heads, _defines)."""
     hkv = fmt.num_kv_heads
     group = hq // hkv
-    cfg = attention_config(dev, group, 1 if decode else rows, fmt._dk4, fmt._dv4, fmt._ch, key_bound, hkv)
+    cfg = attention_config(dev, group, 1 if decode else rows, fmt._dk4, fmt._dv4, fmt._ch, key_bound, hkv, splits)
     tiles_max = max(1, min(nseq * cfg.qtiles(rows), cfg.qtiles(rows) + nseq - 1))   # sum of ceil(q_len/bq)
     grid = (cfg.splits, tiles_max, hkv)
     if grid[1] > dev.max_workgroup_count[1]:
@@ -188,15 +188,16 @@ class AttnPlan:
     sequence: upload -> attn -> download of out and lse. With split-K the last workgroup of each
     tile merges the splits on the device (a counter per tile after the aux words, zeroed by the
     upload), so nothing crosses to the host before the output. ``store`` is the cache: device,
-    k/v buffers, layout."""
+    k/v buffers, layout. ``splits``: key splits instead of the configuration's own choice
+    (vkattn.cascade's shared pass)."""
 
     def __init__(self, store, hq: int, rows: int, nn: int, nseq: int, flags: int, aux_words: int,
-                 key_bound: int, decode: bool, rope_dim: int = 0):
-        self._args = (store, hq, rows, nn, nseq, flags, aux_words, key_bound, decode, rope_dim)
+                 key_bound: int, decode: bool, rope_dim: int = 0, splits: int | None = None):
+        self._args = (store, hq, rows, nn, nseq, flags, aux_words, key_bound, decode, rope_dim, splits)
         c = store
         be, hkv = c.device.backend, c.num_kv_heads
         self.c, self.hq, self.rows, self.nn = c, hq, rows, nn
-        cfg, pipe = attn_pipeline(c.device, c, hq, rows, nn, nseq, flags, key_bound, decode, rope_dim)
+        cfg, pipe = attn_pipeline(c.device, c, hq, rows, nn, nseq, flags, key_bound, decode, rope_dim, splits)
         self.cfg = cfg
         pv4 = c._dv4 * c._ch * 4
         nrows = hq * rows

@@ -20,9 +20,14 @@ after the shared dispatch's reads of them (vkattn._kp's ordering rules).
 
 Groups: sequences are grouped by their first ``min_blocks`` full blocks; a group of two or more
 attends the longest run of leading full blocks all its members share. ``VKATTN_CASCADE``: ``0``
-never, ``1`` whenever a group shares at least one block (tests), unset: groups sharing at least
-``tuning.CASCADE_MIN_PREFIX`` tokens whose shared query tile holds two rows or more (otherwise the
-shared dispatch would read the prefix once per row, as today). Supported: the log-sum-exp output,
+never, ``1`` whenever a group shares at least one block (tests), unset: on software devices
+(lavapipe), groups sharing at least ``tuning.CASCADE_MIN_PREFIX`` tokens whose shared query tile
+holds two rows or more (otherwise the shared dispatch would read the prefix once per row, as
+today). Unset on a GPU: never -- measured on an NVIDIA H100 (16 sequences, 32/8 heads, d 128,
+2048 to 32768 shared tokens), today's decode is not bound by the bytes it reads there (the L2
+serves the sequences' repeated reads of the prefix), the shared pass does as many multiply-adds
+as today's dispatch and its prefill-shaped tile does them slower: the cascade step took 1.3-1.8x
+today's device time. Supported: the log-sum-exp output,
 softcap, the cache's RoPE on keys, chunks (several new tokens per sequence). Not supported -- the
 call takes today's path: a sliding window (with sinks), ALiBi and masks (they depend on each
 row's position or sequence inside the shared keys) and ``rope_q`` (the queries are rotated at
@@ -37,7 +42,8 @@ import numpy as np
 
 from ._attn import F_PAGED, AttnPlan, Pipeline, SeqCall, aux_bucket, destroy, grid_groups
 from .compiler import compile_shader
-from .tuning import CASCADE_MIN_PREFIX, WORKGROUP, attention_config, decode_key_bound, row_bucket
+from .tuning import (CASCADE_MIN_PREFIX, WORKGROUP, attention_config, decode_key_bound, decode_splits, kernel_for,
+                     row_bucket)
 
 NO_ROW = 0xFFFFFFFF
 MERGE_PARAMS = 3        # merge_lse.comp params header: rows (all heads), R, RB
@@ -92,10 +98,11 @@ def shared_groups(tables, past, block_size: int, min_blocks: int = 1) -> list:
 
 def plan_groups(cache, plan, hq: int, variant, masked: bool, rope_q: bool) -> list:
     """The groups a PagedKVCache.forward of AppendPlan ``plan`` attends by cascade ([] for today's
-    path): none for an unsupported variant, VKATTN_CASCADE=0, or (automatic) groups sharing fewer
-    than CASCADE_MIN_PREFIX tokens or whose shared query tile would hold a single row."""
+    path): none for an unsupported variant, VKATTN_CASCADE=0, or (automatic) on a GPU, for groups
+    sharing fewer than CASCADE_MIN_PREFIX tokens or whose shared query tile would hold a single
+    row."""
     mode = cascade_mode()
-    if mode == "off" or len(plan.seq_ids) < 2:
+    if mode == "off" or len(plan.seq_ids) < 2 or (mode == "auto" and not cache.device.is_software):
         return []
     if masked or rope_q or variant.window is not None or variant.alibi is not None:
         return []
@@ -141,6 +148,15 @@ def own_from(plan, groups: list) -> list:
     return lo
 
 
+def shared_splits(device, num_kv_heads: int, key_bound: int) -> int:
+    """Key splits of the shared pass: as a decode step over ``key_bound`` keys splits them
+    (tuning.decode_splits). Its query tiles are few (the batch's rows), so a prefill's split rule
+    would leave a GPU a few hundred workgroups walking thousands of keys each (NVIDIA H100, 16
+    rows x 4 heads per kv head, 2048 shared keys: 8 splits 0.30 ms, 32 splits 0.13 ms; 32768
+    keys: 16 splits 2.24 ms, 256 splits 1.49 ms)."""
+    return decode_splits(device, kernel_for(device), num_kv_heads, key_bound)
+
+
 def merge_pipeline(dev, c, rows: int) -> Pipeline:
     """merge_lse.comp for ``rows`` output rows (all heads) of v_head_dim ``c.v_head_dim``."""
     dv4 = -(-c.v_head_dim // 4)
@@ -152,14 +168,16 @@ class CascadePlan:
     ``srows`` query rows, ``ngroups`` sequences, non-causal), ``own`` (the batch's AttnPlan as
     PagedKVCache builds it, args ``own_args``) and merge_lse.comp into ``out`` / ``lse``."""
 
-    def __init__(self, c, own_args: tuple, srows: int, ngroups: int, sflags: int, swords: int, sbound: int):
-        self._args = (c, own_args, srows, ngroups, sflags, swords, sbound)
+    def __init__(self, c, own_args: tuple, srows: int, ngroups: int, sflags: int, swords: int, sbound: int,
+                 ssplits: int):
+        self._args = (c, own_args, srows, ngroups, sflags, swords, sbound, ssplits)
         be = c.device.backend
         self.c = c
         self.own = AttnPlan(c, *own_args)
         hq, rows = self.own.hq, self.own.rows
         self.hq = hq
-        self.shared = AttnPlan(c, hq, srows, 0, ngroups, sflags, swords, sbound, decode=False, rope_dim=0)
+        self.shared = AttnPlan(c, hq, srows, 0, ngroups, sflags, swords, sbound, decode=False, rope_dim=0,
+                               splits=ssplits)
         self.params = be.buffer(MERGE_PARAMS + rows, np.uint32, name="merge_params")
         self.out = be.buffer(hq * rows * c.v_head_dim, np.float32, name="out")
         self.lse = be.buffer(hq * rows, np.float32, name="lse")
@@ -224,6 +242,7 @@ def cascade_plan(cache, plan, hq: int, own_key: tuple, own_args: tuple, groups: 
     srows = row_bucket(rows)
     words = aux_bucket(AttnPlan.aux_need(len(groups), srows, hq, sum(len(g.blocks) for g in groups), 0))
     sbound = decode_key_bound(max(g.tokens for g in groups), cache.slots)
+    splits = shared_splits(cache.device, cache.num_kv_heads, sbound)
     sflags = F_PAGED | variant_flags
-    key = ("cascade",) + own_key + (srows, len(groups), sflags, words, sbound)
-    return cache._plan(key, lambda: CascadePlan(cache, own_args, srows, len(groups), sflags, words, sbound))
+    key = ("cascade",) + own_key + (srows, len(groups), sflags, words, sbound, splits)
+    return cache._plan(key, lambda: CascadePlan(cache, own_args, srows, len(groups), sflags, words, sbound, splits))

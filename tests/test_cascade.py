@@ -3,13 +3,16 @@ blocks attend them once per group and merge with their own keys by log-sum-exp (
 Each call runs on two caches fed the same tokens, one with VKATTN_CASCADE=1 and one with =0 (today's
 path): both against the numpy reference at TOLERANCE, against each other at CASCADE_TOL, and the
 K/V both store must be identical."""
+import os
+import sys
+
 import numpy as np
 import pytest
 
 import vkattn
 from conftest import assert_close
 from vkattn import cascade
-from vkattn.reference import TOLERANCE, attention, merge_states
+from vkattn.reference import attention, merge_states
 
 KERNELS = ["lane", "tile"]
 # cascade against today's path, both float32 on the same stored K/V: only the summation order
@@ -316,3 +319,34 @@ def test_recording_orders_write_after_read_by_any_download(device):
     rec.destroy()
     for o in [reader, writer, src, mid, out, params] + dummies:
         o.destroy()
+
+
+def test_cascade_pipelines_compile_for_a_gpu(monkeypatch):
+    """The shared pass and merge_lse.comp as perf gpu plans them for navi21 (16 sequences, 32/8
+    heads, head_dim 128, float16, 2048 shared tokens), compiled by RADV/ACO on Mesa's null device:
+    no spills, no scratch."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from perf import gpu as pg
+    from vkattn import _vkpipeline as vp
+    from vkattn.device import PlanningDevice
+    if vp.radeon_icd() is None:
+        pytest.skip("RADV is not installed (no radeon_icd*.json; Debian: mesa-vulkan-drivers)")
+    info = vp.family_device_info("navi21")
+    if info is None:
+        pytest.skip("the installed RADV gives no null device for navi21")
+    monkeypatch.delenv("VKATTN_KERNEL", raising=False)
+    call = next(c for c in pg.calls() if c.kind == "cascade")
+    planned = pg.plan_call(PlanningDevice(info), call)
+    assert [d.role for d in planned.dispatches] == ["attn", "attn", "merge"]
+    shared = planned.dispatches[0]
+    assert shared.cfg.bq >= 2 and shared.cfg.splits > 1
+    from vkattn.compiler import compile_shader
+    jobs = [vp.Job(n, compile_shader(d.pipeline.shader, d.pipeline.defines), list(d.pipeline.spec), d.pipeline.bindings)
+            for n, d in (("shared", shared), ("merge", planned.dispatches[2]))]
+    run = vp.family_stats(["navi21"], jobs)["navi21"]
+    if not run.available:
+        pytest.skip(f"no navi21 null device: {run.reason}")
+    for res in run.jobs:
+        assert res.ok, (res.name, res.error)
+        st = res.stats
+        assert st["Spilled VGPRs"] == st["Spilled SGPRs"] == st["Scratch size"] == 0, (res.name, st)

@@ -350,3 +350,34 @@ def test_cascade_pipelines_compile_for_a_gpu(monkeypatch):
         assert res.ok, (res.name, res.error)
         st = res.stats
         assert st["Spilled VGPRs"] == st["Spilled SGPRs"] == st["Scratch size"] == 0, (res.name, st)
+
+
+def test_a_narrower_pipeline_is_caught_and_replanned(rng, monkeypatch):
+    """As AttnPlan.run: forced onto a shuffle cluster twice the real subgroup, the cascade's
+    attention pipelines run narrower; the plan reads their gl_SubgroupSize after the run, shrinks
+    the device's cluster, builds again and returns the right result."""
+    from vkattn.device import Device
+    monkeypatch.setenv("VKATTN_KERNEL", "tile")
+    monkeypatch.setenv("VKATTN_CASCADE", "1")
+    monkeypatch.delenv("VKATTN_TILE_CLUSTER", raising=False)
+    dev = Device(vkattn.default_device().index)
+    try:
+        real = dev.tile_cluster()
+        if real < 2 or 2 * real > vkattn.tuning.TILE_CLUSTER:
+            pytest.skip("needs a shuffle cluster below TILE_CLUSTER")
+        cache = vkattn.PagedKVCache(40, 16, 1, 256, dtype="float32", device=dev)
+        root = cache.add_sequence()
+        x = rand(rng, 1, 40, 256)
+        cache.append([root], x, x, n_new=[40])
+        sids = [root, cache.fork(root), cache.fork(root)]
+        probe = cache._plans.copy()
+        dev._tile_cluster = 2 * real              # what a probe of another pipeline might claim
+        q, k = rand(rng, 2, 3, 256), rand(rng, 1, 3, 256)
+        out = cache.forward(sids, q, k, k)
+        assert took_cascade(cache) and dev.tile_cluster() == real
+        assert any(key[0] == "cascade" for key in cache._plans) and len(probe) < len(cache._plans)
+        for i, sid in enumerate(sids):
+            assert_close(out[:, i:i + 1], attention(q[:, i:i + 1], *cache.read(sid)), "float32")
+        cache.close()
+    finally:
+        dev.close()

@@ -188,12 +188,13 @@ class AttnPlan:
     sequence: upload -> attn -> download of out and lse. With split-K the last workgroup of each
     tile merges the splits on the device (a counter per tile after the aux words, zeroed by the
     upload), so nothing crosses to the host before the output. ``store`` is the cache: device,
-    k/v buffers, layout. ``splits``: key splits instead of the configuration's own choice
-    (vkattn.cascade's shared pass)."""
+    k/v buffers, layout. ``splits``: key splits instead of the configuration's own choice;
+    ``scratch``: a prefix for the names of its shared scratch buffers, so that two plans of one
+    recording never share one (vkattn.cascade's shared pass)."""
 
     def __init__(self, store, hq: int, rows: int, nn: int, nseq: int, flags: int, aux_words: int,
-                 key_bound: int, decode: bool, rope_dim: int = 0, splits: int | None = None):
-        self._args = (store, hq, rows, nn, nseq, flags, aux_words, key_bound, decode, rope_dim, splits)
+                 key_bound: int, decode: bool, rope_dim: int = 0, splits: int | None = None, scratch: str = ""):
+        self._args = (store, hq, rows, nn, nseq, flags, aux_words, key_bound, decode, rope_dim, splits, scratch)
         c = store
         be, hkv = c.device.backend, c.num_kv_heads
         self.c, self.hq, self.rows, self.nn = c, hq, rows, nn
@@ -203,7 +204,8 @@ class AttnPlan:
         nrows = hq * rows
         # scratch shared with every plan of the same sizes on this device (all layers of a model):
         # each call fills, dispatches and copies out under the device's lock (Backend.shared_buffer)
-        buf = be.shared_buffer
+        def buf(size, dtype, host_visible=True, name=""):
+            return be.shared_buffer(size, dtype, host_visible, scratch + name)
         self.q = buf(hq * rows * c._dk4 * c._ch * 4, np.float32, name="q")
         self.nk = buf(hkv * max(nn, 1) * c._dk4 * c._ch * 4, np.float32, name="new_k")
         self.nv = buf(hkv * max(nn, 1) * c._dv4 * c._ch * 4, np.float32, name="new_v")

@@ -176,13 +176,18 @@ class CascadePlan:
         self.own = AttnPlan(c, *own_args)
         hq, rows = self.own.hq, self.own.rows
         self.hq = hq
+        # its own scratch names: the two plans of this recording must not share a buffer
         self.shared = AttnPlan(c, hq, srows, 0, ngroups, sflags, swords, sbound, decode=False, rope_dim=0,
-                               splits=ssplits)
-        self.params = be.buffer(MERGE_PARAMS + rows, np.uint32, name="merge_params")
-        self.out = be.buffer(hq * rows * c.v_head_dim, np.float32, name="out")
-        self.lse = be.buffer(hq * rows, np.float32, name="lse")
+                               splits=ssplits, scratch="shared_")
+        # scratch too, shared on the device as AttnPlan's (filled, run and copied out in one call)
+        self.params = be.shared_buffer(MERGE_PARAMS + rows, np.uint32, name="merge_params")
+        self.out = be.shared_buffer(hq * rows * c.v_head_dim, np.float32, name="merge_out")
+        self.lse = be.shared_buffer(hq * rows, np.float32, name="merge_lse")
         pipe = merge_pipeline(c.device, c, hq * rows)
         o, s = self.own, self.shared
+        mine = {id(b) for b in (o.q, o.out, o.lse, o.part, o.ml, o.rope)}
+        if mine & {id(b) for b in (s.q, s.out, s.lse, s.part, s.ml, s.rope)}:
+            raise RuntimeError("cascade: the shared and own attention plans were given one scratch buffer")
         self.merge = be.program(compile_shader(pipe.shader, pipe.defines),
                                 [o.out, o.lse, s.out, s.lse, self.params, self.out, self.lse],
                                 pipe.groups, pipe.spec, writes=(5, 6), name=pipe.name)

@@ -172,3 +172,21 @@ def test_rejects_and_changes_nothing():
     assert state()[1] == [out.sequences[0, :seen].tolist()] * 2
     plain.close()
     cache.close()
+
+
+def test_a_loaded_chat_is_reused(tmp_path):
+    """VkattnCache.load with saved token ids records them: the next turn reuses the loaded history."""
+    model = model_for("llama")
+    cache = VkattnCache(model.config, 96, dtype="float32", prefix_cache=True)
+    turn1 = ids_of(21, 30)
+    cache.match_prefix(turn1)
+    out1 = generate(model, "vkattn", turn1, cache=cache, max_new_tokens=6)
+    cache.save(tmp_path / "chat.safetensors", token_ids=out1.sequences[:, :cache.get_seq_length()])
+    cache.close()
+    other = VkattnCache(model.config, 96, dtype="float32", prefix_cache=True)
+    other.load(tmp_path / "chat.safetensors")
+    turn2 = torch.cat([out1.sequences, ids_of(22, 4)], dim=1)
+    assert other.match_prefix(turn2) == 32
+    assert_same(generate(model, "vkattn", turn2, cache=other, max_new_tokens=5),
+                generate(model, "eager", turn2, max_new_tokens=5))
+    other.close()

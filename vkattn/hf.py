@@ -45,6 +45,7 @@ returned in the query's dtype.
 """
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -60,10 +61,10 @@ except ImportError as e:            # the extra is not installed
         f"into this environment: pip install torch 'transformers>=5.23,<6'  (or: pip install 'vkattn[hf]')"
     ) from e
 
-from . import KVCache, PagedKVCache
+from . import KVCache, PagedKVCache, persist
 from .checks import check_bool, check_int
 from .device import Device
-from .errors import CacheFullError
+from .errors import CacheFileCorruptError, CacheFileMismatchError, CacheFullError
 from .paging import check_token_ids
 
 if int(transformers.__version__.split(".")[0]) < 5:
@@ -166,6 +167,73 @@ class VkattnCache(Cache):
 
     def __exit__(self, *exc):
         self.close()
+
+    def save(self, path, token_ids=None) -> None:
+        """Write every layer to the file ``path`` (safetensors, one file for all layers; layout in
+        vkattn.persist): each row's K/V exactly as stored, each layer's positions, padding and
+        window, the storage settings and a checksum. ``token_ids``: optional (batch, positions)
+        integers, the tokens of the positions seen, padding included (after ``generate``:
+        ``out.sequences[:, :cache.get_seq_length()]``), returned by :meth:`load`. Rows an
+        ``update`` staged whose attention never ran are appended first; nothing else changes."""
+        path = persist.check_path(path)
+        for layer in self.layers:
+            layer._flush()
+        first = self.layers[0]
+        ids = persist.check_token_ids(token_ids, (first.batch_size, first._seen))
+        tensors, layers = {}, []
+        for i, layer in enumerate(self.layers):
+            for b, (kv, slots) in enumerate(layer._store.row_slots()):
+                tensors.update(persist.stored_tensors(kv, slots, f"layers.{i}.rows.{b}."))
+            layers.append({"seen": layer._seen, "pad": layer._pad.tolist(), "window": layer.window})
+        if ids is not None:
+            tensors["token_ids"] = ids
+        meta = dict(persist.format_meta(first._store.kv), layers=json.dumps(layers), batch=first.batch_size,
+                    max_cache_len=self.max_cache_len)
+        persist.write_file(path, persist.HF_CACHE, meta, tensors)
+
+    def load(self, path):
+        """Replace every layer's contents with a file :meth:`save` wrote (this device or another;
+        the other cache built from a model config with the same layers, kv heads, head_dim and
+        windows, and the same storage dtype), bit for bit as stored: ``generate`` then goes on
+        from the saved positions as the saved cache would. The file must be intact
+        (vkattn.CacheFileCorruptError), match (vkattn.CacheFileMismatchError, naming the
+        setting) and fit: positions <= max_cache_len and rows <= batch_size (CacheFullError).
+        Every check runs before anything is written: on any error the cache is unchanged.
+        Returns the token ids saved with it, (batch, positions) int64, or None; with
+        ``prefix_cache`` the cache records them (as :meth:`record_tokens`), so a later
+        :meth:`match_prefix` reuses the loaded positions."""
+        path = persist.check_path(path)
+        meta, tensors = persist.read_file(path, (persist.HF_CACHE,))
+        persist.check_format(meta, self.layers[0]._store.kv, path)
+        batch = persist.meta_int(meta, "batch", path, 1)
+        layers = _layer_specs(meta, batch, path)
+        if len(layers) != len(self.layers):
+            raise CacheFileMismatchError(f"{path}: {len(layers)} layers in the file, {len(self.layers)} in this cache",
+                                         "num_layers")
+        if batch > self.max_batch_size:
+            raise CacheFullError(f"{path}: holds {batch} rows; this cache was built with batch_size="
+                                 f"{self.max_batch_size}; nothing was written")
+        want = {}
+        for i, ((seen, pad, window), layer) in enumerate(zip(layers, self.layers)):
+            if window != layer.window:
+                raise CacheFileMismatchError(f"{path}: layer {i} has sliding window {window} in the file, "
+                                             f"{layer.window} in this cache", "window")
+            if seen > self.max_cache_len:
+                raise CacheFullError(f"{path}: layer {i} holds {seen} positions, more than max_cache_len="
+                                     f"{self.max_cache_len}; nothing was written")
+            for b in range(batch):
+                want.update(persist.expected_tensors(layer._store.kv, seen - pad[b], f"layers.{i}.rows.{b}."))
+        persist.check_tensors(tensors, want, path, {"token_ids": (np.dtype(np.int64), (batch, layers[0][0]))})
+        try:
+            for i, ((seen, pad, _), layer) in enumerate(zip(layers, self.layers)):
+                layer._restore(seen, pad, tensors, f"layers.{i}.rows.")
+        except BaseException:           # a device failure part-way: an empty cache, not a mixed one
+            self.reset()
+            raise
+        self._mask_memo = (None, 0, None)
+        if self.prefix_cache and tensors.get("token_ids") is not None:
+            self.record_tokens(tensors["token_ids"])
+        return tensors.get("token_ids")
 
     def __repr__(self) -> str:
         return (f"VkattnCache(layers={len(self.layers)}, max_cache_len={self.max_cache_len}, batch_size="
@@ -452,6 +520,14 @@ class VkattnLayer(CacheLayerMixin):
             self._seen -= k.shape[2]
             raise
 
+    def _restore(self, seen: int, pad: list, tensors: dict, prefix: str) -> None:
+        """Replace this layer's contents: ``seen`` positions, row b the file tensors
+        ``{prefix}{b}.*`` after ``pad[b]`` padding positions (checked by VkattnCache.load)."""
+        self._staged = None
+        pad = np.asarray(pad, np.int64)
+        self._store.restore(seen - pad, tensors, prefix)
+        self._seen, self._pad = seen, pad
+
     def _truncate(self, positions: int) -> None:
         self._staged = None
         self._pad = np.minimum(self._pad, positions)
@@ -509,9 +585,19 @@ class _SingleStore:
     """Batch 1: one KVCache."""
 
     def __init__(self, batch_size, capacity, num_kv_heads, head_dim, dtype, device):
-        self.cache = KVCache(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.cache = self.kv = KVCache(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.rows = 1
         self.nbytes = self.cache.nbytes
+
+    def row_slots(self):
+        """[(vkattn cache, slots of the row's positions)] per row (save)."""
+        return [(self.cache, np.arange(self.cache.length))]
+
+    def restore(self, lengths, tensors, prefix):
+        """Row 0 becomes the file tensors ``{prefix}0.*`` of ``lengths[0]`` positions (load)."""
+        if len(lengths) != 1:
+            raise ValueError(f"batch_size: the cache was built with batch_size=1; {len(lengths)} rows asked for")
+        self.cache._restore(int(lengths[0]), tensors, f"{prefix}0.")
 
     def forward(self, counts, q, k, v, **variant):
         return self.cache.forward(q, k, v, **variant)
@@ -539,9 +625,22 @@ class _PagedStore:
 
     def __init__(self, batch_size, capacity, num_kv_heads, head_dim, dtype, device, extra_blocks=0):
         blocks = batch_size * (-(-capacity // BLOCK_SIZE) + 1) + extra_blocks
-        self.pool = PagedKVCache(blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.pool = self.kv = PagedKVCache(blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.ids = [self.pool.add_sequence() for _ in range(batch_size)]
         self.nbytes = self.pool.nbytes
+
+    def row_slots(self):
+        """[(vkattn cache, slots of the row's positions)] per row (save)."""
+        return [(self.pool, self.pool._pool.slots(sid, 0, self.pool.length(sid))) for sid in self.ids]
+
+    def restore(self, lengths, tensors, prefix):
+        """Row b becomes a new sequence of the file tensors ``{prefix}{b}.*``, ``lengths[b]``
+        positions (load)."""
+        for sid in self.ids:
+            self.pool.remove_sequence(sid)
+        self.ids = []
+        for b, n in enumerate(lengths):
+            self.ids.append(self.pool._restore_sequence(int(n), tensors, f"{prefix}{b}."))
 
     @property
     def rows(self):
@@ -591,6 +690,26 @@ class _PagedStore:
 
     def close(self):
         self.pool.close()
+
+
+def _layer_specs(meta: dict, batch: int, path: str) -> list:
+    """[(seen, pad list, window)] per layer from a VkattnCache file's metadata, each checked
+    (0 <= pad[b] <= seen, ``batch`` pads); CacheFileCorruptError for a malformed entry."""
+    try:
+        specs = json.loads(meta["layers"])
+        out = []
+        for spec in specs:
+            seen, pad, window = spec["seen"], list(spec["pad"]), spec["window"]
+            ints = [seen, *pad] + ([] if window is None else [window])
+            if any(isinstance(x, bool) or not isinstance(x, int) for x in ints) or len(pad) != batch \
+                    or not all(0 <= p <= seen for p in pad) or (window is not None and window < 1):
+                raise ValueError(spec)
+            out.append((seen, pad, window))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CacheFileCorruptError(f"{path}: malformed layer metadata ({type(e).__name__}: {e})") from None
+    if not out:
+        raise CacheFileCorruptError(f"{path}: no layers in the file")
+    return out
 
 
 def _pack(x, counts) -> np.ndarray:

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import cascade
 from .tuning import decode_key_bound, row_bucket
 from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
 from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
+from . import persist
 from .device import Device
+from .errors import CacheFullError
 from .paging import BlockPool, UnknownSequenceError
 from .tuning import WORKGROUP
 
@@ -247,13 +250,22 @@ class PagedKVCache(CacheBase):
                                     rope_pos=plan.past[i]))
                 start += n
             flags = F_PAGED | variant.flags(masks is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
-            attn = self._batch_plan(plan, hq, flags, masks, split)
+            # a prefix of full blocks several sequences share: attended once for all (vkattn.cascade)
+            groups = cascade.plan_groups(self, plan, hq, variant, masks is not None, call["rope_q"])
+            if groups:
+                key, args = self._batch_plan_args(plan, hq, flags, masks, split, cascade.own_from(plan, groups))
+                attn = cascade.cascade_plan(self, plan, hq, key, args, groups, variant.flags(False))
+            else:
+                attn = self._batch_plan(plan, hq, flags, masks, split)
             plan.evict_cached()                     # before the device writes any block it takes
             if split:                               # both plans are built before either runs
                 self._write_new(plan, k, v)
                 k = v = None
-            out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant,
-                                rope=self.rope)
+            if groups:
+                out, lse = attn.run(q, k, v, seqs, plan, groups, call["causal"], call["scale"], variant,
+                                    rope=self.rope)
+            else:
+                out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant, rope=self.rope)
             plan.commit()
             if self.verify:
                 for sid, s in zip(plan.seq_ids, seqs):
@@ -275,11 +287,17 @@ class PagedKVCache(CacheBase):
             self._check_open()
             plan = self._plan_new(seq_ids, n_new)
             hq = self._check_qo_heads(num_qo_heads)
-            flags = F_PAGED | (self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0)
+            rope_q = self._check_rope_q(rope_q)
+            flags = F_PAGED | (self.rope.flags(rope_q) if self.rope else 0)
             split = self._appends_first(max(plan.n_new))
             if split:
                 self._append_plan(sum(plan.n_new)).warm()
-            self._batch_plan(plan, hq, flags, None, split).warm()
+            groups = cascade.plan_groups(self, plan, hq, check_variant(hq), False, rope_q)
+            if groups:
+                key, args = self._batch_plan_args(plan, hq, flags, None, split, cascade.own_from(plan, groups))
+                cascade.cascade_plan(self, plan, hq, key, args, groups, 0).warm()
+            else:
+                self._batch_plan(plan, hq, flags, None, split).warm()
 
     def read(self, seq_id: int) -> tuple:
         """One sequence as float32 arrays, exactly as stored: K (num_kv_heads, length, head_dim),
@@ -287,6 +305,53 @@ class PagedKVCache(CacheBase):
         with self._lock:
             self._check_open()
             return self._read_slots(self._pool.slots(seq_id, 0, self._pool.length(seq_id)))
+
+    def save_sequence(self, seq_id: int, path, token_ids=None) -> None:
+        """Write sequence ``seq_id`` to the file ``path``, as :meth:`KVCache.save` writes a
+        cache (the same file format: either loads into the other): its positions in order, as
+        stored, with the settings a load checks, this cache's block size (informational) and a
+        checksum. ``token_ids``: optional (length,) integers, returned by :meth:`load_sequence`.
+        The cache is not changed."""
+        with self._lock:
+            self._check_open()
+            slots = self._pool.slots(seq_id, 0, self._pool.length(seq_id))
+            persist.save_sequence(self, slots, path, token_ids, block_size=self.block_size)
+
+    def load_sequence(self, path, seq_id: int | None = None) -> tuple:
+        """Add a sequence holding a file that :meth:`save_sequence` or KVCache.save wrote (on
+        this device or another, any block size), bit for bit as stored. ``seq_id``: its id (an
+        unused one; default the smallest free). The file must be intact
+        (vkattn.CacheFileCorruptError), written for this cache's dtype, num_kv_heads, head_dim,
+        v_head_dim and rope (vkattn.CacheFileMismatchError, naming the setting) and fit in the
+        free blocks (CacheFullError); an id in use is a ValueError. Every check runs before
+        anything is written: on any error the cache is unchanged. Returns ``(seq_id,
+        token_ids)``: the new sequence's id and the token ids saved with it ((length,) int64,
+        or None); the sequence knows them, so its full blocks enter the prefix cache."""
+        with self._lock:
+            self._check_open()
+            n, tensors, token_ids = persist.read_sequence(self, path)
+            return self._restore_sequence(n, tensors, seq_id=seq_id, token_ids=token_ids), token_ids
+
+    def _restore_sequence(self, n: int, tensors: dict, prefix: str = "", seq_id: int | None = None,
+                          token_ids=None) -> int:
+        """A new sequence (id ``seq_id`` or the smallest free) of ``n`` positions of checked file
+        tensors (names prefixed by ``prefix``; vkattn.persist), written as stored, knowing
+        ``token_ids`` ((n,) ints) if given; its id. A bad id or too few free blocks raise before
+        anything is written."""
+        sid = self._pool.add(seq_id)
+        try:
+            try:
+                plan = self._pool.plan_append([sid], [n], token_ids=None if token_ids is None else [token_ids])
+            except CacheFullError as e:                 # nothing written yet
+                raise CacheFullError(f"load_sequence: the file holds {n} positions, {-(-n // self.block_size)} "
+                                     f"blocks of {self.block_size}; {e}") from e
+            plan.evict_cached()                         # cached blocks it takes: before they are written
+            persist.write_stored(self, plan.slots(0), tensors, prefix)
+            plan.commit()
+        except BaseException:
+            self._pool.remove(sid)
+            raise
+        return sid
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
@@ -319,6 +384,12 @@ class PagedKVCache(CacheBase):
     def _batch_plan(self, plan, hq, flags, masks, split) -> AttnPlan:
         """The attention plan of a batch call (AppendPlan ``plan``; ``split``: its rows are appended
         first, so the dispatch carries none)."""
+        key, args = self._batch_plan_args(plan, hq, flags, masks, split)
+        return self._plan(key, lambda: AttnPlan(self, *args))
+
+    def _batch_plan_args(self, plan, hq, flags, masks, split, key_lo=None) -> tuple:
+        """(LRU key, AttnPlan arguments after the cache) of _batch_plan; ``key_lo``: each
+        sequence's first attended key (cascade), which sizes a decode plan's key bound."""
         total, nseq = sum(plan.n_new), len(plan.n_new)
         words = AttnPlan.aux_need(nseq, total if total == nseq else row_bucket(total), hq,
                                   sum(len(t) for t in plan.tables), 0 if masks is None else sum(m.size for m in masks))
@@ -327,12 +398,12 @@ class PagedKVCache(CacheBase):
         decode = total == nseq
         # batch decode: sized for the longest sequence's power-of-two bucket (the split count
         # follows the context, tuning.decode_key_bound); prefill and chunks: for the pool
-        bound = decode_key_bound(max(p + n for p, n in zip(plan.past, plan.n_new)), self.slots) if decode \
-            else self.slots
+        lo = key_lo or [0] * nseq
+        bound = decode_key_bound(max(p + n - a for p, n, a in zip(plan.past, plan.n_new, lo)), self.slots) \
+            if decode else self.slots
         rows, nn = (total, nn) if decode else (row_bucket(total), row_bucket(nn) if nn else 0)
-        return self._plan(("attn", hq, rows, nn, nseq, flags, bucket, bound),
-                          lambda: AttnPlan(self, hq, rows, nn, nseq, flags, bucket, bound,
-                                           decode=decode, rope_dim=self._rope_dim))
+        return (("attn", hq, rows, nn, nseq, flags, bucket, bound),
+                (hq, rows, nn, nseq, flags, bucket, bound, decode, self._rope_dim))
 
     def _write_new(self, plan, k, v) -> None:
         """append.comp: every new row of ``plan`` at its slot, rotated at its position (one

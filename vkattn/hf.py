@@ -224,6 +224,10 @@ class VkattnCache(Cache):
             for b in range(batch):
                 want.update(persist.expected_tensors(layer._store.kv, seen - pad[b], f"layers.{i}.rows.{b}."))
         persist.check_tensors(tensors, want, path, {"token_ids": (np.dtype(np.int64), (batch, layers[0][0]))})
+        ids = tensors.get("token_ids")
+        learn = self.prefix_cache and ids is not None and ids.shape[1] > 0
+        if learn:
+            self._check_ids("token_ids", ids)       # what record_tokens takes, before anything is written
         try:
             for i, ((seen, pad, _), layer) in enumerate(zip(layers, self.layers)):
                 layer._restore(seen, pad, tensors, f"layers.{i}.rows.")
@@ -231,9 +235,9 @@ class VkattnCache(Cache):
             self.reset()
             raise
         self._mask_memo = (None, 0, None)
-        if self.prefix_cache and tensors.get("token_ids") is not None:
-            self.record_tokens(tensors["token_ids"])
-        return tensors.get("token_ids")
+        if learn:
+            self.record_tokens(ids)
+        return ids
 
     def __repr__(self) -> str:
         return (f"VkattnCache(layers={len(self.layers)}, max_cache_len={self.max_cache_len}, batch_size="

@@ -1,4 +1,4 @@
-"""``python -m perf [decode|prefill|append|overhead|batch|loads|hf|newlen ...]``: run the perf cases, print a table, write
+"""``python -m perf [decode|prefill|append|overhead|batch|cascade|loads|hf|newlen|prefix ...]``: run the perf cases, print a table, write
 perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py).
 ``python -m perf gpu``: the GPU compiler report (perf/gpu.py), without a GPU.
 ``python -m perf gpubench``: the perf cases on a Vulkan GPU (perf/gpubench.py, ``make gpu-bench``).
@@ -9,11 +9,11 @@ import sys
 
 import vkattn
 
-from . import append, batch, decode, hf, loads, newlen, overhead, prefill
+from . import append, batch, cascade, decode, hf, loads, newlen, overhead, prefill, prefix
 from .common import PerfConfigError, Shape, copy_bandwidth, print_table, write_results
 
-SCRIPTS = {"decode": decode, "prefill": prefill, "append": append, "overhead": overhead, "batch": batch, "loads": loads,
-           "hf": hf, "newlen": newlen}
+SCRIPTS = {"decode": decode, "prefill": prefill, "append": append, "overhead": overhead, "batch": batch,
+           "cascade": cascade, "loads": loads, "hf": hf, "newlen": newlen, "prefix": prefix}
 
 
 def main(argv=None) -> int:
@@ -53,6 +53,7 @@ def main(argv=None) -> int:
             print(f"  {r.case}: {r.value:.3f} ns per word; the K/V loads of decode L=4096 alone would take "
                   f"{r.extra['decode_L4096_floor_ms']:.2f} ms at that rate")
     hf.notes(rows)
+    cascade.notes(rows)
     out = write_results(rows, device.name, copy_bandwidth())
     print(f"\nresults: {out}/results.json, {out}/results.csv")
     if any(r.kernel == "decode" for r in rows):

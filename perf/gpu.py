@@ -48,7 +48,9 @@ from vkattn._attn import (F_ALIBI, F_MASK, F_PAGED, F_SOFTCAP, F_WINDOW, HEADER,
 from vkattn._base import CacheBase, READ_ROWS, append_pipeline, gather_pipeline
 from vkattn.compiler import compile_shader
 from vkattn.device import PlanningDevice
+from vkattn.cascade import MERGE_PARAMS, merge_pipeline, shared_splits
 from vkattn.paged import copy_pipeline
+from vkattn.tuning import decode_key_bound, row_bucket
 
 L = 4096                # context of the decode cases
 PREFILL = 512
@@ -57,6 +59,8 @@ SHAPES = {"32/8 d128": (32, 8, 128), "8/8 d64": (8, 8, 64), "16/2 d256": (16, 2,
 DTYPES = ("float16", "float32", "int8")
 BATCH_LENS = [100 + round(i * 3900 / 15) for i in range(16)]     # perf batch: 16 of 100 .. 4000
 BLOCK = 16
+CASCADE_SHARED = 2048                                             # perf cascade: 16 sequences sharing 2048
+CASCADE_OWN = [64 + round(i * 192 / 15) for i in range(16)]      # tokens, each with 64 .. 256 of its own
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,9 @@ def llama_cpp_anchor(mesa, families, mechanism=None) -> dict:
 @dataclass
 class Call:
     """One call as a user makes it. ``kind``: attend (KVCache.attend), forward (KVCache.forward of
-    ``n_new`` rows), paged (PagedKVCache.forward, one token per sequence), read, fork."""
+    ``n_new`` rows), paged (PagedKVCache.forward, one token per sequence), cascade (the same with a
+    prefix of ``shared`` tokens all ``lens`` sequences share, vkattn.cascade; ``lens`` their own
+    tokens), read, fork. Paged and cascade calls plan with ``capacity`` as the decode key bound."""
     name: str
     shape: str
     dtype: str
@@ -154,6 +160,7 @@ class Call:
     flags: int = 0          # score variants (F_SOFTCAP, F_ALIBI, F_MASK, F_WINDOW)
     rope: bool = False
     lens: tuple = ()
+    shared: int = 0
 
     @property
     def heads(self) -> tuple:
@@ -183,6 +190,12 @@ def calls() -> list:
     for dt in ("float16", "int8"):
         out.append(Call(f"batch decode B=16 L=100..4000 (paged)", base, dt, "paged", lens=tuple(BATCH_LENS),
                         capacity=sum(-(-(n + 1) // BLOCK) for n in BATCH_LENS) * BLOCK))
+    own = tuple(CASCADE_OWN)
+    bound = decode_key_bound(CASCADE_SHARED + max(own) + 1, 1 << 30)     # as the cache sizes its decode plan
+    out += [Call(f"batch decode B=16 L={CASCADE_SHARED}+64..256 (paged)", base, "float16", "paged",
+                 lens=tuple(CASCADE_SHARED + n for n in own), capacity=bound),
+            Call(f"cascade decode B=16 shared {CASCADE_SHARED} + 64..256 (paged)", base, "float16", "cascade",
+                 lens=own, shared=CASCADE_SHARED, capacity=bound)]
     out += [Call(f"read {READ_ROWS} positions", base, "float16", "read", past=L),
             Call("fork (copy a partial block)", base, "float16", "fork", capacity=256 * BLOCK)]
     return out
@@ -233,6 +246,8 @@ def plan_call(dev, call: Call) -> Planned:
         p = copy_pipeline(dev, f)
         blk = BLOCK * hkv * row
         return Planned(call, [Dispatch("copy", p, reads=blk, writes=blk, unique=2 * blk)], 1, 48, 0, 0.0)
+    if call.kind == "cascade":
+        return _plan_cascade(dev, call, f, row)
     rope_dim = f._rope_dim
     flags = call.flags | (f.rope.flags(True) if f.rope else 0)
     if call.kind == "paged":
@@ -278,6 +293,35 @@ def plan_call(dev, call: Call) -> Planned:
     return Planned(call, dispatches, 2 if split else 1, up, down, flops)
 
 
+def _plan_cascade(dev, call: Call, f, row: int) -> Planned:
+    """A cascade decode step as PagedKVCache plans it (vkattn.cascade): one group of all the
+    sequences; the shared dispatch (their rows as one non-causal block against the ``shared``
+    keys), the own dispatch (today's, keys from ``shared`` on, fused append), the merge."""
+    hq, hkv, d = call.heads
+    b, p = len(call.lens), call.shared
+    srows = row_bucket(b)
+    sbound = decode_key_bound(p, call.capacity)
+    scfg, spipe = attn_pipeline(dev, f, hq, srows, 0, 1, F_PAGED, sbound, False,
+                                splits=shared_splits(dev, hkv, sbound))
+    shared = _attn_traffic(scfg, spipe, f, call, [(p, 0, b)], hq, row, causal=False)
+    obound = decode_key_bound(max(call.lens) + 1, call.capacity)
+    ocfg, opipe = attn_pipeline(dev, f, hq, b, b, b, F_PAGED, obound, True)
+    own = _attn_traffic(ocfg, opipe, f, call, [(p + n, 1, 1, p) for n in call.lens], hq, row)
+    res = 4 * hq * b * (f.v_head_dim + 1)                 # one result: out and lse of every row
+    params = 4 * (MERGE_PARAMS + b)
+    merge = Dispatch("merge", merge_pipeline(dev, f, hq * b), reads=2 * res + params, writes=res,
+                     unique=3 * res + params)
+    tables = b * -(-(p + max(call.lens) + 1) // BLOCK)
+    own_words = aux_bucket(AttnPlan.aux_need(b, b, hq, tables, 0))
+    shared_words = aux_bucket(AttnPlan.aux_need(1, srows, hq, -(-p // BLOCK), 0))
+    counters = sum(hkv * pp.groups[1] for cfg, pp in ((scfg, spipe), (ocfg, opipe)) if cfg.splits > 1)
+    q_bytes = 16 * hq * f._dk4 * f._ch
+    up = (q_bytes * (b + srows) + 4 * (own_words + shared_words + counters) + params
+          + 16 * hkv * b * (f._dk4 + f._dv4) * f._ch)
+    pairs = sum(p + n + 1 for n in call.lens)
+    return Planned(call, [shared, own, merge], 1, up, 3 * res, 2.0 * hq * pairs * (d + f.v_head_dim))
+
+
 def _visible_pairs(total: int, q_len: int, window, n_sink: int) -> int:
     """(query row, key) pairs a causal call scores: row r at position total - q_len + r."""
     n = 0
@@ -290,13 +334,15 @@ def _visible_pairs(total: int, q_len: int, window, n_sink: int) -> int:
     return n
 
 
-def _ranges(cfg, past: int, n_new: int, q_len: int, window, n_sink: int) -> list:
-    """Key ranges [lo, hi) each workgroup of one sequence and kv head consumes (attn.comp's main)."""
+def _ranges(cfg, past: int, n_new: int, q_len: int, window, n_sink: int, key_lo: int = 0,
+            causal: bool = True) -> list:
+    """Key ranges [lo, hi) each workgroup of one sequence and kv head consumes (attn.comp's main);
+    ``key_lo``: its first key (cascade's own part)."""
     T = past + n_new
-    kstart, chunk = split_keys(T, q_len, window, cfg.splits)
+    kstart, chunk = split_keys(T, q_len, window, cfg.splits, key_lo)
     out = []
     for qt in range(-(-q_len // cfg.bq)):
-        kend = T - q_len + min(q_len, qt * cfg.bq + cfg.bq)
+        kend = T - q_len + min(q_len, qt * cfg.bq + cfg.bq) if causal else T
         for sp in range(cfg.splits):
             a = min(kend, kstart + sp * chunk)
             b = min(kend, a + chunk)
@@ -312,7 +358,9 @@ def _ranges(cfg, past: int, n_new: int, q_len: int, window, n_sink: int) -> list
     return out
 
 
-def _attn_traffic(cfg, pipe, f, call: Call, seqs: list, hq: int, row: int) -> Dispatch:
+def _attn_traffic(cfg, pipe, f, call: Call, seqs: list, hq: int, row: int, causal: bool = True) -> Dispatch:
+    """Bytes of one attention dispatch; ``seqs``: (past, n_new, q_len) or (past, n_new, q_len,
+    first key) per sequence."""
     hkv = f.num_kv_heads
     group = hq // hkv
     new_row = 16 * (f._dk4 + f._dv4) * f._ch          # float32 K+V of one new row, one kv head
@@ -322,16 +370,17 @@ def _attn_traffic(cfg, pipe, f, call: Call, seqs: list, hq: int, row: int) -> Di
     steps = []
     step_keys = (cfg.cols * cfg.kb if cfg.kernel == "tile" else
                  getattr(cfg, "bc", 0) or cfg.wg if cfg.kernel == "coopmat" else cfg.wg)
-    for past, n_new, q_len in seqs:
+    for past, n_new, q_len, *lo in seqs:
         T = past + n_new
-        wgs = _ranges(cfg, past, n_new, q_len, call.window, call.n_sink)
+        key_lo = lo[0] if lo else 0
+        wgs = _ranges(cfg, past, n_new, q_len, call.window, call.n_sink, key_lo, causal)
         keys = sum(max(0, hi - lo) for parts in wgs for lo, hi in parts)
-        seen = T if call.window is None else min(T, call.window + q_len - 1 + call.n_sink)
+        seen = T - key_lo if call.window is None else min(T, call.window + q_len - 1 + call.n_sink)
         reads += hkv * (keys * row + len(wgs) * (group * cfg.bq * q_row + n_new * new_row))
         writes += hkv * len(wgs) * n_new * row                   # every workgroup stores the new rows
         unique += hkv * (seen * row + n_new * new_row) + hq * q_len * q_row
         steps += [sum(-(-max(0, hi - lo) // step_keys) for lo, hi in parts) for parts in wgs] * hkv
-    nrows = hq * sum(q for _, _, q in seqs)
+    nrows = hq * sum(s[2] for s in seqs)
     out_bytes = 4 * nrows * (f.v_head_dim + 1)
     writes += out_bytes
     unique += out_bytes

@@ -33,6 +33,12 @@ vkattn_system_packages() {
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 }
 
+# vkattn's Python dependencies besides numpy (pyproject.toml's list; setup.sh and install.sh install
+# vkattn with --no-deps, so they install these): safetensors, the file format of cache save/load
+# (vkattn.persist; PyPI has abi3 wheels, e.g. safetensors 0.8.0 cp310-abi3 manylinux x86-64: no build
+# on Debian 12's Python 3.11 or Debian 13's 3.13).
+VKATTN_PY_DEPS="safetensors>=0.4"
+
 # PyPI's pybind11 for kp's build where the system's predates numpy 2 support (2.12); Debian 13's.
 VKATTN_PYBIND11_PYPI="2.13.6"
 

@@ -37,11 +37,11 @@ vkattn_numpy_plan "$VPY"
 stamp="$VENV/.vkattn-setup"
 # the stamp is written last, after everything below succeeded, and checked first
 want=$({ cat pyproject.toml scripts/setup.sh scripts/lib.sh; echo "$VKATTN_NUMPY $VKATTN_PYBIND11"; } | sha256sum | cut -c1-16)
-if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -c "import kp, numpy, pytest, xdist, vkattn" 2>/dev/null; }; then
+if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -c "import kp, numpy, safetensors, pytest, xdist, vkattn" 2>/dev/null; }; then
   rm -f "$stamp"
   echo "vkattn setup: $VKATTN_NUMPY, kp built against $VKATTN_PYBIND11 pybind11"
   "$VPY" -m pip install -q --upgrade pip "setuptools>=70" wheel
-  "$VPY" -m pip install -q "$VKATTN_NUMPY" pytest pytest-xdist hypothesis
+  "$VPY" -m pip install -q "$VKATTN_NUMPY" $VKATTN_PY_DEPS pytest pytest-xdist hypothesis
   vkattn_kp "$VPY"
   "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
   "$VPY" -c "import kp, vkattn"

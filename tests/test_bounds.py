@@ -3,9 +3,10 @@
 Each case is an ordinary parity test against the numpy reference, and the module is also the
 GPU-assisted-validation pass of `make test-validation` (scripts/validation.sh runs it under the
 Khronos layer with `gpuav_buffer_oob`, once per kernel, and fails on any message): every kernel
-dispatch -- attn.comp, attn_lane.comp, append.comp, gather_slots.comp, copy_rows.comp -- must
-stay inside every buffer it is bound to. Out-of-bounds reads do not show in results on lavapipe
-(the bytes past a buffer are there, or read as zero), so the validation pass is what catches
+dispatch -- attn.comp, attn_lane.comp, append.comp, gather_slots.comp, copy_rows.comp,
+scatter_slots.comp -- must stay inside every buffer it is bound to. Out-of-bounds reads do not
+show in results on lavapipe (the bytes past a buffer are there, or read as zero), so the
+validation pass is what catches
 them; the shapes are chosen so that a stray read leaves its buffer: the masks end at the very
 last word of the aux buffer (issue 20 finding 5: mask words of padded query rows were read past
 it), query tiles have padding rows and padding heads, head dims are not multiples of a storage
@@ -71,11 +72,11 @@ def test_mask_at_the_end_of_aux(device, rng, kernel, hkv, group, d, s, per_head)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "int8"])
-def test_every_variant_odd_shapes(device, rng, kernel, dtype):
+def test_every_variant_odd_shapes(device, rng, kernel, dtype, tmp_path):
     # head_dim 37 / v_head_dim 29: rows end inside a storage word; RoPE on 16 of 37 dims; window +
     # sinks + softcap + ALiBi + mask in one call (one pipeline), with the log-sum-exp; append.comp
     # (append), a prefill with a past whose tile has padding rows, split-K decode steps with a
-    # per-head mask, read() (gather_slots.comp)
+    # per-head mask, read() (gather_slots.comp), save and load (scatter_slots.comp)
     hkv, group, d, dv = 2, 2, 37, 29
     hq = hkv * group
     # int8 without RoPE: its rotated quantising store multiplies the instrumented loads, and
@@ -104,6 +105,11 @@ def test_every_variant_odd_shapes(device, rng, kernel, dtype):
     call(1, True)          # decode: split-K merged by the last workgroup
     call(1, True)
     assert cache.read()[0].shape == (hkv, 98, d)
+    # save and load (scatter_slots.comp) of rows that end inside a storage word: the same bits back
+    cache.save(tmp_path / "odd.safetensors")
+    other = vkattn.KVCache(100, hkv, d, v_head_dim=dv, dtype=dtype, device=device, rope=cfg)
+    other.load(tmp_path / "odd.safetensors")
+    assert all(np.array_equal(a, b) for a, b in zip(cache.read(), other.read()))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])

@@ -816,8 +816,8 @@ def test_check_detects_corruption():
 
     corruptions = [
         (lambda p: p._refs.__setitem__(0, 1), "block 0: refcount 1, referenced 2 times"),
-        (lambda p: p._free.append(3), "free list holds a block twice"),
-        (lambda p: p._free.remove(5), "differs from the unreferenced blocks"),
+        (lambda p: p._cached.__setitem__(3, None), "blocks \\[3\\] are both free and cached"),
+        (lambda p: p._free.pop(5), "differ from the unreferenced blocks"),
         (lambda p: p._lengths.__setitem__(0, 9), "2 blocks for length 9, expected 3"),
         (lambda p: p._lengths.__setitem__(0, -1), "bad length"),
         (lambda p: p._tables[0].__setitem__(1, 0), "appears twice"),
@@ -833,6 +833,6 @@ def test_check_detects_corruption():
     pool._tables[1][1] = 1
     pool._refs[1] += 1
     pool._refs[2] -= 1
-    pool._free.append(2)
+    pool._free[2] = None
     with pytest.raises(AssertionError, match="partial tail block 1 is shared"):
         pool.check()

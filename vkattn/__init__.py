@@ -13,11 +13,13 @@ from .paged import PagedKVCache
 from .paging import UnknownSequenceError
 from .device import Device, default_device, list_devices
 from .reference import merge_states
-from .errors import (CacheClosedError, CacheFullError, DeviceLimitError, ShaderCompileError,
-                     SyncHazardError, VerificationError)
+from .errors import (CacheClosedError, CacheFileCorruptError, CacheFileError, CacheFileMismatchError,
+                     CacheFullError, DeviceLimitError, ShaderCompileError, SyncHazardError, VerificationError)
+from .persist import file_info as cache_file_info
 
 __version__ = "0.1.0"
 
 __all__ = ["KVCache", "RoPE", "PagedKVCache", "UnknownSequenceError", "Device", "default_device", "list_devices", "reference", "CacheFullError",
            "CacheClosedError", "DeviceLimitError", "ShaderCompileError", "SyncHazardError",
-           "VerificationError", "VulkanUnavailableError", "merge_states", "__version__"]
+           "VerificationError", "VulkanUnavailableError", "merge_states", "__version__",
+           "CacheFileError", "CacheFileCorruptError", "CacheFileMismatchError", "cache_file_info"]

@@ -127,7 +127,9 @@ def check_mask(mask, num_qo_heads: int, s: int, total: int, name: str = "mask") 
 @dataclass
 class SeqCall:
     """One sequence of a call: ``past`` cached keys, ``n_new`` keys appended now (rows
-    ``new_start`` .. of nk/nv), ``q_len`` query rows (packed at ``q_start``), its block table."""
+    ``new_start`` .. of nk/nv), ``q_len`` query rows (packed at ``q_start``), its block table.
+    ``key_lo``: the first key attended (cascade: the keys before it are a shared prefix attended
+    by a dispatch of its own, vkattn.cascade)."""
     past: int
     n_new: int
     q_start: int
@@ -137,6 +139,7 @@ class SeqCall:
     mask: np.ndarray | None = None
     rope_row: int = 0           # its first row in the rotary table, holding position rope_pos
     rope_pos: int = 0
+    key_lo: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,14 +159,14 @@ ATTN_BINDINGS = 13      # kc vc nk nv q aux out part ml lse rope ks vs (attn.com
 
 
 def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, key_bound: int,
-                  decode: bool, rope_dim: int = 0):
+                  decode: bool, rope_dim: int = 0, splits: int | None = None):
     """(AttnConfig, Pipeline) of the attention dispatch for ``hq`` heads, ``rows`` packed query
     rows, ``nn`` new rows (fused append: a per-call value, not a specialisation), ``nseq`` sequences, on ``dev`` (a Device, or anything with
     its planning attributes) for the storage format ``fmt`` (a cache: _dk4, _dv4, _ch,
     v_head_dim, num_kv_heads, _defines)."""
     hkv = fmt.num_kv_heads
     group = hq // hkv
-    cfg = attention_config(dev, group, 1 if decode else rows, fmt._dk4, fmt._dv4, fmt._ch, key_bound, hkv)
+    cfg = attention_config(dev, group, 1 if decode else rows, fmt._dk4, fmt._dv4, fmt._ch, key_bound, hkv, splits)
     tiles_max = max(1, min(nseq * cfg.qtiles(rows), cfg.qtiles(rows) + nseq - 1))   # sum of ceil(q_len/bq)
     grid = (cfg.splits, tiles_max, hkv)
     if grid[1] > dev.max_workgroup_count[1]:
@@ -185,34 +188,39 @@ class AttnPlan:
     sequence: upload -> attn -> download of out and lse. With split-K the last workgroup of each
     tile merges the splits on the device (a counter per tile after the aux words, zeroed by the
     upload), so nothing crosses to the host before the output. ``store`` is the cache: device,
-    k/v buffers, layout."""
+    k/v buffers, layout. ``splits``: key splits instead of the configuration's own choice;
+    ``scratch``: a prefix for the names of its shared scratch buffers, so that two plans of one
+    recording never share one (vkattn.cascade's shared pass)."""
 
     def __init__(self, store, hq: int, rows: int, nn: int, nseq: int, flags: int, aux_words: int,
-                 key_bound: int, decode: bool, rope_dim: int = 0):
-        self._args = (store, hq, rows, nn, nseq, flags, aux_words, key_bound, decode, rope_dim)
+                 key_bound: int, decode: bool, rope_dim: int = 0, splits: int | None = None, scratch: str = ""):
+        self._args = (store, hq, rows, nn, nseq, flags, aux_words, key_bound, decode, rope_dim, splits, scratch)
         c = store
         be, hkv = c.device.backend, c.num_kv_heads
         self.c, self.hq, self.rows, self.nn = c, hq, rows, nn
-        cfg, pipe = attn_pipeline(c.device, c, hq, rows, nn, nseq, flags, key_bound, decode, rope_dim)
+        cfg, pipe = attn_pipeline(c.device, c, hq, rows, nn, nseq, flags, key_bound, decode, rope_dim, splits)
         self.cfg = cfg
         pv4 = c._dv4 * c._ch * 4
         nrows = hq * rows
-        self.q = be.buffer(hq * rows * c._dk4 * c._ch * 4, np.float32, name="q")
-        self.nk = be.buffer(hkv * max(nn, 1) * c._dk4 * c._ch * 4, np.float32, name="new_k")
-        self.nv = be.buffer(hkv * max(nn, 1) * c._dv4 * c._ch * 4, np.float32, name="new_v")
+        # scratch shared with every plan of the same sizes on this device (all layers of a model):
+        # each call fills, dispatches and copies out under the device's lock (Backend.shared_buffer)
+        def buf(size, dtype, host_visible=True, name=""):
+            return be.shared_buffer(size, dtype, host_visible, scratch + name)
+        self.q = buf(hq * rows * c._dk4 * c._ch * 4, np.float32, name="q")
+        self.nk = buf(hkv * max(nn, 1) * c._dk4 * c._ch * 4, np.float32, name="new_k")
+        self.nv = buf(hkv * max(nn, 1) * c._dv4 * c._ch * 4, np.float32, name="new_v")
         split = cfg.splits > 1
         self._counters = aux_words                  # split-K: one counter per (kv head, tile)
         self.aux = be.buffer(aux_words + (hkv * pipe.groups[1] if split else 0), np.uint32, name="aux")
-        self.out = be.buffer(nrows * c.v_head_dim, np.float32, name="out")
-        self.lse = be.buffer(nrows + 1, np.float32, name="lse")   # + attn.comp's subgroup size word
+        self.out = buf(nrows * c.v_head_dim, np.float32, name="out")
+        self.lse = buf(nrows + 1, np.float32, name="lse")   # + attn.comp's subgroup size word
         self.rope_dim = rope_dim
-        self.rope = be.buffer(max(rows, nn, 1) * max(rope_dim, 4), np.float32, name="rope_table")
+        self.rope = buf(max(rows, nn, 1) * max(rope_dim, 4), np.float32, name="rope_table")
         # split-K partials live on the device only: the kernel merges them itself
-        self.part = be.buffer(cfg.splits * nrows * pv4 if split else 1, np.float32, host_visible=False,
-                              name="partials")
-        self.ml = be.buffer(cfg.splits * nrows * 2 if split else 2, np.float32, host_visible=False,
-                            name="max_sum")
+        self.part = buf(cfg.splits * nrows * pv4 if split else 1, np.float32, host_visible=False, name="partials")
+        self.ml = buf(cfg.splits * nrows * 2 if split else 2, np.float32, host_visible=False, name="max_sum")
         inputs = [self.q, self.aux] + ([self.nk, self.nv] if nn else []) + ([self.rope] if rope_dim else [])
+        self.inputs = inputs                        # what a call uploads (a recording of several plans too)
         bindings = [c._k, c._v, self.nk, self.nv, self.q, self.aux, self.out, self.part, self.ml, self.lse,
                     self.rope, c._ks, c._vs]
         # the subgroup width the kernel's shuffles assume (attn.comp clusters of cfg.ds, attn_lane.comp
@@ -226,7 +234,9 @@ class AttnPlan:
         self.subgroup = pin
         self._check_width = bool(shuffles) and cfg.kernel == "tile" and not pin[0]
         self.attn = be.program(compile_shader(pipe.shader, pipe.defines), bindings, pipe.groups, pipe.spec,
-                               writes=(0, 1, 5, 6, 7, 8, 9, 11, 12), name=pipe.shader, subgroup=pin)
+                               # the pools (and int8 scales) are written only by a fused append
+                               writes=(0, 1, 5, 6, 7, 8, 9, 11, 12) if nn else (5, 6, 7, 8, 9),
+                               name=pipe.shader, subgroup=pin)
         self.rec = be.recording().upload(*inputs).dispatch(self.attn).download(self.out, self.lse).build(c.timestamps)
         self._header = np.zeros(HEADER, np.uint32)
         self._tiles = {}
@@ -248,6 +258,40 @@ class AttnPlan:
     def run(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant, rope: RoPE | None = None):
         """q (hq, rows, head_dim) packed; k/v (num_kv_heads, n, d) packed new rows or None.
         Returns out (hq, rows, v_head_dim) and lse (hq, rows) float32."""
+        rows = self.fill(q, k, v, seqs, causal, scale, variant, rope)
+        self.rec.run()
+        self.c._last_rec = self.rec
+        width = self.narrow_subgroup(rows)
+        if width:
+            # the pipeline's real subgroup size is narrower than the cluster: its shuffles read
+            # outside the subgroup and the result is void. The device's clusters shrink to fit,
+            # this plan is built again and the call runs again (the fused append stores the same
+            # rows again)
+            self.c.device.lower_tile_cluster(width)
+            self.destroy()
+            self.__init__(*self._args)
+            return self.run(q, k, v, seqs, causal, scale, variant, rope)
+        return self.result(rows)
+
+    def narrow_subgroup(self, rows: int) -> int:
+        """After a run of ``rows`` rows: the subgroup size the pipeline really ran with (attn.comp
+        writes it after lse) where it could not be pinned and is narrower than the cluster the
+        shuffles assume, else 0."""
+        if not self._check_width:
+            return 0
+        width = int(self.lse.view()[self.hq * rows:].view(np.uint32)[0])
+        return width if width < self.cfg.ds else 0
+
+    def result(self, rows: int) -> tuple:
+        """out (hq, rows, v_head_dim) and lse (hq, rows) float32 of the last run, copied."""
+        c = self.c
+        out = self.out.view()[:self.hq * rows * c.v_head_dim].reshape(self.hq, rows, c.v_head_dim).copy()
+        return out, self.lse.view()[:self.hq * rows].reshape(self.hq, rows).copy()
+
+    def fill(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant,
+             rope: RoPE | None = None) -> int:
+        """Write a call's inputs into the host copies of q, nk/nv, aux and the rotary table (what
+        ``inputs`` uploads); returns its rows per head."""
         c, cfg = self.c, self.cfg
         rows, nn = q.shape[1], (0 if k is None else k.shape[1])    # this call's counts (<= the plan's)
         put_rows(self.q, q, c._dk4 * c._ch * 4)
@@ -280,7 +324,7 @@ class AttnPlan:
             f[alibi_off:free] = variant.alibi * np.float32(_LOG2E)
         recs = np.zeros((nseq, SEQ_WORDS), np.uint32)
         for i, s in enumerate(seqs):
-            kstart, chunk = split_keys(s.past + s.n_new, s.q_len, variant.window, cfg.splits)
+            kstart, chunk = split_keys(s.past + s.n_new, s.q_len, variant.window, cfg.splits, s.key_lo)
             bt = 0
             if s.table is not None:
                 bt = free
@@ -300,31 +344,18 @@ class AttnPlan:
                 self.rope.view()[s.rope_row * self.rope_dim:(s.rope_row + n) * self.rope_dim] = tab.ravel()
         aux[:HEADER] = h
         aux[seq_off:tile_off] = recs.ravel()
-        self.rec.run()
-        c._last_rec = self.rec
-        if self._check_width:
-            # the pipeline's real subgroup size (attn.comp writes it after lse): narrower than the
-            # cluster, its shuffles read outside the subgroup and the result is void. The device's
-            # clusters shrink to fit, this plan is built again and the call runs again (the fused
-            # append stores the same rows again)
-            width = int(self.lse.view()[self.hq * rows:].view(np.uint32)[0])
-            if width < cfg.ds:
-                c.device.lower_tile_cluster(width)
-                self.destroy()
-                self.__init__(*self._args)
-                return self.run(q, k, v, seqs, causal, scale, variant, rope)
-        out = self.out.view()[:self.hq * rows * c.v_head_dim].reshape(self.hq, rows, c.v_head_dim).copy()
-        return out, self.lse.view()[:self.hq * rows].reshape(self.hq, rows).copy()
+        return rows
 
     def destroy(self) -> None:
         destroy(self.rec, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,
                 self.ml, self.rope)
 
 
-def split_keys(total: int, q_len: int, window: int | None, splits: int) -> tuple:
-    """(kstart, chunk): the first key the splits of a sequence of ``total`` keys cover (past any
-    row's window) and the keys per split (at least MIN_CHUNK, or all of them when fewer)."""
-    kstart = 0 if window is None else max(0, total - q_len + 1 - window)
+def split_keys(total: int, q_len: int, window: int | None, splits: int, key_lo: int = 0) -> tuple:
+    """(kstart, chunk): the first key the splits of a sequence of ``total`` keys cover (from
+    ``key_lo``, past any row's window) and the keys per split (at least MIN_CHUNK, or all of them
+    when fewer)."""
+    kstart = key_lo if window is None else max(key_lo, total - q_len + 1 - window)
     span = max(total - kstart, 1)
     return kstart, max(-(-span // splits), min(MIN_CHUNK, span))
 
@@ -383,9 +414,13 @@ def aux_bucket(words: int) -> int:
 
 
 def put_rows(buf, x: np.ndarray, padded: int) -> None:
-    """Write x (h, n, d) float32 into buf viewed as (h, n, padded); padding stays zero."""
+    """Write x (h, n, d) float32 into buf viewed as (h, n, padded), zeros in the padding (the
+    buffer may be shared scratch that another layout wrote before)."""
     h, n, d = x.shape
-    buf.view()[: h * n * padded].reshape(h, n, padded)[:, :, :d] = x
+    rows = buf.view()[: h * n * padded].reshape(h, n, padded)
+    rows[:, :, :d] = x
+    if d < padded:
+        rows[:, :, d:] = 0
 
 
 def destroy(*objs) -> None:

@@ -3,7 +3,6 @@ the plan LRU, timings and closing."""
 from __future__ import annotations
 
 import os
-import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -45,7 +44,8 @@ class CacheBase:
         self.timestamps = bool(timestamps) and self.device.info.timestamp_compute_and_graphics
         self._plans: OrderedDict = OrderedDict()
         self._last_rec = None
-        self._lock = threading.RLock()
+        # the device's lock: plans of all caches on a device share scratch buffers (Backend.shared_buffer)
+        self._lock = self.device.backend.lock
         self._closed = False
 
     def _allocate(self, positions: int, name: str, unit: int, what: str) -> None:
@@ -128,6 +128,30 @@ class CacheBase:
                 k[:, a:a + READ_ROWS], v[:, a:a + READ_ROWS] = plan.run(slots[a:a + READ_ROWS])
         return k, v
 
+    def _read_stored(self, slots: np.ndarray) -> tuple:
+        """The rows at ``slots`` exactly as stored, copies: K words (n, num_kv_heads, _dk4 * 4)
+        uint32, V words (n, num_kv_heads, _dv4 * 4) uint32, and int8 the K and V scales
+        (n, num_kv_heads) float32 (else None, None); READ_ROWS per submission. A one-off plan
+        sized for min(n, READ_ROWS) positions, destroyed afterwards: saving a many-layer model
+        holds one readback buffer at a time, not one per layer."""
+        hkv, n = self.num_kv_heads, len(slots)
+        kw = np.zeros((n, hkv, self._dk4 * 4), np.uint32)
+        vw = np.zeros((n, hkv, self._dv4 * 4), np.uint32)
+        ks = np.zeros((n, hkv), np.float32) if self._i8 else None
+        vs = np.zeros((n, hkv), np.float32) if self._i8 else None
+        if n:
+            plan, last = _SlotReadPlan(self, min(n, READ_ROWS)), self._last_rec
+            try:
+                for a in range(0, n, READ_ROWS):
+                    got = plan.words(slots[a:a + READ_ROWS])
+                    for dst, src in zip((kw, vw, ks, vs), got):
+                        if dst is not None:       # copied as bits: no float conversion on the way
+                            dst[a:a + READ_ROWS].view(np.uint32)[...] = src.view(np.uint32)
+            finally:
+                plan.destroy()
+                self._last_rec = last
+        return kw, vw, ks, vs
+
     def _verify_rows(self, out, lse, q, k, v, q_pos: int, call) -> None:
         """Verify mode: ``out``/``lse`` of query rows ``q`` (at positions ``q_pos`` ..) against
         the reference on K/V as stored; VerificationError beyond tolerance."""
@@ -194,14 +218,15 @@ class _SlotReadPlan:
     buffers. Both layouts are blocks of [num_kv_heads, _block_size] rows: KVCache is one block of
     ``capacity``, PagedKVCache ``num_blocks`` blocks."""
 
-    def __init__(self, c: CacheBase):
+    def __init__(self, c: CacheBase, rows: int = READ_ROWS):
+        """``rows``: positions per run, at most READ_ROWS (the grid is READ_ROWS' either way)."""
         be, hkv = c.device.backend, c.num_kv_heads
         self.c = c
-        self.ok = be.buffer(READ_ROWS * hkv * c._dk4 * 4, np.uint32, name="read_k")
-        self.ov = be.buffer(READ_ROWS * hkv * c._dv4 * 4, np.uint32, name="read_v")
-        self.params = be.buffer(1 + READ_ROWS * hkv, np.uint32, name="read_rows")
-        self.oks = be.buffer(READ_ROWS * hkv if c._i8 else 1, np.float32, name="read_kscale")
-        self.ovs = be.buffer(READ_ROWS * hkv if c._i8 else 1, np.float32, name="read_vscale")
+        self.ok = be.buffer(rows * hkv * c._dk4 * 4, np.uint32, name="read_k")
+        self.ov = be.buffer(rows * hkv * c._dv4 * 4, np.uint32, name="read_v")
+        self.params = be.buffer(1 + rows * hkv, np.uint32, name="read_rows")
+        self.oks = be.buffer(rows * hkv if c._i8 else 1, np.float32, name="read_kscale")
+        self.ovs = be.buffer(rows * hkv if c._i8 else 1, np.float32, name="read_vscale")
         pipe = gather_pipeline(c.device, c)
         self.prog = be.program(compile_shader(pipe.shader, pipe.defines),
                                [c._k, c._v, self.ok, self.ov, self.params, c._ks, c._vs, self.oks, self.ovs],
@@ -210,6 +235,16 @@ class _SlotReadPlan:
                     .download(self.ok, self.ov, self.oks, self.ovs).build(c.timestamps))
 
     def run(self, slots: np.ndarray):
+        c = self.c
+        kw, vw, ks, vs = self.words(slots)
+        return (unpack_rows(c, kw, ks, c.head_dim).transpose(1, 0, 2),
+                unpack_rows(c, vw, vs, c.v_head_dim).transpose(1, 0, 2))
+
+    def words(self, slots: np.ndarray) -> tuple:
+        """The rows of up to READ_ROWS ``slots`` as stored, views of the readback buffers (valid
+        until the next run): K words (n, num_kv_heads, _dk4 * 4) uint32, V words (n,
+        num_kv_heads, _dv4 * 4), and int8 the K and V scales (n, num_kv_heads) float32 (else
+        None, None)."""
         c, n = self.c, len(slots)
         p = self.params.view()
         p[0] = n * c.num_kv_heads
@@ -221,8 +256,7 @@ class _SlotReadPlan:
         vs = self.ovs.view()[: n * hkv].reshape(n, hkv) if c._i8 else None
         kw = self.ok.view()[: n * hkv * c._dk4 * 4].reshape(n, hkv, c._dk4 * 4)
         vw = self.ov.view()[: n * hkv * c._dv4 * 4].reshape(n, hkv, c._dv4 * 4)
-        return (unpack_rows(c, kw, ks, c.head_dim).transpose(1, 0, 2),
-                unpack_rows(c, vw, vs, c.v_head_dim).transpose(1, 0, 2))
+        return kw, vw, ks, vs
 
     def destroy(self) -> None:
         destroy(self.rec, self.prog, self.ok, self.ov, self.params, self.oks, self.ovs)
@@ -237,10 +271,11 @@ class _SlotWritePlan:
     def __init__(self, c: CacheBase, n: int):
         be, hkv = c.device.backend, c.num_kv_heads
         self.n, self.c = n, c
-        self.nk = be.buffer(hkv * n * c._dk4 * c._ch * 4, np.float32, name="new_k")
-        self.nv = be.buffer(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
-        self.dst = be.buffer(1 + 2 * hkv * n, np.uint32, name="append_rows")
-        self.rope = be.buffer(n * max(c._rope_dim, 4), np.float32, name="rope_table")
+        buf = be.shared_buffer                   # scratch shared on the device (see AttnPlan)
+        self.nk = buf(hkv * n * c._dk4 * c._ch * 4, np.float32, name="new_k")
+        self.nv = buf(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
+        self.dst = buf(1 + 2 * hkv * n, np.uint32, name="append_rows")
+        self.rope = buf(n * max(c._rope_dim, 4), np.float32, name="rope_table")
         pipe = append_pipeline(c.device, c, n)
         self.prog = be.program(compile_shader(pipe.shader, pipe.defines),
                                [c._k, c._v, self.nk, self.nv, self.dst, self.rope, c._ks, c._vs],

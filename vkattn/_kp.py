@@ -13,15 +13,24 @@ Ordering. kp 0.9's Python API records a transfer->shader barrier before every di
 shader->transfer barrier before every download, but nothing between two dispatches. So a recording
 is correct only if no dispatch touches a buffer that an earlier dispatch of the same recording wrote
 (read-after-write, write-after-write) or read and it now writes (write-after-read), unless a download
-of that buffer (whose shader->transfer barrier orders the two) sits in between; and no upload
-overwrites a buffer an earlier dispatch of the recording used. :class:`Recording` checks these
-rules while recording and raises :class:`SyncHazardError`, so every recorded sequence is race-free
-by construction on any Vulkan device, not only on lavapipe (which serialises everything).
-Separate evaluations are ordered by kp's fence wait plus the next submission.
+sits in between; and no upload overwrites a buffer an earlier dispatch of the recording used, unless
+a download sits in between. What a download orders: its barrier's buffer range limits only the
+*memory* dependency (availability of that buffer's shader writes), while the execution dependency
+of a pipeline barrier covers every earlier command at its source stage. So a download followed by
+the transfer->shader barrier of the next dispatch chains (through the transfer stage) into an
+execution dependency from every earlier dispatch to every later dispatch or upload: enough for a
+write-after-read on any buffer, which needs no memory dependency. A read or write after a
+dispatch's write needs that very buffer downloaded in between (its shader writes made available
+and then visible to the later access). :class:`Recording` checks these rules while recording and
+raises :class:`SyncHazardError`, so every recorded sequence is race-free by construction on any
+Vulkan device, not only on lavapipe (which serialises everything). Separate evaluations are
+ordered by kp's fence wait plus the next submission.
 """
 from __future__ import annotations
 
 import sys
+import threading
+import weakref
 
 import numpy as np
 
@@ -52,6 +61,19 @@ class Backend:
         self.features = frozenset(self._mgr.enabled_features()) if hasattr(self._mgr, "enabled_features") \
             else frozenset()
         self.can_pin = hasattr(self._mgr, "set_pipeline_subgroup_size")
+        # the patched kp shares one VkPipeline among all programs of the same SPIR-V, spec
+        # constants and layout on this device: a model's layers, caches and plans build each once
+        self.shares_pipelines = hasattr(self._mgr, "shared_pipeline_count")
+        # one lock per device: every cache on it runs its plans under it, so plans may share the
+        # scratch buffers of shared_buffer (inputs written, dispatched, outputs copied out, all
+        # inside one locked call). kp's evaluations are synchronous, so little is serialised
+        # that the device's one queue would not serialise anyway.
+        self.lock = threading.RLock()
+        self._shared = weakref.WeakValueDictionary()    # holders keep them alive, not the registry
+
+    def pipeline_count(self) -> int | None:
+        """Distinct pipelines alive on this device (patched kp), None with a plain kp."""
+        return self._mgr.shared_pipeline_count() if self.shares_pipelines and self._mgr is not None else None
 
     def buffer(self, size: int, dtype=np.uint32, host_visible: bool = True, name: str = "") -> "Buffer":
         return Buffer(self, size, dtype, host_visible, name)
@@ -62,6 +84,19 @@ class Backend:
         driver's choice; a size needs a patched kp and the device's subgroupSizeControl, full
         subgroups its computeFullSubgroups (ValueError otherwise, nothing built)."""
         return Program(self, spirv, bindings, groups, spec, writes, name, subgroup)
+
+    def shared_buffer(self, size: int, dtype=np.float32, host_visible: bool = True, name: str = "") -> "Buffer":
+        """The device's buffer for (name, size, dtype, host_visible), made on first request and
+        handed to every later one: scratch that a plan fills, uses and reads back within one call
+        made under :attr:`lock` (the per-plan q/out/lse/partials of every cache and layer). Each
+        holder calls ``destroy()`` once; the last one frees it."""
+        key = (name, int(max(size, 1)), np.dtype(dtype).str, bool(host_visible))
+        buf = self._shared.get(key)
+        if buf is None or buf._t is None:
+            buf = self._shared[key] = Buffer(self, size, dtype, host_visible, name)
+            buf._shared_key, buf._holders = key, 0
+        buf._holders += 1
+        return buf
 
     def recording(self) -> "Recording":
         return Recording(self)
@@ -89,6 +124,7 @@ class Buffer:
         self.nbytes = self.size * 4
         self.host_visible = host_visible
         self.name = name
+        self._backend, self._shared_key, self._holders = backend, None, 0
         kind = kp.TensorTypes.device if host_visible else kp.TensorTypes.storage
         self._t = backend._mgr.tensor_t(np.zeros(self.size, dtype), tensor_type=kind)
         self._view = self._t.data() if host_visible else None
@@ -99,6 +135,12 @@ class Buffer:
         return self._view
 
     def destroy(self) -> None:
+        if self._shared_key is not None:          # Backend.shared_buffer: the last holder frees it
+            self._holders -= 1
+            if self._holders > 0:
+                return
+            if self._backend._shared.get(self._shared_key) is self:
+                del self._backend._shared[self._shared_key]
         self._view = None
         if self._t is not None:
             self._t.destroy()
@@ -149,8 +191,19 @@ class Program:
             self._algo = None
 
 
+_BINDINGS: dict = {}
+
+
 def _spirv_bindings(spirv: bytes) -> int:
-    """Number of distinct descriptor bindings a SPIR-V module declares (OpDecorate ... Binding)."""
+    """Number of distinct descriptor bindings a SPIR-V module declares (OpDecorate ... Binding);
+    memoised per module."""
+    n = _BINDINGS.get(spirv)
+    if n is None:
+        n = _BINDINGS[spirv] = _count_bindings(spirv)
+    return n
+
+
+def _count_bindings(spirv: bytes) -> int:
     words = np.frombuffer(spirv, dtype=np.uint32)
     found, i = set(), 5                       # 5-word header
     while i < len(words):
@@ -168,13 +221,13 @@ class Recording:
         self._backend = backend
         self._ops = []
         self._names = []
-        self._written = set()   # written by a dispatch, no download since
-        self._used = set()      # touched by a dispatch, no download since
+        self._written = set()   # written by a dispatch, not downloaded since
+        self._used = set()      # touched by a dispatch, no download (of any buffer) since
         self._seq = None
 
     def upload(self, *bufs: Buffer) -> "Recording":
         for b in bufs:
-            if b in self._used:
+            if b in self._used or b in self._written:
                 raise SyncHazardError(f"upload of {b.name!r} after a dispatch used it in the same recording")
         self._ops.append(kp.OpTensorSyncDevice([b._t for b in bufs]))
         self._names.append("upload " + ",".join(b.name for b in bufs))
@@ -200,7 +253,7 @@ class Recording:
             if not b.host_visible:
                 raise RuntimeError(f"download of device-only buffer {b.name!r}")
             self._written.discard(b)
-            self._used.discard(b)
+        self._used.clear()      # every earlier dispatch now happens-before every later op
         self._ops.append(kp.OpTensorSyncLocal([b._t for b in bufs]))
         self._names.append("download " + ",".join(b.name for b in bufs))
         return self

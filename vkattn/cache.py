@@ -6,6 +6,7 @@ import numpy as np
 from .checks import check_array, check_bool, check_int, check_scale
 from ._base import CacheBase
 from .device import Device
+from . import persist
 from .errors import CacheFullError
 from .tuning import decode_key_bound, row_bucket
 from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
@@ -140,6 +141,46 @@ class KVCache(CacheBase):
         with self._lock:
             self._check_open()
             return self._read_slots(np.arange(self._length))
+
+    def save(self, path, token_ids=None) -> None:
+        """Write the live part to the file ``path`` (safetensors; layout in vkattn.persist): K
+        (num_kv_heads, length, head_dim) and V (num_kv_heads, length, v_head_dim) exactly as
+        stored -- float16, float32, or int8 with its scales; keys rotated with a ``rope`` -- with
+        the settings a load checks and a sha256 checksum. ``token_ids``: optional (length,)
+        integers, the token at each position, stored with them and returned by :meth:`load`.
+        An existing file is replaced atomically. The cache is not changed."""
+        with self._lock:
+            self._check_open()
+            persist.save_sequence(self, np.arange(self._length), path, token_ids)
+
+    def load(self, path):
+        """Replace the contents with a file :meth:`save` (or PagedKVCache.save_sequence) wrote,
+        on this device or another: afterwards the cache holds exactly the file's positions, bit
+        for bit as they were stored (nothing is rotated or quantised again), and attends as the
+        saved cache did. The file must be intact (vkattn.CacheFileCorruptError: unreadable,
+        truncated, checksum mismatch), written for this cache's dtype, num_kv_heads, head_dim,
+        v_head_dim and rope (vkattn.CacheFileMismatchError, naming the setting; the capacity
+        may differ) and fit (CacheFullError: length > capacity). Every check runs before
+        anything is written: on any error the cache is unchanged. Returns the token ids saved
+        with it, (length,) int64, or None."""
+        with self._lock:
+            self._check_open()
+            n, tensors, token_ids = persist.read_sequence(self, path)
+            if n > self.capacity:
+                raise CacheFullError(f"load: the file holds {n} positions, more than capacity {self.capacity}; "
+                                     f"nothing was written")
+            self._restore(n, tensors)
+            return token_ids
+
+    def _restore(self, n: int, tensors: dict, prefix: str = "") -> None:
+        """Replace the contents with ``n`` positions of checked file tensors (names prefixed by
+        ``prefix``; vkattn.persist), written as stored."""
+        try:
+            persist.write_stored(self, np.arange(n), tensors, prefix)
+        except BaseException:
+            self._length = 0        # a device failure part-way: the old contents are gone
+            raise
+        self._length = n
 
     def __repr__(self) -> str:
         return (f"KVCache(length={self._length}, capacity={self.capacity}, num_kv_heads={self.num_kv_heads}, "

@@ -23,3 +23,24 @@ class ShaderCompileError(RuntimeError):
 
 class SyncHazardError(RuntimeError):
     """Internal: a recording would let two dispatches touch one buffer without a barrier."""
+
+
+class CacheFileError(ValueError):
+    """A saved cache file (``save``/``load``, vkattn.persist) cannot be loaded into this cache.
+    Raised before anything is written: the cache is unchanged."""
+
+
+class CacheFileCorruptError(CacheFileError):
+    """The file is damaged: not a readable safetensors file (truncated, cut or garbled header),
+    no vkattn metadata, a checksum that does not match its contents, or tensors that disagree
+    with its own metadata."""
+
+
+class CacheFileMismatchError(CacheFileError):
+    """The file is intact but was written for other settings than this cache's: format kind or
+    version, dtype, head counts, head dims, rotary settings (vkattn.hf: layers, windows, batch).
+    ``field`` names the setting."""
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.field = field

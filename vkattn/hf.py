@@ -25,6 +25,16 @@ needs no mask. Beam search's reorder and batch selection fork and drop sequences
 shared, not copied). A one-sequence paged pool was measured 10-15% slower per decode step than a
 KVCache on lavapipe, hence the two stores.
 
+Prefix cache across generate() calls (``VkattnCache(..., prefix_cache=True)``): every layer keeps
+a PagedKVCache whose full blocks are cached under a hash of their token ids (vkattn.paging).
+Before a generate(), ``cache.match_prefix(input_ids)`` keeps the longest cached prefix of the new
+input_ids in the cache -- from the request before or any earlier one whose blocks are still cached
+-- and generate() then computes only the rest: transformers starts from ``get_seq_length()`` and
+slices the input_ids it is given. The cache learns which token ids it computed only from
+``cache.record_tokens(out.sequences)`` after generate() -- what generate() actually ran, prompt
+and reply -- so nothing becomes reusable without it, and ids that disagree with what the cache
+matched are refused.
+
 RoPE is applied by the model before ``update``, so the caches hold rotated keys (no vkattn rope).
 Score variants come from the call: ``scaling`` (Gemma-2's ``query_pre_attn_scalar``),
 ``softcap`` and ``sliding_window`` (falling back to the layer type in the config); transformers'
@@ -35,6 +45,7 @@ returned in the query's dtype.
 """
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -50,10 +61,11 @@ except ImportError as e:            # the extra is not installed
         f"into this environment: pip install torch 'transformers>=5.23,<6'  (or: pip install 'vkattn[hf]')"
     ) from e
 
-from . import KVCache, PagedKVCache
-from .checks import check_int
+from . import KVCache, PagedKVCache, persist
+from .checks import check_bool, check_int
 from .device import Device
-from .errors import CacheFullError
+from .errors import CacheFileCorruptError, CacheFileMismatchError, CacheFullError
+from .paging import check_token_ids
 
 if int(transformers.__version__.split(".")[0]) < 5:
     raise ImportError(f"vkattn.hf needs transformers 5.x (AttentionInterface, cache layers); found "
@@ -86,15 +98,29 @@ class VkattnCache(Cache):
     the host. ``reset()`` empties the cache for the next ``generate()`` and keeps its Vulkan
     pipelines, which a new cache builds again on first use (per layer). ``close()`` frees the
     device memory.
+
+    prefix_cache: reuse K/V across generate() calls (a chat that resends its history computes
+    only the new turn): every layer's store is a PagedKVCache (batch 1 too) whose full blocks are
+    cached by token ids; before each generate() call :meth:`match_prefix` with its input_ids, and
+    after it :meth:`record_tokens` with the sequences it returned (the blocks it computed become
+    reusable then). A cache serves one model: equal token ids must mean equal K/V.
+    prefix_cache_len: extra positions of pool room (beyond ``batch_size`` x ``max_cache_len``)
+    that keep blocks of earlier requests cached while the current one runs; without it, what the
+    current request does not use stays cached, evicted least recently used first.
     """
 
     def __init__(self, config, max_cache_len: int, batch_size: int = 1, dtype="float16",
-                 device: Device | None = None):
+                 device: Device | None = None, prefix_cache: bool = False, prefix_cache_len: int = 0):
         if not isinstance(config, transformers.PretrainedConfig):
             raise TypeError(f"config: expected a transformers PretrainedConfig (model.config), got "
                             f"{type(config).__name__}")
         max_cache_len = check_int("max_cache_len", max_cache_len, 1)
         batch_size = check_int("batch_size", batch_size, 1)
+        self.prefix_cache = check_bool("prefix_cache", prefix_cache)
+        prefix_cache_len = check_int("prefix_cache_len", prefix_cache_len, 0)
+        if prefix_cache_len and not self.prefix_cache:
+            raise ValueError(f"prefix_cache_len: room for cached blocks needs prefix_cache=True, got "
+                             f"prefix_cache_len={prefix_cache_len} with prefix_cache=False")
         if isinstance(dtype, torch.dtype):
             dtype = _CACHE_DTYPES.get(dtype, str(dtype))
         if not isinstance(dtype, str) or dtype not in ("float16", "float32", "int8"):
@@ -113,8 +139,11 @@ class VkattnCache(Cache):
         layers = []
         try:
             for kw in layer_kwargs:
-                store = (_SingleStore if batch_size == 1 else _PagedStore)(
-                    batch_size, max_cache_len, self.num_kv_heads, self.head_dim, dtype, device)
+                if batch_size == 1 and not self.prefix_cache:
+                    store = _SingleStore(batch_size, max_cache_len, self.num_kv_heads, self.head_dim, dtype, device)
+                else:
+                    store = _PagedStore(batch_size, max_cache_len, self.num_kv_heads, self.head_dim, dtype, device,
+                                        extra_blocks=-(-prefix_cache_len // BLOCK_SIZE))
                 layers.append(VkattnLayer(self, store, kw.get("sliding_window")))
         except BaseException:
             for layer in layers:
@@ -139,10 +168,155 @@ class VkattnCache(Cache):
     def __exit__(self, *exc):
         self.close()
 
+    def save(self, path, token_ids=None) -> None:
+        """Write every layer to the file ``path`` (safetensors, one file for all layers; layout in
+        vkattn.persist): each row's K/V exactly as stored, each layer's positions, padding and
+        window, the storage settings and a checksum. ``token_ids``: optional (batch, positions)
+        integers, the tokens of the positions seen, padding included (after ``generate``:
+        ``out.sequences[:, :cache.get_seq_length()]``), returned by :meth:`load`. Rows an
+        ``update`` staged whose attention never ran are appended first; nothing else changes."""
+        path = persist.check_path(path)
+        for layer in self.layers:
+            layer._flush()
+        first = self.layers[0]
+        ids = persist.check_token_ids(token_ids, (first.batch_size, first._seen))
+        tensors, layers = {}, []
+        for i, layer in enumerate(self.layers):
+            for b, (kv, slots) in enumerate(layer._store.row_slots()):
+                tensors.update(persist.stored_tensors(kv, slots, f"layers.{i}.rows.{b}."))
+            layers.append({"seen": layer._seen, "pad": layer._pad.tolist(), "window": layer.window})
+        if ids is not None:
+            tensors["token_ids"] = ids
+        meta = dict(persist.format_meta(first._store.kv), layers=json.dumps(layers), batch=first.batch_size,
+                    max_cache_len=self.max_cache_len)
+        persist.write_file(path, persist.HF_CACHE, meta, tensors)
+
+    def load(self, path):
+        """Replace every layer's contents with a file :meth:`save` wrote (this device or another;
+        the other cache built from a model config with the same layers, kv heads, head_dim and
+        windows, and the same storage dtype), bit for bit as stored: ``generate`` then goes on
+        from the saved positions as the saved cache would. The file must be intact
+        (vkattn.CacheFileCorruptError), match (vkattn.CacheFileMismatchError, naming the
+        setting) and fit: positions <= max_cache_len and rows <= batch_size (CacheFullError).
+        Every check runs before anything is written: on any error the cache is unchanged.
+        Returns the token ids saved with it, (batch, positions) int64, or None; with
+        ``prefix_cache`` the cache records them (as :meth:`record_tokens`), so a later
+        :meth:`match_prefix` reuses the loaded positions."""
+        path = persist.check_path(path)
+        meta, tensors = persist.read_file(path, (persist.HF_CACHE,))
+        persist.check_format(meta, self.layers[0]._store.kv, path)
+        batch = persist.meta_int(meta, "batch", path, 1)
+        layers = _layer_specs(meta, batch, path)
+        if len(layers) != len(self.layers):
+            raise CacheFileMismatchError(f"{path}: {len(layers)} layers in the file, {len(self.layers)} in this cache",
+                                         "num_layers")
+        if batch > self.max_batch_size:
+            raise CacheFullError(f"{path}: holds {batch} rows; this cache was built with batch_size="
+                                 f"{self.max_batch_size}; nothing was written")
+        want = {}
+        for i, ((seen, pad, window), layer) in enumerate(zip(layers, self.layers)):
+            if window != layer.window:
+                raise CacheFileMismatchError(f"{path}: layer {i} has sliding window {window} in the file, "
+                                             f"{layer.window} in this cache", "window")
+            if seen > self.max_cache_len:
+                raise CacheFullError(f"{path}: layer {i} holds {seen} positions, more than max_cache_len="
+                                     f"{self.max_cache_len}; nothing was written")
+            for b in range(batch):
+                want.update(persist.expected_tensors(layer._store.kv, seen - pad[b], f"layers.{i}.rows.{b}."))
+        persist.check_tensors(tensors, want, path, {"token_ids": (np.dtype(np.int64), (batch, layers[0][0]))})
+        ids = tensors.get("token_ids")
+        learn = self.prefix_cache and ids is not None and ids.shape[1] > 0
+        if learn:
+            self._check_ids("token_ids", ids)       # what record_tokens takes, before anything is written
+        try:
+            for i, ((seen, pad, _), layer) in enumerate(zip(layers, self.layers)):
+                layer._restore(seen, pad, tensors, f"layers.{i}.rows.")
+        except BaseException:           # a device failure part-way: an empty cache, not a mixed one
+            self.reset()
+            raise
+        self._mask_memo = (None, 0, None)
+        if learn:
+            self.record_tokens(ids)
+        return ids
+
     def __repr__(self) -> str:
         return (f"VkattnCache(layers={len(self.layers)}, max_cache_len={self.max_cache_len}, batch_size="
                 f"{self.max_batch_size}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"dtype={self.dtype!r}, seq_length={self.get_seq_length()})")
+
+    # -------------------------------------------------------------- prefix cache
+    def match_prefix(self, input_ids) -> int:
+        """Before a generate() call with ``input_ids`` (batch, n) -- a torch or numpy integer array,
+        or one row of ids -- keep the longest prefix of them that the cache holds K/V of, and
+        return its length: generate() then computes only the other ``n - length`` positions
+        (transformers starts from ``get_seq_length()``). Whole blocks of BLOCK_SIZE tokens, the
+        same count for every row (the least any row has), at most ``n - 1``: the last position is
+        always computed, for its logits. Blocks come from the previous request or any earlier one
+        whose blocks are still cached. Rows are the rows generate() runs: no padding, no
+        expansion for num_beams / num_return_sequences. Needs ``prefix_cache=True``.
+
+        Raises ValueError (bad ids, too many rows, no prefix cache) or CacheFullError (n >
+        max_cache_len) before anything changes."""
+        rows = self._check_ids("input_ids", input_ids)
+        if not self.prefix_cache:
+            raise ValueError("prefix_cache: match_prefix needs a cache built with VkattnCache(..., prefix_cache=True)")
+        if len(rows) > self.max_batch_size:
+            raise ValueError(f"input_ids: {len(rows)} rows, but the cache was built with batch_size={self.max_batch_size}")
+        if len(rows[0]) > self.max_cache_len:
+            raise CacheFullError(f"input_ids: {len(rows[0])} positions > max_cache_len={self.max_cache_len}; nothing "
+                                 f"was changed")
+        for layer in self.layers:
+            layer._flush()
+        kept = min(min(layer._store.rematch(rows)) for layer in self.layers)
+        for layer in self.layers:
+            layer._store.truncate([kept] * len(rows))
+            layer._staged = None
+            layer._seen = kept
+            layer._pad = np.zeros(len(rows), np.int64)
+        self._mask_memo = (None, 0, None)
+        return kept
+
+    def record_tokens(self, sequences) -> None:
+        """After generate(): the token ids of the positions the cache holds, e.g. ``out.sequences``
+        (batch, positions >= get_seq_length(); ids past the cache's positions -- the last
+        generated token -- are ignored; a row's leading padding is skipped). The full blocks they
+        complete become cacheable: the next :meth:`match_prefix` can reuse the prompt and the
+        reply. Ids the cache already knows (the prefix match_prefix kept) must agree: ValueError
+        naming the row and position, before anything changes."""
+        rows = self._check_ids("sequences", sequences)
+        if not self.prefix_cache:
+            raise ValueError("prefix_cache: record_tokens needs a cache built with VkattnCache(..., prefix_cache=True)")
+        for layer in self.layers:
+            layer._flush()
+        seen = self.layers[0]._seen
+        if len(rows) != self.layers[0].batch_size or len(rows[0]) < seen:
+            raise ValueError(f"sequences: expected ({self.layers[0].batch_size}, >= {seen}) ids (rows and positions "
+                             f"the cache holds), got ({len(rows)}, {len(rows[0])})")
+        plans = []
+        for layer in self.layers:
+            store = layer._store
+            for b, sid in enumerate(store.ids):
+                ids = rows[b][int(layer._pad[b]):layer._seen]
+                known = store.pool.token_ids(sid)
+                if ids[:len(known)] != known:
+                    at = next(i for i, (x, y) in enumerate(zip(ids, known)) if x != y)
+                    raise ValueError(f"sequences[{b}, {at + int(layer._pad[b])}]: the cache computed token id {known[at]} "
+                                     f"there, got {ids[at]}")
+                plans.append((store.pool, sid, ids))
+        for pool, sid, ids in plans:
+            pool.set_token_ids(sid, ids)
+
+    @staticmethod
+    def _check_ids(name, ids) -> list:
+        """(batch, n) token ids (torch, numpy or nested lists; one 1-D row allowed) as lists of int, n >= 1."""
+        if torch.is_tensor(ids):
+            ids = ids.detach().cpu().numpy()
+        arr = np.asarray(ids) if not isinstance(ids, np.ndarray) else ids
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
+            raise ValueError(f"{name}: expected token ids of shape (batch, n) with batch, n >= 1, got shape {arr.shape}")
+        return [check_token_ids(f"{name}[{b}]", row) for b, row in enumerate(arr)]
 
     def _rollback(self, positions: int) -> None:
         """After a failed call: every layer that took the step back to ``positions``."""
@@ -350,6 +524,14 @@ class VkattnLayer(CacheLayerMixin):
             self._seen -= k.shape[2]
             raise
 
+    def _restore(self, seen: int, pad: list, tensors: dict, prefix: str) -> None:
+        """Replace this layer's contents: ``seen`` positions, row b the file tensors
+        ``{prefix}{b}.*`` after ``pad[b]`` padding positions (checked by VkattnCache.load)."""
+        self._staged = None
+        pad = np.asarray(pad, np.int64)
+        self._store.restore(seen - pad, tensors, prefix)
+        self._seen, self._pad = seen, pad
+
     def _truncate(self, positions: int) -> None:
         self._staged = None
         self._pad = np.minimum(self._pad, positions)
@@ -407,9 +589,19 @@ class _SingleStore:
     """Batch 1: one KVCache."""
 
     def __init__(self, batch_size, capacity, num_kv_heads, head_dim, dtype, device):
-        self.cache = KVCache(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.cache = self.kv = KVCache(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.rows = 1
         self.nbytes = self.cache.nbytes
+
+    def row_slots(self):
+        """[(vkattn cache, slots of the row's positions)] per row (save)."""
+        return [(self.cache, np.arange(self.cache.length))]
+
+    def restore(self, lengths, tensors, prefix):
+        """Row 0 becomes the file tensors ``{prefix}0.*`` of ``lengths[0]`` positions (load)."""
+        if len(lengths) != 1:
+            raise ValueError(f"batch_size: the cache was built with batch_size=1; {len(lengths)} rows asked for")
+        self.cache._restore(int(lengths[0]), tensors, f"{prefix}0.")
 
     def forward(self, counts, q, k, v, **variant):
         return self.cache.forward(q, k, v, **variant)
@@ -435,11 +627,24 @@ class _PagedStore:
     ``capacity`` and a reorder can fork every row before the old ones are dropped (one spare
     block per row for a copied partial block)."""
 
-    def __init__(self, batch_size, capacity, num_kv_heads, head_dim, dtype, device):
-        blocks = batch_size * (-(-capacity // BLOCK_SIZE) + 1)
-        self.pool = PagedKVCache(blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype, device=device)
+    def __init__(self, batch_size, capacity, num_kv_heads, head_dim, dtype, device, extra_blocks=0):
+        blocks = batch_size * (-(-capacity // BLOCK_SIZE) + 1) + extra_blocks
+        self.pool = self.kv = PagedKVCache(blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.ids = [self.pool.add_sequence() for _ in range(batch_size)]
         self.nbytes = self.pool.nbytes
+
+    def row_slots(self):
+        """[(vkattn cache, slots of the row's positions)] per row (save)."""
+        return [(self.pool, self.pool._pool.slots(sid, 0, self.pool.length(sid))) for sid in self.ids]
+
+    def restore(self, lengths, tensors, prefix):
+        """Row b becomes a new sequence of the file tensors ``{prefix}{b}.*``, ``lengths[b]``
+        positions (load)."""
+        for sid in self.ids:
+            self.pool.remove_sequence(sid)
+        self.ids = []
+        for b, n in enumerate(lengths):
+            self.ids.append(self.pool._restore_sequence(int(n), tensors, f"{prefix}{b}."))
 
     @property
     def rows(self):
@@ -451,6 +656,14 @@ class _PagedStore:
 
     def append(self, counts, k, v):
         self.pool.append(self.ids, k, v, n_new=[int(c) for c in counts])
+
+    def rematch(self, rows):
+        """Prefix cache: drop the rows' sequences (their full blocks stay cached) and start one per
+        row of token ids with its longest cached prefix; returns each row's cached length."""
+        for sid in self.ids:
+            self.pool.remove_sequence(sid)
+        self.ids = [self.pool.add_sequence(token_ids=row) for row in rows]
+        return [self.pool.length(sid) for sid in self.ids]
 
     def truncate(self, lengths):
         for sid, n in zip(self.ids, lengths):
@@ -481,6 +694,26 @@ class _PagedStore:
 
     def close(self):
         self.pool.close()
+
+
+def _layer_specs(meta: dict, batch: int, path: str) -> list:
+    """[(seen, pad list, window)] per layer from a VkattnCache file's metadata, each checked
+    (0 <= pad[b] <= seen, ``batch`` pads); CacheFileCorruptError for a malformed entry."""
+    try:
+        specs = json.loads(meta["layers"])
+        out = []
+        for spec in specs:
+            seen, pad, window = spec["seen"], list(spec["pad"]), spec["window"]
+            ints = [seen, *pad] + ([] if window is None else [window])
+            if any(isinstance(x, bool) or not isinstance(x, int) for x in ints) or len(pad) != batch \
+                    or not all(0 <= p <= seen for p in pad) or (window is not None and window < 1):
+                raise ValueError(spec)
+            out.append((seen, pad, window))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CacheFileCorruptError(f"{path}: malformed layer metadata ({type(e).__name__}: {e})") from None
+    if not out:
+        raise CacheFileCorruptError(f"{path}: no layers in the file")
+    return out
 
 
 def _pack(x, counts) -> np.ndarray:

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import cascade
 from .tuning import decode_key_bound, row_bucket
 from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
 from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
+from . import persist
 from .device import Device
+from .errors import CacheFullError
 from .paging import BlockPool, UnknownSequenceError
 from .tuning import WORKGROUP
 
@@ -32,6 +35,16 @@ class PagedKVCache(CacheBase):
     Sequences share full blocks after :meth:`fork` (reference counted); a sequence's last, partial
     block is always its own -- fork and truncate copy it -- so an append never writes a shared
     block. Host bookkeeping: :class:`vkattn.paging.BlockPool`.
+
+    Prefix caching: a full block whose token ids are known (``token_ids=`` of :meth:`forward`,
+    :meth:`append`, :meth:`add_sequence`, or :meth:`set_token_ids`) is registered under a hash
+    chained over its parent's hash and its ids (plus an optional ``salt``). ``add_sequence(
+    token_ids=prompt)`` starts a sequence with the cached blocks of the prompt's longest cached
+    prefix -- shared, not copied -- and ``length()`` says how many leading tokens the caller need
+    not compute (at most ``len(prompt) - 1``, whole blocks: one token is always left to compute,
+    for its logits). Blocks nobody holds stay cached until the pool needs them, evicted least
+    recently released first; ``free_blocks`` counts them, so a full pool evicts before it refuses.
+    Equal token ids (and salt) must mean equal K/V: put whatever else K/V depend on in the salt.
 
     Batched calls take sequences in the order of ``seq_ids`` and pack their tokens: with ``n_new``
     tokens for sequence i, ``q`` is (num_qo_heads, sum(n_new), head_dim) and ``k``/``v``
@@ -60,7 +73,13 @@ class PagedKVCache(CacheBase):
 
     @property
     def free_blocks(self) -> int:
+        """Blocks an append can take: unused ones and cached ones nobody holds (evicted first)."""
         return self._pool.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks nobody holds that the prefix cache keeps for a later match (in ``free_blocks``)."""
+        return self._pool.cached_blocks
 
     @property
     def nbytes(self) -> int:
@@ -80,14 +99,51 @@ class PagedKVCache(CacheBase):
         with self._lock:
             return self._pool.block_table(seq_id)
 
-    def add_sequence(self, seq_id: int | None = None) -> int:
-        """A new empty sequence (no blocks yet); returns its id (the smallest free one if None)."""
+    def add_sequence(self, seq_id: int | None = None, token_ids=None, salt=None) -> int:
+        """A new sequence; returns its id (the smallest free one if None).
+
+        Without ``token_ids`` it is empty. With the token ids of the prompt it is about to
+        compute (a 1-D sequence of ints), it starts with the cached blocks of their longest cached
+        prefix (whole blocks, at most ``len(token_ids) - 1`` tokens): ``length(seq_id)`` is the
+        number of leading tokens whose K/V are already there. Forward the rest (``q``/``k``/``v``
+        of positions ``length(seq_id)`` ..) with ``token_ids=[token_ids[length:]]`` so that the
+        blocks they fill are cached too. ``salt`` (None, str or bytes): blocks match only blocks
+        cached under the same salt. Takes no free block; changes nothing on the device."""
         with self._lock:
             self._check_open()
-            return self._pool.add(seq_id)
+            return self._pool.add(seq_id, token_ids=token_ids, salt=salt)
+
+    def match_prefix(self, token_ids, salt=None) -> int:
+        """How many leading tokens of ``token_ids`` :meth:`add_sequence` would reuse now (whole
+        blocks, at most ``len(token_ids) - 1``); changes nothing."""
+        with self._lock:
+            return self._pool.match_prefix(token_ids, salt=salt)
+
+    def token_ids(self, seq_id: int) -> list:
+        """The token ids the cache knows of the sequence's first positions (every position while
+        every append came with its ids)."""
+        with self._lock:
+            return self._pool.token_ids(seq_id)
+
+    def set_token_ids(self, seq_id: int, token_ids) -> None:
+        """The token ids of the sequence's first ``len(token_ids)`` positions, e.g. after they
+        were appended without ids (generated tokens): the full blocks they complete become
+        cacheable. Ids the cache knows must agree (ValueError naming the position; nothing changes)."""
+        with self._lock:
+            self._check_open()
+            self._pool.set_token_ids(seq_id, token_ids)
+
+    def evict_cached(self, n: int | None = None) -> int:
+        """Drop up to ``n`` cached blocks nobody holds from the prefix cache (all if None), least
+        recently released first; returns how many. (Appends evict by themselves when no block is
+        unused; this only forgets.)"""
+        with self._lock:
+            self._check_open()
+            return self._pool.evict(n)
 
     def remove_sequence(self, seq_id: int) -> None:
-        """Drop a sequence; blocks no other sequence shares return to the pool."""
+        """Drop a sequence; blocks no other sequence shares return to the pool (cached ones stay
+        cached, for a later :meth:`add_sequence` with token ids, until the pool needs them)."""
         with self._lock:
             self._check_open()
             self._pool.remove(seq_id)
@@ -120,20 +176,23 @@ class PagedKVCache(CacheBase):
 
     def check_fits(self, seq_ids, n_new) -> None:
         """Raise CacheFullError (or a ValueError/KeyError for a bad batch) unless appending
-        ``n_new[i]`` tokens to each ``seq_ids[i]`` fits; changes nothing."""
+        ``n_new[i]`` tokens to each ``seq_ids[i]`` fits (cached blocks nobody holds count as free:
+        the append evicts them); changes nothing."""
         with self._lock:
             self._check_open()
             self._pool.plan_append(seq_ids, n_new)
 
-    def append(self, seq_ids, k: np.ndarray, v: np.ndarray, n_new=None) -> None:
+    def append(self, seq_ids, k: np.ndarray, v: np.ndarray, n_new=None, token_ids=None) -> None:
         """Write each sequence's new tokens without attending (one submission): ``n_new[i]``
         tokens (default 1 each) at positions length_i .. of ``seq_ids[i]``, packed as in
         :meth:`forward`: k (num_kv_heads, sum(n_new), head_dim), v (num_kv_heads, sum(n_new),
-        v_head_dim). With the cache's ``rope`` the keys are rotated at their positions as they are
-        stored. Every check runs first: on any error no sequence changes."""
+        v_head_dim); ``token_ids`` as in :meth:`forward`. With the cache's ``rope`` the keys are
+        rotated at their positions as they are stored. Every check runs first: on any error no
+        sequence changes."""
         with self._lock:
             self._check_open()
-            plan, k, v = self._check_new(seq_ids, n_new, k, v)
+            plan, k, v = self._check_new(seq_ids, n_new, k, v, token_ids)
+            plan.evict_cached()
             self._write_new(plan, k, v)
             plan.commit()
 
@@ -141,7 +200,8 @@ class PagedKVCache(CacheBase):
     def forward(self, seq_ids, q: np.ndarray, k: np.ndarray, v: np.ndarray, n_new=None,
                 causal: bool = True, scale: float | None = None, *, window: int | None = None,
                 n_sink: int = 0, mask=None, softcap: float | None = None,
-                alibi_slopes: np.ndarray | None = None, return_lse: bool = False, rope_q: bool = False):
+                alibi_slopes: np.ndarray | None = None, return_lse: bool = False, rope_q: bool = False,
+                token_ids=None):
         """Append each sequence's new tokens and attend its queries to its whole cache, the whole
         batch at once (batch decode: one token each; chunked prefill: any).
 
@@ -159,10 +219,15 @@ class PagedKVCache(CacheBase):
         that all new tokens fit in free blocks -- runs before anything is written: on any error
         no sequence changes. With the cache's ``rope``, new keys are rotated at their positions
         as they are stored, and the queries too with ``rope_q``.
+
+        token_ids: None, or one entry per sequence -- None or the ``n_new[i]`` token ids of its
+        new tokens. A sequence that knows the ids of all its earlier positions records them, and
+        the full blocks they complete enter the prefix cache (see the class docstring). Cached
+        blocks the new tokens take are evicted before anything is written to them.
         """
         with self._lock:
             self._check_open()
-            plan, k, v = self._check_new(seq_ids, n_new, k, v)
+            plan, k, v = self._check_new(seq_ids, n_new, k, v, token_ids)
             counts = plan.n_new
             total = sum(counts)
             q = check_array("q", q, (None, total, self.head_dim))
@@ -185,12 +250,22 @@ class PagedKVCache(CacheBase):
                                     rope_pos=plan.past[i]))
                 start += n
             flags = F_PAGED | variant.flags(masks is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
-            attn = self._batch_plan(plan, hq, flags, masks, split)
+            # a prefix of full blocks several sequences share: attended once for all (vkattn.cascade)
+            groups = cascade.plan_groups(self, plan, hq, variant, masks is not None, call["rope_q"])
+            if groups:
+                key, args = self._batch_plan_args(plan, hq, flags, masks, split, cascade.own_from(plan, groups))
+                attn = cascade.cascade_plan(self, plan, hq, key, args, groups, variant.flags(False))
+            else:
+                attn = self._batch_plan(plan, hq, flags, masks, split)
+            plan.evict_cached()                     # before the device writes any block it takes
             if split:                               # both plans are built before either runs
                 self._write_new(plan, k, v)
                 k = v = None
-            out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant,
-                                rope=self.rope)
+            if groups:
+                out, lse = attn.run(q, k, v, seqs, plan, groups, call["causal"], call["scale"], variant,
+                                    rope=self.rope)
+            else:
+                out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant, rope=self.rope)
             plan.commit()
             if self.verify:
                 for sid, s in zip(plan.seq_ids, seqs):
@@ -212,11 +287,17 @@ class PagedKVCache(CacheBase):
             self._check_open()
             plan = self._plan_new(seq_ids, n_new)
             hq = self._check_qo_heads(num_qo_heads)
-            flags = F_PAGED | (self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0)
+            rope_q = self._check_rope_q(rope_q)
+            flags = F_PAGED | (self.rope.flags(rope_q) if self.rope else 0)
             split = self._appends_first(max(plan.n_new))
             if split:
                 self._append_plan(sum(plan.n_new)).warm()
-            self._batch_plan(plan, hq, flags, None, split).warm()
+            groups = cascade.plan_groups(self, plan, hq, check_variant(hq), False, rope_q)
+            if groups:
+                key, args = self._batch_plan_args(plan, hq, flags, None, split, cascade.own_from(plan, groups))
+                cascade.cascade_plan(self, plan, hq, key, args, groups, 0).warm()
+            else:
+                self._batch_plan(plan, hq, flags, None, split).warm()
 
     def read(self, seq_id: int) -> tuple:
         """One sequence as float32 arrays, exactly as stored: K (num_kv_heads, length, head_dim),
@@ -225,28 +306,77 @@ class PagedKVCache(CacheBase):
             self._check_open()
             return self._read_slots(self._pool.slots(seq_id, 0, self._pool.length(seq_id)))
 
+    def save_sequence(self, seq_id: int, path, token_ids=None) -> None:
+        """Write sequence ``seq_id`` to the file ``path``, as :meth:`KVCache.save` writes a
+        cache (the same file format: either loads into the other): its positions in order, as
+        stored, with the settings a load checks, this cache's block size (informational) and a
+        checksum. ``token_ids``: optional (length,) integers, returned by :meth:`load_sequence`.
+        The cache is not changed."""
+        with self._lock:
+            self._check_open()
+            slots = self._pool.slots(seq_id, 0, self._pool.length(seq_id))
+            persist.save_sequence(self, slots, path, token_ids, block_size=self.block_size)
+
+    def load_sequence(self, path, seq_id: int | None = None) -> tuple:
+        """Add a sequence holding a file that :meth:`save_sequence` or KVCache.save wrote (on
+        this device or another, any block size), bit for bit as stored. ``seq_id``: its id (an
+        unused one; default the smallest free). The file must be intact
+        (vkattn.CacheFileCorruptError), written for this cache's dtype, num_kv_heads, head_dim,
+        v_head_dim and rope (vkattn.CacheFileMismatchError, naming the setting) and fit in the
+        free blocks (CacheFullError); an id in use is a ValueError. Every check runs before
+        anything is written: on any error the cache is unchanged. Returns ``(seq_id,
+        token_ids)``: the new sequence's id and the token ids saved with it ((length,) int64,
+        or None); the sequence knows them, so its full blocks enter the prefix cache."""
+        with self._lock:
+            self._check_open()
+            n, tensors, token_ids = persist.read_sequence(self, path)
+            return self._restore_sequence(n, tensors, seq_id=seq_id, token_ids=token_ids), token_ids
+
+    def _restore_sequence(self, n: int, tensors: dict, prefix: str = "", seq_id: int | None = None,
+                          token_ids=None) -> int:
+        """A new sequence (id ``seq_id`` or the smallest free) of ``n`` positions of checked file
+        tensors (names prefixed by ``prefix``; vkattn.persist), written as stored, knowing
+        ``token_ids`` ((n,) ints) if given; its id. A bad id or too few free blocks raise before
+        anything is written."""
+        sid = self._pool.add(seq_id)
+        try:
+            try:
+                plan = self._pool.plan_append([sid], [n], token_ids=None if token_ids is None else [token_ids])
+            except CacheFullError as e:                 # nothing written yet
+                raise CacheFullError(f"load_sequence: the file holds {n} positions, {-(-n // self.block_size)} "
+                                     f"blocks of {self.block_size}; {e}") from e
+            plan.evict_cached()                         # cached blocks it takes: before they are written
+            persist.write_stored(self, plan.slots(0), tensors, prefix)
+            plan.commit()
+        except BaseException:
+            self._pool.remove(sid)
+            raise
+        return sid
+
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, "
-                f"dtype={self.dtype!r}, sequences={len(self._pool)}, free_blocks={self.free_blocks})")
+                f"dtype={self.dtype!r}, sequences={len(self._pool)}, free_blocks={self.free_blocks}, "
+                f"cached_blocks={self.cached_blocks})")
 
     # ------------------------------------------------------------------ internals
-    def _check_new(self, seq_ids, n_new, k, v):
-        """(AppendPlan, k, v) of a batch's new tokens, all checked (ids, counts >= 1, room, shapes,
-        values); nothing changes."""
-        plan = self._plan_new(seq_ids, n_new)
+    def _check_new(self, seq_ids, n_new, k, v, token_ids=None):
+        """(AppendPlan, k, v) of a batch's new tokens, all checked (ids, counts >= 1, room, token
+        ids, shapes, values); nothing changes."""
+        plan = self._plan_new(seq_ids, n_new, token_ids)
         total = sum(plan.n_new)
         k = check_array("k", k, (self.num_kv_heads, total, self.head_dim), fp16_range=self._f16)
         v = check_array("v", v, (self.num_kv_heads, total, self.v_head_dim), fp16_range=self._f16)
         return plan, k, v
 
-    def _plan_new(self, seq_ids, n_new):
+    def _plan_new(self, seq_ids, n_new, token_ids=None):
         """The pool's AppendPlan for ``n_new`` tokens (default 1) to each of ``seq_ids``: ids,
-        counts >= 1 and room checked; nothing changes."""
+        counts >= 1, token ids and room checked; nothing changes."""
         seq_ids = list(seq_ids) if not isinstance(seq_ids, np.ndarray) else seq_ids.tolist()
         if not seq_ids:
             raise ValueError("seq_ids: expected at least one sequence id, got none")
-        plan = self._pool.plan_append(seq_ids, [1] * len(seq_ids) if n_new is None else n_new)
+        plan = self._pool.plan_append(seq_ids, [1] * len(seq_ids) if n_new is None else n_new,
+                                      token_ids=token_ids)
         if min(plan.n_new) < 1:
             raise ValueError(f"n_new: every sequence needs at least one new token, got {plan.n_new}")
         return plan
@@ -254,6 +384,12 @@ class PagedKVCache(CacheBase):
     def _batch_plan(self, plan, hq, flags, masks, split) -> AttnPlan:
         """The attention plan of a batch call (AppendPlan ``plan``; ``split``: its rows are appended
         first, so the dispatch carries none)."""
+        key, args = self._batch_plan_args(plan, hq, flags, masks, split)
+        return self._plan(key, lambda: AttnPlan(self, *args))
+
+    def _batch_plan_args(self, plan, hq, flags, masks, split, key_lo=None) -> tuple:
+        """(LRU key, AttnPlan arguments after the cache) of _batch_plan; ``key_lo``: each
+        sequence's first attended key (cascade), which sizes a decode plan's key bound."""
         total, nseq = sum(plan.n_new), len(plan.n_new)
         words = AttnPlan.aux_need(nseq, total if total == nseq else row_bucket(total), hq,
                                   sum(len(t) for t in plan.tables), 0 if masks is None else sum(m.size for m in masks))
@@ -262,12 +398,12 @@ class PagedKVCache(CacheBase):
         decode = total == nseq
         # batch decode: sized for the longest sequence's power-of-two bucket (the split count
         # follows the context, tuning.decode_key_bound); prefill and chunks: for the pool
-        bound = decode_key_bound(max(p + n for p, n in zip(plan.past, plan.n_new)), self.slots) if decode \
-            else self.slots
+        lo = key_lo or [0] * nseq
+        bound = decode_key_bound(max(p + n - a for p, n, a in zip(plan.past, plan.n_new, lo)), self.slots) \
+            if decode else self.slots
         rows, nn = (total, nn) if decode else (row_bucket(total), row_bucket(nn) if nn else 0)
-        return self._plan(("attn", hq, rows, nn, nseq, flags, bucket, bound),
-                          lambda: AttnPlan(self, hq, rows, nn, nseq, flags, bucket, bound,
-                                           decode=decode, rope_dim=self._rope_dim))
+        return (("attn", hq, rows, nn, nseq, flags, bucket, bound),
+                (hq, rows, nn, nseq, flags, bucket, bound, decode, self._rope_dim))
 
     def _write_new(self, plan, k, v) -> None:
         """append.comp: every new row of ``plan`` at its slot, rotated at its position (one

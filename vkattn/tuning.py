@@ -59,6 +59,11 @@ FUSED_APPEND_MAX_ROWS = 32   # KVCache.forward with more new rows (PagedKVCache.
                         # rows x query tiles, which soon costs more than one more round trip
                         # (before that design, prefill S=512 from empty on lavapipe: KVCache 98 ->
                         # 67.5 ms per call, PagedKVCache 94-95 -> 58-60 ms)
+CASCADE_MIN_PREFIX = 256   # PagedKVCache.forward on a software device attends a prefix of full blocks
+                        # that two or more sequences of a batch share once for all of them
+                        # (vkattn.cascade) from this many shared tokens (VKATTN_CASCADE=1: from one
+                        # block, on any device). Lavapipe, 16 sequences, 32/8 heads d128, 64..256 own
+                        # tokens each: 128 shared tokens already 0.92x today's step time, 512 0.70x
 TILE_MAX_KEYS = 8192    # keys per attn.comp workgroup on a software device (~200 loop iterations per
                         # 64-key tile; measured wrong from ~20000 keys on lavapipe, which ends a loop
                         # after 65535 iterations per invocation). GPUs have no such cap.
@@ -117,7 +122,7 @@ def kernel_for(device) -> str:
 
 
 def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_heads: int,
-                capacity: int) -> AttnConfig:
+                capacity: int, splits: int | None = None) -> AttnConfig:
     """attn_lane.comp: one subgroup per workgroup owning up to LANE_NQ query vectors (heads x
     rows), fewer when the head dims are large: a lane keeps (KPL + VPL) * CH vec4 of query and
     accumulator per query vector, bounded by LANE_STATE_VEC4: the key block is straight-line code
@@ -134,7 +139,8 @@ def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_
     bq = max(1, nq // group)
     while bq // 2 >= s:             # fewest rows covering s, in powers of two (fewer pipelines)
         bq //= 2
-    splits = decode_splits(device, "lane", num_kv_heads, capacity) if s == 1 else 1
+    if splits is None:
+        splits = decode_splits(device, "lane", num_kv_heads, capacity) if s == 1 else 1
     # one loop iteration per key and invocation: stay far below lavapipe's per-invocation cap
     splits = max(splits, -(-capacity // LANE_MAX_KEYS))
     splits = max(1, min(splits, -(-capacity // 16)))
@@ -181,7 +187,7 @@ def decode_key_bound(live: int, capacity: int) -> int:
 
 
 def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,
-                num_kv_heads: int) -> AttnConfig:
+                num_kv_heads: int, splits: int | None = None) -> AttnConfig:
     """attn.comp: a cluster of DS threads per key row, RPT query vectors per thread (decode: 1, the
     fewest registers; prefill: as many as TILE_ROW_FLOATS allows, so each K/V load serves several
     rows), key columns to fill a WORKGROUP-thread workgroup.
@@ -230,7 +236,9 @@ def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacit
     if threads > device.max_workgroup_size:
         raise DeviceLimitError(f"attention tile needs {threads} threads; the device allows {device.max_workgroup_size}")
     cols = max(1, min(WORKGROUP, max_wg) // threads)
-    if s == 1:
+    if splits is not None:
+        pass
+    elif s == 1:
         splits = decode_splits(device, "tile", num_kv_heads, capacity)
     else:       # a few query tiles over a long past (a chunk, speculative verify): split the keys too
         want = 2 * (os.cpu_count() or 1) if device.is_software else TILE_TARGET_WGS
@@ -255,8 +263,10 @@ def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacit
 
 
 def attention_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,
-                     num_kv_heads: int) -> AttnConfig:
-    """Kernel and tile sizes; raises DeviceLimitError if even the smallest tile does not fit."""
+                     num_kv_heads: int, splits: int | None = None) -> AttnConfig:
+    """Kernel and tile sizes; raises DeviceLimitError if even the smallest tile does not fit.
+    ``splits``: the key splits wanted instead of the shape's own choice (cascade's shared pass:
+    ``s`` rows split like a decode step; software devices still bound the keys per workgroup)."""
     if kernel_for(device) == "lane":
-        return lane_config(device, group, s, dk4, dv4, ch, num_kv_heads, capacity)
-    return tile_config(device, group, s, dk4, dv4, ch, capacity, num_kv_heads)
+        return lane_config(device, group, s, dk4, dv4, ch, num_kv_heads, capacity, splits)
+    return tile_config(device, group, s, dk4, dv4, ch, capacity, num_kv_heads, splits)

@@ -152,7 +152,7 @@ class Pipeline:
     bindings: int
 
 
-ATTN_BINDINGS = 13      # kc vc nk nv q aux out part ml lse rope ks vs (attn.comp, attn_lane.comp)
+ATTN_BINDINGS = 13      # kc vc nk nv q aux out part ml lse rope ks vs (attn.comp, attn_lane.comp, attn_coopmat.comp)
 
 
 def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, key_bound: int,
@@ -160,7 +160,9 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
     """(AttnConfig, Pipeline) of the attention dispatch for ``hq`` heads, ``rows`` packed query
     rows, ``nn`` new rows (fused append: a per-call value, not a specialisation), ``nseq`` sequences, on ``dev`` (a Device, or anything with
     its planning attributes) for the storage format ``fmt`` (a cache: _dk4, _dv4, _ch,
-    v_head_dim, num_kv_heads, _defines)."""
+    v_head_dim, num_kv_heads, _defines). The kernel is tuning.attention_config's: attn.comp,
+    attn_lane.comp, or for prefill and chunks on a device with cooperative matrices
+    attn_coopmat.comp (a PlanningDevice plans it from the DeviceInfo's listed shapes and features)."""
     hkv = fmt.num_kv_heads
     group = hq // hkv
     cfg = attention_config(dev, group, 1 if decode else rows, fmt._dk4, fmt._dv4, fmt._ch, key_bound, hkv)
@@ -172,6 +174,8 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
     spec = cfg.spec(group, fmt._dk4, fmt._dv4, fmt.v_head_dim, flags, rope_dim)
     if cfg.kernel == "lane":
         shader, defines = "attn_lane", dict(fmt._defines)
+    elif cfg.kernel == "coopmat":
+        shader, defines = "attn_coopmat", dict(fmt._defines, COOPMAT_UNROLL=int(cfg.unroll))
     else:
         shader, defines = "attn", dict(fmt._defines, TILE_SHUFFLE=int(cfg.ds > 1 and cfg.shuffle))
     return cfg, Pipeline(shader, shader, defines, tuple(spec), grid, ATTN_BINDINGS)
@@ -223,8 +227,11 @@ class AttnPlan:
         pin = c.device.subgroup_pin(cfg.wg, need) if shuffles else (0, False)
         if cfg.kernel == "lane" and pin[0] != cfg.wg:
             pin = (0, False)
+        if cfg.kernel == "coopmat":     # its matrices are sized for cfg.sg: always pinned (coopmat_problem)
+            pin = (cfg.sg, True)
         self.subgroup = pin
-        self._check_width = bool(shuffles) and cfg.kernel == "tile" and not pin[0]
+        self._check_width = bool(shuffles) and cfg.kernel in ("tile", "coopmat") and (
+            not pin[0] or cfg.kernel == "coopmat")
         self.attn = be.program(compile_shader(pipe.shader, pipe.defines), bindings, pipe.groups, pipe.spec,
                                writes=(0, 1, 5, 6, 7, 8, 9, 11, 12), name=pipe.shader, subgroup=pin)
         self.rec = be.recording().upload(*inputs).dispatch(self.attn).download(self.out, self.lse).build(c.timestamps)
@@ -308,7 +315,16 @@ class AttnPlan:
             # clusters shrink to fit, this plan is built again and the call runs again (the fused
             # append stores the same rows again)
             width = int(self.lse.view()[self.hq * rows:].view(np.uint32)[0])
-            if width < cfg.ds:
+            if cfg.kernel == "coopmat" and width != cfg.sg:
+                # pinned, yet another subgroup size: the kernel ran no matrix (it checks). Not
+                # picked on this device again; this call is planned and run again without it
+                # (VKATTN_KERNEL=coopmat: the ValueError naming this)
+                c.device.coopmat_failed(f"the driver ran a cooperative-matrix pipeline pinned to subgroups of "
+                                        f"{cfg.sg} with subgroups of {width}")
+                self.destroy()
+                self.__init__(*self._args)
+                return self.run(q, k, v, seqs, causal, scale, variant, rope)
+            if cfg.kernel == "tile" and width < cfg.ds:
                 c.device.lower_tile_cluster(width)
                 self.destroy()
                 self.__init__(*self._args)

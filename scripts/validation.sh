@@ -4,11 +4,13 @@
 # reported first):
 #   sync   the whole pytest suite with synchronization validation on (probe: tests/sync_probe.py,
 #          a racy sequence that must give SYNC-HAZARD-READ-AFTER-WRITE)
-#   gpuav  tests/test_bounds.py (odd shapes, every dtype and variant, paged batches, both kernels)
+#   gpuav  tests/test_bounds.py (odd shapes, every dtype and variant, paged batches, every kernel)
 #          with GPU-assisted validation's buffer bounds checks on (probe: tests/gpuav_probe.py, an
 #          out-of-bounds read that must give VUID-vkCmdDispatch-None-02706): every kernel stays
 #          inside its buffers. GPU-AV instruments every buffer access, so lavapipe compiles slowly
-#          there: this pass runs a sweep chosen for it, not the whole suite.
+#          there: this pass runs a sweep chosen for it, not the whole suite; one pytest process per
+#          kernel of VKATTN_GPUAV_KERNELS (default "lane tile coopmat"; the coopmat cases skip where
+#          the device has no cooperative matrices).
 # VKATTN_VALIDATION=sync or =gpuav runs one pass (default: both). Arguments go to the sync pass's
 # pytest (e.g. a test selection).
 set -uo pipefail
@@ -70,12 +72,18 @@ rc=0
 for pass in $passes; do
   case $pass in
     sync)
-      settings "khronos_validation.enables = VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT"
+      # enables: the layer of Debian 12 (1.3.239); validate_sync and the shader-access heuristic: the
+      # layer of Debian 13 (1.4.309), whose syncval tracks no descriptor access without the heuristic
+      # (the probe's hazard goes unreported); each layer ignores the other's keys
+      settings "khronos_validation.enables = VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT
+khronos_validation.validate_sync = true
+khronos_validation.syncval_shader_accesses_heuristic = true"
       run_pass sync tests/sync_probe.py SYNC-HAZARD-READ-AFTER-WRITE "" "$@" || rc=1 ;;
     gpuav)
       settings "khronos_validation.enables = VK_VALIDATION_FEATURE_ENABLE_GPU_ASSISTED_EXT
 khronos_validation.gpuav_buffer_oob = true"
-      run_pass gpuav tests/gpuav_probe.py VUID-vkCmdDispatch-None-02706 "lane tile" tests/test_bounds.py --durations=5 || rc=1 ;;
+      run_pass gpuav tests/gpuav_probe.py VUID-vkCmdDispatch-None-02706 "${VKATTN_GPUAV_KERNELS:-lane tile coopmat}" \
+        tests/test_bounds.py --durations=5 || rc=1 ;;
     *) echo "validation: unknown pass '$pass' in VKATTN_VALIDATION (sync, gpuav)" >&2; exit 2 ;;
   esac
 done

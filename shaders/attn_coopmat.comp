@@ -149,9 +149,13 @@ shared uint s_grew[NSG];                       // per subgroup: some row's max m
 shared float s_x[NSG * MM * XST];              // per subgroup: one accumulator tile
 shared uint s_last;
 
-uint hh, tid, sid, lane;
-// softmax team state: rows team + k*TEAMS
-uint team, tl;
+// this invocation's indices
+#define hh gl_WorkGroupID.z
+#define tid gl_LocalInvocationID.x
+#define sid gl_SubgroupID
+#define lane gl_SubgroupInvocationID
+#define team (tid / TPR)                  // softmax team state: rows team + k*TEAMS
+#define tl (tid % TPR)
 float m_r[RPT], l_r[RPT], slope[RPT];
 uint qrow[RPT], qpos[RPT], vis_end[RPT];
 
@@ -382,12 +386,6 @@ uint out_row(uint qv, uint qt) {
 
 void main() {
     const uint sp = gl_WorkGroupID.x, y = gl_WorkGroupID.y;
-    hh = gl_WorkGroupID.z;
-    tid = gl_LocalInvocationID.x;
-    sid = gl_SubgroupID;
-    lane = gl_SubgroupInvocationID;
-    team = tid / TPR;
-    tl = tid % TPR;
     // the subgroup size this pipeline runs with, after lse's rows: the host checks it is SG
     if (gl_WorkGroupID == uvec3(0u) && tid == 0u)
         lsebuf[gl_NumWorkGroups.z * G * aux[10]] = uintBitsToFloat(gl_SubgroupSize);
@@ -438,22 +436,27 @@ void main() {
 #endif
             bool rescale = false;
             for (uint s = 0u; s < NSG; ++s) rescale = rescale || s_grew[s] != 0u;
+            // every subgroup runs the same number of iterations and subgroup barriers, also past
+            // its last tile (t >= OT): lavapipe 26 turns a subgroup barrier into a workgroup-wide
+            // suspension point, and subgroups that pass different counts of them lose their state
             OPT_LOOP for (uint i = 0u; i < OPT; ++i) {
                 const uint t = sid + i * NSG;
-                if (t >= OT) continue;
-                const uint mi = t / VT, nv = t % VT;
+                const bool mine = t < OT;
+                const uint mi = mine ? t / VT : 0u, nv = t % VT;
                 if (rescale) {                // O's rows times alpha, through this subgroup's tile
-                    coopMatStore(o[i], s_x, sid * MM * XST, XST, ROW_MAJOR);
+                    if (mine) coopMatStore(o[i], s_x, sid * MM * XST, XST, ROW_MAJOR);
                     subgroupMemoryBarrierShared();
                     subgroupBarrier();
-                    for (uint e = lane; e < MM * MN; e += SG)
-                        s_x[sid * MM * XST + (e / MN) * XST + e % MN] *= s_alpha[mi * MM + e / MN];
+                    if (mine)
+                        for (uint e = lane; e < MM * MN; e += SG)
+                            s_x[sid * MM * XST + (e / MN) * XST + e % MN] *= s_alpha[mi * MM + e / MN];
                     subgroupMemoryBarrierShared();
                     subgroupBarrier();
-                    coopMatLoad(o[i], s_x, sid * MM * XST, XST, ROW_MAJOR);
+                    if (mine) coopMatLoad(o[i], s_x, sid * MM * XST, XST, ROW_MAJOR);
                     subgroupMemoryBarrierShared();
                     subgroupBarrier();
                 }
+                if (!mine) continue;
 #if KV_I8
                 ACC acc = ACC(0.0);
 #else
@@ -492,14 +495,14 @@ void main() {
         }
     }
     barrier();
-    OPT_LOOP for (uint i = 0u; i < OPT; ++i) {
+    OPT_LOOP for (uint i = 0u; i < OPT; ++i) {   // (the same number of subgroup barriers everywhere)
         const uint t = sid + i * NSG;
-        if (t >= OT) continue;
-        const uint mi = t / VT, nv = t % VT;
-        coopMatStore(o[i], s_x, sid * MM * XST, XST, ROW_MAJOR);
+        const bool mine = t < OT;
+        const uint mi = mine ? t / VT : 0u, nv = t % VT;
+        if (mine) coopMatStore(o[i], s_x, sid * MM * XST, XST, ROW_MAJOR);
         subgroupMemoryBarrierShared();
         subgroupBarrier();
-        for (uint e = lane; e < MM * MN; e += SG) {
+        for (uint e = lane; mine && e < MM * MN; e += SG) {
             const uint qv = mi * MM + e / MN, c = nv * MN + e % MN;
             const uint orow = out_row(qv, qt);
             if (orow == ~0u || c >= DV) continue;

@@ -178,8 +178,9 @@ def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capa
     The workgroup: COOPMAT_SUBGROUPS subgroups of Device.coopmat_subgroup(); query rows bq (a power of two, G * bq <= COOPMAT_NQ) folded with the G heads into BR
     = G * bq rounded up to M matrix rows; BC = COOPMAT_KEY_TILES * max(N, K) keys per block; the
     softmax in teams of the largest power of two of threads per row the workgroup allows (at
-    most the subgroup and BC). Over COOPMAT_SHARED_BUDGET (or the device's limit) bq halves, then
-    BC. Split-K as attn.comp's prefill (tile_config)."""
+    most the subgroup and BC). Over COOPMAT_SHARED_BUDGET bq halves, then BC; where even the
+    smallest tile is over it (head_dim 256), the same within the device's shared memory. Split-K
+    as attn.comp's prefill (tile_config)."""
     if ch == 1:
         return None
     mnk = device.coopmat_shape()
@@ -192,19 +193,25 @@ def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capa
     bq = 1
     while bq < s and 2 * bq * group <= COOPMAT_NQ:
         bq *= 2
-    bc = COOPMAT_KEY_TILES * max(mn, mk)
-    budget = min(COOPMAT_SHARED_BUDGET, device.max_shared_memory)
-
     def br_of(b):
         return -(-group * b // mm) * mm
 
-    while coopmat_shared_bytes(br_of(bq), bc, dk4, dv4, ch, mnk, nsg) > budget:
-        if bq > 1 and br_of(bq // 2) < br_of(bq):
-            bq //= 2
-        elif bc > max(mn, mk):
-            bc //= 2
-        else:
-            return None
+    def fit(budget, bq):
+        bc = COOPMAT_KEY_TILES * max(mn, mk)
+        while coopmat_shared_bytes(br_of(bq), bc, dk4, dv4, ch, mnk, nsg) > budget:
+            if bq > 1 and br_of(bq // 2) < br_of(bq):
+                bq //= 2
+            elif bc > max(mn, mk):
+                bc //= 2
+            else:
+                return None
+        return bq, bc
+
+    # within COOPMAT_SHARED_BUDGET; where even the smallest tile passes it, within the device's limit
+    sizes = fit(min(COOPMAT_SHARED_BUDGET, device.max_shared_memory), bq) or fit(device.max_shared_memory, bq)
+    if sizes is None:
+        return None
+    bq, bc = sizes
     br = br_of(bq)
     tpr = 1
     while 2 * tpr * br <= wg and 2 * tpr <= min(sg, bc):

@@ -63,7 +63,7 @@ run_pass() {
     cat "$work/probe.log" >&2
     return 1
   fi
-  echo "validation ($name): layer active (probe reported $expect); running the tests under it"
+  echo "validation ($name): layer active (probe reported $(grep -oE -- "$expect" "$work/probe.log" | head -1)); running the tests under it"
   local start=$SECONDS status=0
   if [ -z "$shards" ]; then
     "$PY" -m pytest -q -s -p no:cacheprovider "$@" 2>&1 | tee "$work/$name.log"

@@ -20,7 +20,10 @@
 //              pipeline's gl_SubgroupSize as uint bits (the host checks it is SG)
 //   part, ml : with SPLIT, float32 [SPLITS, HKV*G*R, DV4*CH*4] un-normalised sums and vec2
 //              (max in log2 units, sum) [SPLITS, HKV*G*R]; the last workgroup of a tile merges them
-//              (the memory-model chain of attn.comp's header, unchanged).
+//              (the chain of attn.comp's header; glslang builds every cooperative-matrix shader
+//              on the Vulkan memory model, where memoryBarrierBuffer() is an acquire-release over
+//              uniform memory at queue-family scope and `coherent` makes accesses available and
+//              visible at that scope: the same links, one dispatch, one queue).
 // numpy, one q head of one sequence:
 //   s = scale * q @ K[:T].T (+ variants, invisible keys -inf);  out = softmax(s) @ V[:T]
 //

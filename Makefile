@@ -5,7 +5,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-hf install demo check test test-validation test-noshuffle test-subgroup4 perf gpu-report gpu-bench clean
+.PHONY: setup setup-hf install demo check test test-validation test-noshuffle test-subgroup4 test-coopmat perf gpu-report gpu-bench clean
 setup:
 	@bash scripts/setup.sh
 
@@ -36,6 +36,13 @@ test-noshuffle: setup
 
 test-subgroup4: setup
 	LP_NATIVE_VECTOR_WIDTH=128 $(PY) -m pytest -q -n auto $(PARITY)
+
+# attn_coopmat.comp (cooperative matrices): its parity tests under the Khronos layer's
+# synchronization validation, then the bounds sweep's coopmat cases under GPU-assisted validation
+# (0 messages each). They skip, naming why, where the device or glslang has no cooperative
+# matrices; CI runs this on Mesa 26's lavapipe: scripts/distro.sh trixie --mesa backports -- make test-coopmat
+test-coopmat: setup
+	VKATTN_GPUAV_KERNELS=coopmat bash scripts/validation.sh tests/test_coopmat.py --durations=5
 
 perf: setup
 	$(PY) -m perf

@@ -4,12 +4,16 @@ a CUDA or ROCm device. Prints the table with the Vulkan device and driver and wr
 perf/out/gpu_bench.{json,csv}.
 
 The GPU is the one vkattn picks (the first non-CPU Vulkan device; ``VKATTN_DEVICE`` = an index or
-a part of the name chooses another). Shapes and iterations come from the VKATTN_PERF_* variables of
+a part of the name chooses another). Where that device runs attn_coopmat.comp (cooperative matrices,
+Device.coopmat_problem), the prefill cases run twice: on it ("[coopmat]", vkattn's pick there) and
+on attn.comp ("[tile]", VKATTN_KERNEL=tile), side by side; elsewhere the line above the table
+says why the cooperative-matrix kernel is not timed. Shapes and iterations come from the VKATTN_PERF_* variables of
 perf/common.py; decode contexts default to 512, 4096 and 16384 here. A machine whose only Vulkan
 device is a CPU driver (lavapipe) is refused with a message, unless
 VKATTN_GPU_BENCH_ALLOW_SOFTWARE=1 (how the test suite runs it end to end)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -28,6 +32,26 @@ def torch_gpu() -> str | None:
     except ImportError:
         return None
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def prefill_rows(shape, dev) -> list:
+    """The prefill cases; on a device that runs attn_coopmat.comp, once on it and once on
+    attn.comp (VKATTN_KERNEL=tile), each case name marked with its kernel."""
+    if dev.coopmat_problem():
+        return prefill.run(shape, dev)
+    rows = []
+    old = os.environ.get("VKATTN_KERNEL")
+    try:
+        for kernel in ("coopmat", "tile"):
+            os.environ["VKATTN_KERNEL"] = kernel
+            rows += [dataclasses.replace(r, case=f"{r.case} [{kernel}]", extra=dict(r.extra, attention=kernel))
+                     for r in prefill.run(shape, dev)]
+    finally:
+        if old is None:
+            os.environ.pop("VKATTN_KERNEL", None)
+        else:
+            os.environ["VKATTN_KERNEL"] = old
+    return rows
 
 
 def main(argv=None) -> int:
@@ -49,10 +73,14 @@ def main(argv=None) -> int:
     os.environ.setdefault("VKATTN_PERF_CONTEXT", DEFAULT_CONTEXT)
     try:
         shape = Shape.from_env()
-        rows = decode.run(shape, dev) + prefill.run(shape, dev) + batch.run(shape, dev)
+        rows = decode.run(shape, dev) + prefill_rows(shape, dev) + batch.run(shape, dev)
     except PerfConfigError as e:
         print(f"gpu-bench: {e}", file=sys.stderr)
         return 2
+    problem = dev.coopmat_problem()
+    print("cooperative matrices: " + (f"attn_coopmat.comp, {'x'.join(map(str, dev.coopmat_shape()))} float16 -> "
+                                      f"float32, subgroup {dev.coopmat_subgroup()}" if not problem else
+                                      f"not timed: {problem}"))
     torch_label = "torch GPU" if tgpu else "torch CPU"
     print(f"torch beside it: {tgpu or 'CPU (no CUDA/ROCm device visible to torch)'}")
     print_table(rows, label, torch_label)

@@ -16,13 +16,19 @@ def device():
 def _kernel_runs_here(request):
     """A test parametrised with kernel="lane" skips, naming why, on a device where vkattn never
     picks attn_lane.comp (it needs one subgroup of at most 16 invocations with shuffles: CPU
-    drivers; a GPU's subgroup is 32 or 64). attn.comp ("tile") runs everywhere."""
+    drivers; a GPU's subgroup is 32 or 64); kernel="coopmat" where attn_coopmat.comp cannot run
+    (Device.coopmat_problem: no VK_KHR_cooperative_matrix, or a glslang without it). attn.comp
+    ("tile") runs everywhere."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and callspec.params.get("kernel") == "lane":
         dev = request.getfixturevalue("device")
         if not dev.lane_subgroup():
             pytest.skip(f"attn_lane.comp needs a subgroup of at most 16 with shuffles; {dev.name} has "
                         f"{dev.subgroup_size}")
+    if callspec is not None and callspec.params.get("kernel") == "coopmat":
+        problem = request.getfixturevalue("device").coopmat_problem()
+        if problem:
+            pytest.skip(f"attn_coopmat.comp cannot run here: {problem}")
 
 
 @pytest.fixture

@@ -19,6 +19,8 @@ def test_check_quick_passes_here(device, tmp_path, capsys):
     assert rep["verdict"] == "PASS" and rep["failed"] == 0
     kernels = {c["kernel"].rstrip("*") for c in rep["cases"]}
     assert "tile" in kernels and ("lane" in kernels) == bool(device.lane_subgroup())
+    assert ("coopmat" in kernels) == (not device.coopmat_problem())     # where it runs, it is checked
+    assert rep["prefill_kernel"] in ("tile", "lane", "coopmat")
     assert {c["dtype"] for c in rep["cases"]} == {"float32", "float16", "int8"}
     assert all(c["checked"] > 0 for c in rep["cases"])
     assert rep["device"]["name"] == device.name and rep["default_kernel"] in ("tile", "lane")

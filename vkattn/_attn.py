@@ -155,7 +155,7 @@ class Pipeline:
     bindings: int
 
 
-ATTN_BINDINGS = 13      # kc vc nk nv q aux out part ml lse rope ks vs (attn.comp, attn_lane.comp)
+ATTN_BINDINGS = 13      # kc vc nk nv q aux out part ml lse rope ks vs (attn.comp, attn_lane.comp, attn_coopmat.comp)
 
 
 def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, key_bound: int,
@@ -163,7 +163,9 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
     """(AttnConfig, Pipeline) of the attention dispatch for ``hq`` heads, ``rows`` packed query
     rows, ``nn`` new rows (fused append: a per-call value, not a specialisation), ``nseq`` sequences, on ``dev`` (a Device, or anything with
     its planning attributes) for the storage format ``fmt`` (a cache: _dk4, _dv4, _ch,
-    v_head_dim, num_kv_heads, _defines)."""
+    v_head_dim, num_kv_heads, _defines). The kernel is tuning.attention_config's: attn.comp,
+    attn_lane.comp, or for prefill and chunks on a device with cooperative matrices
+    attn_coopmat.comp (a PlanningDevice plans it from the DeviceInfo's listed shapes and features)."""
     hkv = fmt.num_kv_heads
     group = hq // hkv
     cfg = attention_config(dev, group, 1 if decode else rows, fmt._dk4, fmt._dv4, fmt._ch, key_bound, hkv, splits)
@@ -175,6 +177,8 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
     spec = cfg.spec(group, fmt._dk4, fmt._dv4, fmt.v_head_dim, flags, rope_dim)
     if cfg.kernel == "lane":
         shader, defines = "attn_lane", dict(fmt._defines)
+    elif cfg.kernel == "coopmat":
+        shader, defines = "attn_coopmat", dict(fmt._defines, COOPMAT_UNROLL=int(cfg.unroll))
     else:
         shader, defines = "attn", dict(fmt._defines, TILE_SHUFFLE=int(cfg.ds > 1 and cfg.shuffle))
     return cfg, Pipeline(shader, shader, defines, tuple(spec), grid, ATTN_BINDINGS)
@@ -231,8 +235,11 @@ class AttnPlan:
         pin = c.device.subgroup_pin(cfg.wg, need) if shuffles else (0, False)
         if cfg.kernel == "lane" and pin[0] != cfg.wg:
             pin = (0, False)
+        if cfg.kernel == "coopmat":     # its matrices are sized for cfg.sg: always pinned (coopmat_problem)
+            pin = (cfg.sg, True)
         self.subgroup = pin
-        self._check_width = bool(shuffles) and cfg.kernel == "tile" and not pin[0]
+        self._check_width = bool(shuffles) and cfg.kernel in ("tile", "coopmat") and (
+            not pin[0] or cfg.kernel == "coopmat")
         self.attn = be.program(compile_shader(pipe.shader, pipe.defines), bindings, pipe.groups, pipe.spec,
                                # the pools (and int8 scales) are written only by a fused append
                                writes=(0, 1, 5, 6, 7, 8, 9, 11, 12) if nn else (5, 6, 7, 8, 9),
@@ -261,6 +268,17 @@ class AttnPlan:
         rows = self.fill(q, k, v, seqs, causal, scale, variant, rope)
         self.rec.run()
         self.c._last_rec = self.rec
+        if self._check_width and self.cfg.kernel == "coopmat":
+            width = int(self.lse.view()[self.hq * rows:].view(np.uint32)[0])
+            if width != self.cfg.sg:
+                # pinned, yet another subgroup size: the kernel ran no matrix (it checks). Not
+                # picked on this device again; this call is planned and run again without it
+                # (VKATTN_KERNEL=coopmat: the ValueError naming this)
+                self.c.device.coopmat_failed(f"the driver ran a cooperative-matrix pipeline pinned to subgroups "
+                                             f"of {self.cfg.sg} with subgroups of {width}")
+                self.destroy()
+                self.__init__(*self._args)
+                return self.run(q, k, v, seqs, causal, scale, variant, rope)
         width = self.narrow_subgroup(rows)
         if width:
             # the pipeline's real subgroup size is narrower than the cluster: its shuffles read
@@ -277,7 +295,7 @@ class AttnPlan:
         """After a run of ``rows`` rows: the subgroup size the pipeline really ran with (attn.comp
         writes it after lse) where it could not be pinned and is narrower than the cluster the
         shuffles assume, else 0."""
-        if not self._check_width:
+        if not self._check_width or self.cfg.kernel != "tile":
             return 0
         width = int(self.lse.view()[self.hq * rows:].view(np.uint32)[0])
         return width if width < self.cfg.ds else 0

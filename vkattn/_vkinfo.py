@@ -68,6 +68,18 @@ _STYPE_PHYSICAL_DEVICE_FEATURES_2 = 1000059000
 _STYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES = 1000225000
 _STYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_FEATURES = 1000225002
 _EXT_SUBGROUP_SIZE_CONTROL = b"VK_EXT_subgroup_size_control"
+_STYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES = 1000082000
+_STYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES = 1000211000
+_STYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR = 1000506000
+_STYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR = 1000506001
+_STYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_PROPERTIES_KHR = 1000506002
+_EXT_SHADER_FLOAT16_INT8 = b"VK_KHR_shader_float16_int8"
+_EXT_VULKAN_MEMORY_MODEL = b"VK_KHR_vulkan_memory_model"
+_EXT_COOPERATIVE_MATRIX = b"VK_KHR_cooperative_matrix"
+# VkComponentTypeKHR and VkScopeKHR values, by the names DeviceInfo.coopmat_shapes uses
+_COMPONENT_TYPES = {0: "f16", 1: "f32", 2: "f64", 3: "s8", 4: "s16", 5: "s32", 6: "s64", 7: "u8", 8: "u16",
+                    9: "u32", 10: "u64", 1000141000: "bf16", 1000491002: "e4m3", 1000491003: "e5m2"}
+_SCOPES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queuefamily"}
 _MEMORY_HEAP_DEVICE_LOCAL_BIT = 0x1
 _MAX_PHYSICAL_DEVICE_NAME_SIZE = 256
 _UUID_SIZE = 16
@@ -283,6 +295,32 @@ class VkPhysicalDeviceFeatures2Head(Structure):
     _fields_ = [("sType", VkStructureType), ("pNext", c_void_p), ("features", VkBool32 * 55)]
 
 
+class VkPhysicalDeviceShaderFloat16Int8Features(Structure):
+    _fields_ = [("sType", VkStructureType), ("pNext", c_void_p), ("shaderFloat16", VkBool32),
+                ("shaderInt8", VkBool32)]
+
+
+class VkPhysicalDeviceVulkanMemoryModelFeatures(Structure):
+    _fields_ = [("sType", VkStructureType), ("pNext", c_void_p), ("vulkanMemoryModel", VkBool32),
+                ("vulkanMemoryModelDeviceScope", VkBool32),
+                ("vulkanMemoryModelAvailabilityVisibilityChains", VkBool32)]
+
+
+class VkPhysicalDeviceCooperativeMatrixFeaturesKHR(Structure):
+    _fields_ = [("sType", VkStructureType), ("pNext", c_void_p), ("cooperativeMatrix", VkBool32),
+                ("cooperativeMatrixRobustBufferAccess", VkBool32)]
+
+
+class VkPhysicalDeviceCooperativeMatrixPropertiesKHR(Structure):
+    _fields_ = [("sType", VkStructureType), ("pNext", c_void_p), ("cooperativeMatrixSupportedStages", VkFlags)]
+
+
+class VkCooperativeMatrixPropertiesKHR(Structure):
+    _fields_ = [("sType", VkStructureType), ("pNext", c_void_p), ("MSize", c_uint32), ("NSize", c_uint32),
+                ("KSize", c_uint32), ("AType", c_int32), ("BType", c_int32), ("CType", c_int32),
+                ("ResultType", c_int32), ("saturatingAccumulation", VkBool32), ("scope", c_int32)]
+
+
 class VkExtensionProperties(Structure):
     _fields_ = [("extensionName", c_char * 256), ("specVersion", c_uint32)]
 
@@ -411,6 +449,31 @@ class DeviceInfo:
     required_subgroup_size_stages: int = 0
     subgroup_size_control: bool = False     # feature: a pipeline may require a subgroup size
     compute_full_subgroups: bool = False    # feature: .. and full subgroups in compute
+    # features the cooperative-matrix kernel needs (False where the device does not offer them)
+    shader_float16: bool = False            # VK_KHR_shader_float16_int8 / Vulkan 1.2
+    vulkan_memory_model: bool = False       # VK_KHR_vulkan_memory_model / Vulkan 1.2
+    vulkan_memory_model_device_scope: bool = False
+    cooperative_matrix: bool = False        # VK_KHR_cooperative_matrix
+    coopmat_stages: int = 0                 # its cooperativeMatrixSupportedStages
+    # vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR, one string per listed shape:
+    # "MxNxK A B C Result scope", e.g. "16x16x16 f16 f16 f32 f32 subgroup" (DeviceInfo.coopmat_shape)
+    coopmat_shapes: tuple = ()
+
+    def coopmat_shape(self, a: str = "f16", c: str = "f32", scope: str = "subgroup"):
+        """(M, N, K) of a listed cooperative-matrix shape with A and B of type ``a`` and C and
+        Result of type ``c`` at ``scope``, each side 8 or 16 (the shapes vkattn's kernel is
+        built for), preferring 16x16x16, then the largest; None where the device lists none."""
+        found = []
+        for text in self.coopmat_shapes:
+            parts = str(text).split()
+            if len(parts) != 6 or parts[1:] != [a, a, c, c, scope]:
+                continue
+            mnk = tuple(int(x) for x in parts[0].split("x"))
+            if all(v in (8, 16) for v in mnk):
+                found.append(mnk)
+        if not found:
+            return None
+        return max(found, key=lambda t: (t == (16, 16, 16), t[0] * t[1] * t[2]))
 
     @property
     def is_software(self) -> bool:
@@ -558,6 +621,62 @@ class _RawProperties:
         self.features2 = VkPhysicalDeviceFeatures2Head(
             sType=_STYPE_PHYSICAL_DEVICE_FEATURES_2,
             pNext=ctypes.cast(byref(self.size_control_features), c_void_p))
+        # what the cooperative-matrix kernel needs: a features chain of its own, of only the
+        # structs the device has (core version or extension), and the matrix shapes
+        self.float16_features = VkPhysicalDeviceShaderFloat16Int8Features(
+            sType=_STYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES)
+        self.memory_model_features = VkPhysicalDeviceVulkanMemoryModelFeatures(
+            sType=_STYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES)
+        self.coopmat_features = VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
+            sType=_STYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR)
+        self.coopmat_properties = VkPhysicalDeviceCooperativeMatrixPropertiesKHR(
+            sType=_STYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_PROPERTIES_KHR)
+        self.coopmat_shapes: tuple = ()
+
+    def query_coopmat(self, lib, instance, device, get_props2, get_features2) -> None:
+        """Fill the float16 / memory-model / cooperative-matrix features and the matrix shapes."""
+        api = self.properties.apiVersion
+        exts = _device_extensions(lib, device)
+        chain = []
+        if api >= _API_VERSION_1_2 or _EXT_SHADER_FLOAT16_INT8 in exts:
+            chain.append(self.float16_features)
+        if api >= _API_VERSION_1_2 or _EXT_VULKAN_MEMORY_MODEL in exts:
+            chain.append(self.memory_model_features)
+        has_cm = _EXT_COOPERATIVE_MATRIX in exts
+        if has_cm:
+            chain.append(self.coopmat_features)
+        if chain:
+            for first, nxt in zip(chain, chain[1:] + [None]):
+                first.pNext = ctypes.cast(byref(nxt), c_void_p) if nxt is not None else None
+            head = VkPhysicalDeviceFeatures2Head(sType=_STYPE_PHYSICAL_DEVICE_FEATURES_2,
+                                                 pNext=ctypes.cast(byref(chain[0]), c_void_p))
+            get_features2(device, ctypes.cast(byref(head), c_void_p))
+            for st in chain:
+                st.pNext = None
+        if not has_cm:
+            return
+        props = VkPhysicalDeviceProperties2(sType=_STYPE_PHYSICAL_DEVICE_PROPERTIES_2,
+                                            pNext=ctypes.cast(byref(self.coopmat_properties), c_void_p))
+        get_props2(device, byref(props))
+        self.coopmat_properties.pNext = None
+        address = lib.vkGetInstanceProcAddr(instance, b"vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+        if not address:
+            return
+        fn = CFUNCTYPE(VkResult, VkPhysicalDevice, POINTER(c_uint32), c_void_p)(address)
+        count = c_uint32(0)
+        if fn(device, byref(count), None) != 0 or not count.value:
+            return
+        arr = (VkCooperativeMatrixPropertiesKHR * count.value)()
+        for i in range(count.value):
+            arr[i].sType = _STYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
+        if fn(device, byref(count), ctypes.cast(arr, c_void_p)) not in (0, 5):
+            return
+        name = lambda t: _COMPONENT_TYPES.get(t, f"type{t}")
+        self.coopmat_shapes = tuple(
+            f"{p.MSize}x{p.NSize}x{p.KSize} {name(p.AType)} {name(p.BType)} {name(p.CType)} "
+            f"{name(p.ResultType)}{' sat' if p.saturatingAccumulation else ''} "
+            f"{_SCOPES.get(p.scope, f'scope{p.scope}')}"
+            for p in arr[:count.value])
 
     @property
     def properties(self) -> VkPhysicalDeviceProperties:
@@ -590,6 +709,9 @@ def _query_raw() -> list[_RawProperties]:
                          or _EXT_SUBGROUP_SIZE_CONTROL in _device_extensions(lib, device))):
                 get_props2(device, byref(raw.props2_size_control))
                 get_features2(device, ctypes.cast(byref(raw.features2), c_void_p))
+            if (get_props2 is not None and get_features2 is not None
+                    and raw.properties.apiVersion >= _API_VERSION_1_1):
+                raw.query_coopmat(lib, instance, device, get_props2, get_features2)
             lib.vkGetPhysicalDeviceMemoryProperties(device, byref(raw.memory))
             raws.append(raw)
         return raws
@@ -628,6 +750,12 @@ def _device_info(index: int, raw: _RawProperties) -> DeviceInfo:
         required_subgroup_size_stages=raw.size_control.requiredSubgroupSizeStages,
         subgroup_size_control=bool(raw.size_control_features.subgroupSizeControl),
         compute_full_subgroups=bool(raw.size_control_features.computeFullSubgroups),
+        shader_float16=bool(raw.float16_features.shaderFloat16),
+        vulkan_memory_model=bool(raw.memory_model_features.vulkanMemoryModel),
+        vulkan_memory_model_device_scope=bool(raw.memory_model_features.vulkanMemoryModelDeviceScope),
+        cooperative_matrix=bool(raw.coopmat_features.cooperativeMatrix),
+        coopmat_stages=raw.coopmat_properties.cooperativeMatrixSupportedStages,
+        coopmat_shapes=raw.coopmat_shapes,
     )
 
 
@@ -667,6 +795,8 @@ def _describe(info: DeviceInfo) -> str:
         + (f" subgroup_sizes={info.min_subgroup_size}..{info.max_subgroup_size}"
            f"{' pinnable' if info.subgroup_size_control and info.required_subgroup_size_stages & 0x20 else ''}"
            f"{' full' if info.compute_full_subgroups else ''}" if info.max_subgroup_size else "")
+        + (f" coopmat={'/'.join(s.split()[0] for s in info.coopmat_shapes if ' f16 f16 f32 f32' in s)}"
+           if info.cooperative_matrix and info.coopmat_shapes else "")
         + (f" driver={info.driver_name} {info.driver_info}" if info.driver_name else "")
     )
 

@@ -6,8 +6,10 @@ facts, one verdict line, and writes a JSON report to attach to a bug report. Exi
 every case passed, 1 when any failed, 2 when there is no Vulkan device.
 
 Cases, for each attention kernel that runs on the device (attn.comp "tile" everywhere;
-attn_lane.comp "lane" where a subgroup of at most 16 shuffles, i.e. CPU drivers), the one
-vkattn picks by default marked ``*``:
+attn_lane.comp "lane" where a subgroup of at most 16 shuffles, i.e. CPU drivers;
+attn_coopmat.comp "coopmat" where the device has cooperative matrices and glslang compiles them,
+Device.coopmat_problem -- it takes the prefill and chunk calls of its cases, decode goes to the
+device's other kernel), the ones vkattn picks by default marked ``*``:
 
 - float32, float16 and int8 caches: decode (split-K, merged on the device), a causal prefill
   from an empty cache, a chunk over a past (fused append), a long prompt (appended first, then
@@ -18,8 +20,9 @@ vkattn picks by default marked ``*``:
 - bit-exact storage: adversarial rows (half-ULP ties, half subnormals, values near the float16
   maximum, float32 denormals; int8 rows whose quotients land on .5) appended and read back,
   compared bit for bit with ``reference.round_to``;
-- a split-K stress: a long decode split over many workgroups, repeated, every repetition equal
-  bit for bit to the first and within tolerance of the reference.
+- a split-K stress: a long decode split over many workgroups (coopmat: a 7-row chunk over the
+  same past), repeated, every repetition equal bit for bit to the first and within tolerance of
+  the reference.
 
 Per case: max |got - ref|, NMSE = sum((got - ref)^2) / sum(ref^2), and pass/fail at
 ``reference.TOLERANCE`` (``|got - ref| <= atol + rtol * |ref|``; storage cases: 0 differing bits).
@@ -64,6 +67,7 @@ class Report:
     default_kernel: str
     kernels: list
     environment: dict
+    prefill_kernel: str = ""        # the kernel of prefill and chunks (coopmat where picked), else default_kernel
     cases: list = field(default_factory=list)
 
     @property
@@ -303,12 +307,12 @@ def _case_storage(dev, rng, acc, dtype, hkv=2, n=67, d=72):
         acc.exact(vs[:, n:], round_to(v[:, :5], dtype), "fused store V")
 
 
-def _case_splitk(dev, rng, acc, dtype, repeats, hkv=2, group=8, d=128, length=6000):
+def _case_splitk(dev, rng, acc, dtype, repeats, hkv=2, group=8, d=128, length=6000, rows=1):
     with _env(VKATTN_DECODE_SPLITS="64"), KVCache(length + 1, hkv, d, dtype=dtype, device=dev) as c:
         k, v = _rand(rng, hkv, length, d), _rand(rng, hkv, length, d)
         c.append(k, v)
         ks, vs = c.read()
-        q = _rand(rng, hkv * group, 1, d)
+        q = _rand(rng, hkv * group, rows, d)
         ref = attention(q, ks, vs)
         first = c.attend(q)
         acc.compare(first, ref, "run 0")
@@ -324,9 +328,10 @@ def _case_splitk(dev, rng, acc, dtype, repeats, hkv=2, group=8, d=128, length=60
 # ------------------------------------------------------------------------------------- driver
 
 
-def _cases(quick: bool, repeats: int):
+def _cases(quick: bool, repeats: int, kernel: str = "tile"):
     """(name, dtype, function(dev, rng, acc)) in order."""
     out = []
+    rows = 7 if kernel == "coopmat" else 1          # coopmat: its split-K is a chunk's
     for dtype in DTYPES:
         out.append(("decode+prefill 8/2 heads d128", dtype,
                     lambda dev, rng, acc, dt=dtype: _case_kv_paths(dev, rng, acc, dt, 2, 4, 128, 128, 300, 3, 9, 45)))
@@ -340,8 +345,8 @@ def _cases(quick: bool, repeats: int):
         out.append((f"variant {name} (+lse)", "float16", lambda dev, rng, acc, n=name: _case_variant(dev, rng, acc, n)))
     out.append(("rope neox partial, rotated q", "float16", lambda dev, rng, acc: _case_rope(dev, rng, acc)))
     for dtype in (("float16",) if quick else ("float16", "int8")):
-        out.append((f"split-K stress x{repeats}", dtype,
-                    lambda dev, rng, acc, dt=dtype: _case_splitk(dev, rng, acc, dt, repeats)))
+        out.append((f"split-K stress x{repeats}" + (" (chunk)" if rows > 1 else ""), dtype,
+                    lambda dev, rng, acc, dt=dtype: _case_splitk(dev, rng, acc, dt, repeats, rows=rows)))
     return out
 
 
@@ -351,6 +356,8 @@ def device_facts(dev) -> dict:
     info["tile_cluster"] = dev.tile_cluster()
     info["lane_subgroup"] = dev.lane_subgroup()
     info["kp_enabled_features"] = sorted(dev.backend.features)      # empty: kp unpatched or none offered
+    info["coopmat_shape"] = dev.coopmat_shape()
+    info["coopmat_problem"] = dev.coopmat_problem()                # "": attn_coopmat.comp runs here
     return info
 
 
@@ -360,14 +367,19 @@ def run_check(dev=None, *, quick: bool = False, repeats: int = 20, progress=None
 
     dev = dev or default_device()
     default = tuning.kernel_for(dev)
-    kernels = ["tile"] + (["lane"] if dev.lane_subgroup() else [])
+    try:
+        prefill_default = "coopmat" if tuning.coopmat_wanted(dev) else default
+    except ValueError:                  # VKATTN_KERNEL=coopmat where it cannot run: the cases say why
+        prefill_default = default
+    kernels = ["tile"] + (["lane"] if dev.lane_subgroup() else []) + ([] if dev.coopmat_problem() else ["coopmat"])
     env = {k: v for k, v in os.environ.items() if k.startswith(("VKATTN_", "LP_", "MESA_", "RADV_", "VK_"))}
     rep = Report(device=device_facts(dev), vkattn=__version__, default_kernel=default, kernels=kernels,
+                 prefill_kernel=prefill_default,
                  environment={"python": platform.python_version(), "numpy": np.__version__,
                               "platform": platform.platform(), **env})
     for kernel in kernels:
-        for i, (name, dtype, fn) in enumerate(_cases(quick, repeats)):
-            rng = np.random.default_rng(1000 * i + (kernel == "lane"))
+        for i, (name, dtype, fn) in enumerate(_cases(quick, repeats, kernel)):
+            rng = np.random.default_rng(1000 * i + (kernel == "lane") + 2 * (kernel == "coopmat"))
             acc = _Acc(dtype)
             t0 = time.perf_counter()
             try:
@@ -379,7 +391,8 @@ def run_check(dev=None, *, quick: bool = False, repeats: int = 20, progress=None
                 ok, detail = False, f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 if os.environ.get("VKATTN_CHECK_TRACEBACK"):
                     traceback.print_exc()
-            res = CaseResult(name=name, kernel=kernel + ("*" if kernel == default else ""), dtype=dtype, ok=ok,
+            res = CaseResult(name=name, kernel=kernel + ("*" if kernel in (default, prefill_default) else ""),
+                             dtype=dtype, ok=ok,
                              max_err=acc.max_err, nmse=acc.nmse(), checked=acc.checked,
                              seconds=round(time.perf_counter() - t0, 3), detail=detail)
             rep.cases.append(res)
@@ -416,13 +429,19 @@ def main(argv=None) -> int:
           f"storage range {i.max_storage_buffer_range} B, workgroup {dev.max_workgroup_size}")
     print(f"kernels  : tile cluster {dev.tile_cluster()}, lane subgroup {dev.lane_subgroup() or 'unusable'}; "
           f"device features enabled: {', '.join(sorted(dev.backend.features)) or 'none'}")
+    problem = dev.coopmat_problem()
+    print("matrices : " + (f"cooperative {'x'.join(map(str, dev.coopmat_shape()))} float16 -> float32, subgroup "
+                           f"{dev.coopmat_subgroup()} (attn_coopmat.comp)" if not problem else
+                           f"attn_coopmat.comp not run: {problem}"))
     print("(the first run on a machine builds every pipeline: up to a few minutes on lavapipe)")
     print(f"\n{'case':32} {'kernel':6} {'dtype':8} {'max|err|':>10} {'NMSE':>10} {'n':>5} {'s':>7}  result")
     print("-" * 100)
     rep = run_check(dev, quick=args.quick, repeats=args.repeats, progress=lambda c: print(_row(c), flush=True))
     n, bad = len(rep.cases), len(rep.failed)
     print("-" * 100)
-    print(f"kernel * = the one vkattn picks on this device ({rep.default_kernel}); tolerances "
+    picks = rep.default_kernel if rep.prefill_kernel == rep.default_kernel else \
+        f"{rep.prefill_kernel} for prefill and chunks, {rep.default_kernel} for decode"
+    print(f"kernel * = what vkattn picks on this device ({picks}); tolerances "
           f"{', '.join(f'{k} atol {a:g} rtol {r:g}' for k, (a, r) in TOLERANCE.items())}; storage: bit-exact")
     if args.json != "-":
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

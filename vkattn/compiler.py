@@ -54,6 +54,49 @@ def compiler_version() -> str:
     return out.stdout.strip()
 
 
+# the smallest use of GL_KHR_cooperative_matrix the attention kernel makes (glslang 13.1+ has it)
+_COOPMAT_PROBE = """#version 450
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+layout(local_size_x = 32) in;
+layout(std430, binding = 0) buffer B { float b[]; };
+shared f16vec4 s[64];
+void main() {
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> a;
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> k;
+    coopMatLoad(a, s, 0, 4, gl_CooperativeMatrixLayoutRowMajor);
+    coopMatLoad(k, s, 0, 4, gl_CooperativeMatrixLayoutColumnMajor);
+    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> c =
+        coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+    c = coopMatMulAdd(a, k, c);
+    coopMatStore(c * 2.0, b, 0, 16, gl_CooperativeMatrixLayoutRowMajor);
+}
+"""
+
+
+@lru_cache(maxsize=None)
+def _coopmat_probe(version: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.comp"
+        src.write_text(_COOPMAT_PROBE)
+        res = subprocess.run([_glslang(), "-V", "--target-env", TARGET_ENV, "-o", str(Path(tmp) / "probe.spv"),
+                              str(src)], capture_output=True, text=True)
+        if res.returncode == 0:
+            return ""
+        lines = [ln.replace(str(src), "probe") for ln in (res.stdout + res.stderr).splitlines() if "ERROR" in ln]
+        return (lines[0] if lines else (res.stdout + res.stderr).strip()[:200]) or "rejected"
+
+
+def coopmat_compiler_problem() -> str:
+    """Why the installed glslangValidator cannot build attn_coopmat.comp ("" when it can: it
+    compiles GL_KHR_cooperative_matrix for ``TARGET_ENV``). Probed once per compiler version."""
+    try:
+        return _coopmat_probe(compiler_version())
+    except ShaderCompileError as e:
+        return str(e)
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("VKATTN_CACHE_DIR") or Path.home() / ".cache" / "vkattn")
 

@@ -100,6 +100,62 @@ class _Limits:
     def _pin_features(self) -> frozenset:
         return frozenset()
 
+    def _coopmat_features(self) -> frozenset:
+        """The optional features attn_coopmat.comp needs that this device has turned on (a Device:
+        what kp enabled; a PlanningDevice: what the device offers)."""
+        return frozenset()
+
+    def coopmat_subgroup(self) -> int:
+        """The subgroup size attn_coopmat.comp pipelines are pinned to: COOPMAT_SUBGROUP (32: NVIDIA's
+        only size, RDNA's wave32, which its matrix instructions use) where the device's
+        min..maxSubgroupSize holds it, else the reported subgroupSize (lavapipe: 8)."""
+        from .tuning import COOPMAT_SUBGROUP
+        info = self.info
+        if info.min_subgroup_size <= COOPMAT_SUBGROUP <= info.max_subgroup_size:
+            return COOPMAT_SUBGROUP
+        return self.subgroup_size
+
+    def coopmat_problem(self) -> str:
+        """Why attn_coopmat.comp cannot run on this device ("" when it can): it needs
+        VK_KHR_cooperative_matrix in compute with a float16 x float16 -> float32 subgroup shape of
+        sides 8 or 16 (DeviceInfo.coopmat_shape), the features cooperativeMatrix, shaderFloat16,
+        vulkanMemoryModel (+ device scope: the split-K merge), subgroupSizeControl and
+        computeFullSubgroups turned on (kp built with scripts/kp-0.9.0-features.patch), subgroup
+        shuffles and votes in compute, a pipeline subgroup size it can pin (VKATTN_PIN_SUBGROUP not
+        0), and a glslangValidator with GL_KHR_cooperative_matrix."""
+        from .compiler import coopmat_compiler_problem
+        from .tuning import COMPUTE_STAGE
+        info = self.info
+        if not info.cooperative_matrix or not info.coopmat_stages & COMPUTE_STAGE:
+            return f"{self.name!r} does not offer VK_KHR_cooperative_matrix in compute shaders"
+        if self.coopmat_shape() is None:
+            return (f"{self.name!r} lists no float16 x float16 -> float32 subgroup matrix of sides 8 or 16 "
+                    f"(it lists: {', '.join(info.coopmat_shapes) or 'none'})")
+        need = ("cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel", "vulkanMemoryModelDeviceScope",
+                "subgroupSizeControl", "computeFullSubgroups")
+        missing = [f for f in need if f not in self._coopmat_features()]
+        if missing:
+            return (f"device features {', '.join(missing)} are not enabled on {self.name!r} (kp needs "
+                    f"scripts/kp-0.9.0-features.patch, and the device must offer them)")
+        if not self._shuffles(vote=True):
+            return f"{self.name!r} has no subgroup shuffles and votes in compute shaders"
+        sg = self.coopmat_subgroup()
+        if not (info.required_subgroup_size_stages & COMPUTE_STAGE and
+                info.min_subgroup_size <= sg <= info.max_subgroup_size):
+            return f"{self.name!r} cannot pin a compute pipeline's subgroup size to {sg}"
+        if not pinning_enabled():
+            return "VKATTN_PIN_SUBGROUP=0: the kernel's matrices need a pinned subgroup size"
+        if getattr(self, "_coopmat_broken", ""):
+            return self._coopmat_broken
+        problem = coopmat_compiler_problem()
+        if problem:
+            return f"the shader compiler cannot build GL_KHR_cooperative_matrix ({problem})"
+        return ""
+
+    def coopmat_shape(self):
+        """(M, N, K) of the float16 -> float32 subgroup matrices attn_coopmat.comp is built for."""
+        return self.info.coopmat_shape()
+
 
 class Device(_Limits):
     """One Vulkan physical device with a Kompute manager on it.
@@ -124,6 +180,14 @@ class Device(_Limits):
 
     def _pin_features(self) -> frozenset:
         return self.backend.features
+
+    def _coopmat_features(self) -> frozenset:
+        return self.backend.features
+
+    def coopmat_failed(self, why: str) -> None:
+        """A cooperative-matrix pipeline did not run as planned (``why``): the kernel is not picked
+        on this device again (VKATTN_KERNEL=coopmat then raises, naming ``why``)."""
+        self._coopmat_broken = why
 
     def lane_subgroup(self) -> int:
         """The workgroup size attn_lane.comp may use here: the reported subgroup size if a probe
@@ -212,6 +276,14 @@ class PlanningDevice(_Limits):
 
     def tile_cluster(self) -> int:
         return self._forced_cluster(self._cluster_wanted())
+
+    def _coopmat_features(self) -> frozenset:
+        i = self.info
+        offered = {"cooperativeMatrix": i.cooperative_matrix, "shaderFloat16": i.shader_float16,
+                   "vulkanMemoryModel": i.vulkan_memory_model,
+                   "vulkanMemoryModelDeviceScope": i.vulkan_memory_model_device_scope,
+                   "subgroupSizeControl": i.subgroup_size_control, "computeFullSubgroups": i.compute_full_subgroups}
+        return frozenset(k for k, v in offered.items() if v)
 
     def __repr__(self) -> str:
         return f"PlanningDevice({self.name!r})"

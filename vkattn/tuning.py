@@ -68,11 +68,20 @@ TILE_MAX_KEYS = 8192    # keys per attn.comp workgroup on a software device (~20
                         # 64-key tile; measured wrong from ~20000 keys on lavapipe, which ends a loop
                         # after 65535 iterations per invocation). GPUs have no such cap.
 LANE_MAX_KEYS = 32768   # keys one attn_lane.comp invocation may walk (lavapipe stops loops at 65535)
+COOPMAT_SUBGROUP = 32   # attn_coopmat.comp: the subgroup size its pipelines are pinned to where the device
+                        # allows it (Device.coopmat_subgroup), else the reported one (lavapipe: 8)
+COOPMAT_SUBGROUPS = 4   # .. subgroups per workgroup (lavapipe 26, float16 32/8 heads d128 prefill 512:
+                        # the pipeline compiles in 7.6 s at 4, 28 s at 1, with the same run time)
+COOPMAT_NQ = 32         # .. query vectors (GQA heads x rows) per workgroup at most, as PREFILL_NQ
+COOPMAT_KEY_TILES = 2   # .. keys per block: this many matrix sides (max(N, K))
+COOPMAT_SHARED_BUDGET = 32768   # .. shared memory per workgroup at most (GPUs: two workgroups in 64 KiB);
+                        # a tile over it gives up query rows, then keys per block (coopmat_config)
 
 
 @dataclass(frozen=True)
 class AttnConfig:
-    kernel: str    # "tile" (attn.comp, GPUs) or "lane" (attn_lane.comp, CPU-like devices)
+    kernel: str    # "tile" (attn.comp, GPUs), "lane" (attn_lane.comp, CPU-like devices) or "coopmat"
+                   # (attn_coopmat.comp: prefill and chunks on cooperative matrices)
     wg: int
     bq: int        # query rows per workgroup
     splits: int    # key splits (split-K); 1 = no merge
@@ -81,6 +90,14 @@ class AttnConfig:
     cols: int = 1  # attn.comp: key columns per workgroup
     kb: int = 1    # attn.comp: keys per column and step
     shuffle: bool = True   # attn.comp: a key row's cluster sums with subgroup shuffles (else shared memory)
+    sg: int = 0    # attn_coopmat.comp: the pinned subgroup size
+    mnk: tuple = ()   # .. the matrix shape (M, N, K)
+    bc: int = 0    # .. keys per block
+    br: int = 0    # .. matrix rows per workgroup (group * bq rounded up to M)
+    tpr: int = 0   # .. softmax threads per row
+    unroll: bool = True   # .. its loops over a subgroup's accumulators unrolled (GPUs: they stay in
+                          # registers); not on CPU drivers, where llvmpipe compiles the unrolled
+                          # pipeline in twice the time (13.5 s against 7.6 s, lavapipe 26, d64)
 
     def qtiles(self, s: int) -> int:
         return -(-s // self.bq)
@@ -90,6 +107,8 @@ class AttnConfig:
         # SPLIT, not the split count: the kernels take the count from the grid, so one pipeline
         # serves every capacity (the count follows the capacity)
         head = [self.wg, group, self.bq, dk4, dv4, dv, int(self.splits > 1), flags, max(rope_dim, 8)]
+        if self.kernel == "coopmat":
+            return head + [self.sg, *self.mnk, self.bc, self.br, self.tpr]
         return head + ([self.ds, self.rpt, self.cols, self.kb] if self.kernel == "tile" else [])
 
     def shared_bytes(self, group: int, dv4: int, ch: int) -> int:
@@ -105,12 +124,20 @@ SUBGROUP_SHUFFLE = 0x10       # VkSubgroupFeatureFlagBits: SHUFFLE
 COMPUTE_STAGE = 0x20          # VkShaderStageFlagBits: COMPUTE
 
 
-def kernel_for(device) -> str:
-    """attn_lane.comp where memory ops are dear, private memory cheap and subgroup shuffles are
-    available in compute (CPU drivers: lavapipe), else attn.comp. VKATTN_KERNEL overrides."""
+def forced_kernel() -> str:
+    """VKATTN_KERNEL ("" when unset); ValueError naming it for anything but tile, lane, coopmat."""
     env = os.environ.get("VKATTN_KERNEL", "")
-    if env not in ("", "tile", "lane"):
-        raise ValueError(f"VKATTN_KERNEL={env!r}: expected 'tile' or 'lane'")
+    if env not in ("", "tile", "lane", "coopmat"):
+        raise ValueError(f"VKATTN_KERNEL={env!r}: expected 'tile', 'lane' or 'coopmat'")
+    return env
+
+
+def kernel_for(device) -> str:
+    """The kernel of decode and of what attn_coopmat.comp does not take: attn_lane.comp where
+    memory ops are dear, private memory cheap and subgroup shuffles are available in compute (CPU
+    drivers: lavapipe), else attn.comp. VKATTN_KERNEL=tile/lane overrides (coopmat: this choice
+    for decode and the fallbacks, see coopmat_wanted)."""
+    env = forced_kernel()
     if env == "tile":
         return "tile"
     if env == "lane" or device.is_software:
@@ -119,6 +146,88 @@ def kernel_for(device) -> str:
         if env == "lane":
             raise ValueError("VKATTN_KERNEL=lane: this device has no usable subgroup for attn_lane.comp")
     return "tile"
+
+
+def coopmat_wanted(device) -> bool:
+    """Whether prefill and chunks (more than one query row) go to attn_coopmat.comp: with
+    VKATTN_KERNEL=coopmat (a ValueError naming the reason where the device or the compiler cannot:
+    Device.coopmat_problem), and by default on a GPU that can. Not by default on CPU drivers
+    (lavapipe 26 offers 8x8x8 matrices; attn_lane.comp is its faster kernel, perf/RESULTS.md)."""
+    env = forced_kernel()
+    if env == "coopmat":
+        problem = device.coopmat_problem()
+        if problem:
+            raise ValueError(f"VKATTN_KERNEL=coopmat: {problem}")
+        return True
+    return env == "" and not device.is_software and not device.coopmat_problem()
+
+
+def coopmat_shared_bytes(br: int, bc: int, dk4: int, dv4: int, ch: int, mnk: tuple, nsg: int) -> int:
+    """attn_coopmat.comp's shared memory (its declarations, for these constants)."""
+    mm, mn, mk = mnk
+    dks = -(-dk4 * 4 * ch // mk) * mk
+    dvs = -(-dv4 * 4 * ch // mn) * mn
+    i8 = ch == 4
+    return (2 * br * (dks + 8) * 2 + bc * (max(dks, dvs) + 8) * 2 + br * (bc + 4) * 4 + 2 * br * (bc + 8) * 2
+            + 4 * br * 4 + (2 * bc * 4 if i8 else 8) + (2 * 32 * 4 if i8 else 4) + nsg * 4
+            + nsg * mm * (mn + 4) * 4 + 4)
+
+
+def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,
+                   num_kv_heads: int):
+    """attn_coopmat.comp for a call of ``s`` > 1 query rows, or None where it does not take the
+    call -- the stated fallbacks to the device's other kernel (kernel_for): float32 storage (its
+    float16 matrices would round the stored values), and tiles over the device's shared memory
+    even at the smallest size (one matrix side of query rows, G of them at least, and of keys).
+
+    The workgroup: COOPMAT_SUBGROUPS subgroups of Device.coopmat_subgroup(); query rows bq (a power of two, G * bq <= COOPMAT_NQ) folded with the G heads into BR
+    = G * bq rounded up to M matrix rows; BC = COOPMAT_KEY_TILES * max(N, K) keys per block; the
+    softmax in teams of the largest power of two of threads per row the workgroup allows (at
+    most the subgroup and BC). Over COOPMAT_SHARED_BUDGET bq halves, then BC; where even the
+    smallest tile is over it (head_dim 256), the same within the device's shared memory. Split-K
+    as attn.comp's prefill (tile_config)."""
+    if ch == 1:
+        return None
+    mnk = device.coopmat_shape()
+    mm, mn, mk = mnk
+    sg = device.coopmat_subgroup()
+    nsg = COOPMAT_SUBGROUPS
+    wg = nsg * sg
+    if wg > device.max_workgroup_size:
+        return None
+    bq = 1
+    while bq < s and 2 * bq * group <= COOPMAT_NQ:
+        bq *= 2
+    def br_of(b):
+        return -(-group * b // mm) * mm
+
+    def fit(budget, bq):
+        bc = COOPMAT_KEY_TILES * max(mn, mk)
+        while coopmat_shared_bytes(br_of(bq), bc, dk4, dv4, ch, mnk, nsg) > budget:
+            if bq > 1 and br_of(bq // 2) < br_of(bq):
+                bq //= 2
+            elif bc > max(mn, mk):
+                bc //= 2
+            else:
+                return None
+        return bq, bc
+
+    # within COOPMAT_SHARED_BUDGET; where even the smallest tile passes it, within the device's limit
+    sizes = fit(min(COOPMAT_SHARED_BUDGET, device.max_shared_memory), bq) or fit(device.max_shared_memory, bq)
+    if sizes is None:
+        return None
+    bq, bc = sizes
+    br = br_of(bq)
+    tpr = 1
+    while 2 * tpr * br <= wg and 2 * tpr <= min(sg, bc):
+        tpr *= 2
+    want = 2 * (os.cpu_count() or 1) if device.is_software else TILE_TARGET_WGS
+    tiles = num_kv_heads * -(-s // bq)
+    splits = max(1, min(32, -(-want // tiles), -(-capacity // TILE_SPLIT_KEYS)))
+    if device.is_software:
+        splits = max(splits, -(-capacity // TILE_MAX_KEYS))
+    return AttnConfig(kernel="coopmat", wg=wg, bq=bq, splits=splits, sg=sg, mnk=tuple(mnk), bc=bc, br=br,
+                      tpr=tpr, unroll=not device.is_software)
 
 
 def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_heads: int,
@@ -266,7 +375,14 @@ def attention_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, ca
                      num_kv_heads: int, splits: int | None = None) -> AttnConfig:
     """Kernel and tile sizes; raises DeviceLimitError if even the smallest tile does not fit.
     ``splits``: the key splits wanted instead of the shape's own choice (cascade's shared pass:
-    ``s`` rows split like a decode step; software devices still bound the keys per workgroup)."""
+    ``s`` rows split like a decode step; software devices still bound the keys per workgroup).
+    Calls of more than one query row go to attn_coopmat.comp where coopmat_wanted and
+    coopmat_config takes them (not with ``splits`` given); decode and the rest to kernel_for's
+    kernel."""
+    if coopmat_wanted(device) and s > 1 and splits is None:
+        cfg = coopmat_config(device, group, s, dk4, dv4, ch, capacity, num_kv_heads)
+        if cfg is not None:
+            return cfg
     if kernel_for(device) == "lane":
         return lane_config(device, group, s, dk4, dv4, ch, num_kv_heads, capacity, splits)
     return tile_config(device, group, s, dk4, dv4, ch, capacity, num_kv_heads, splits)

@@ -1,0 +1,391 @@
+"""attn_coopmat.comp (cooperative-matrix prefill and chunks) against the numpy reference, and the
+kernel picker around it.
+
+Parity tests run with VKATTN_KERNEL=coopmat and check that the plan they ran really is the
+cooperative-matrix kernel; they skip, naming the reason (Device.coopmat_problem), only on a device
+or compiler without VK_KHR_cooperative_matrix / GL_KHR_cooperative_matrix (Mesa 22.3 and 25's
+lavapipe, Debian 12's glslang). Mesa 26's lavapipe (8x8x8 matrices) runs them: scripts/distro.sh
+trixie --mesa backports -- make test-coopmat. Tolerances: vkattn.reference.TOLERANCE of the cache
+dtype, the same as the other kernels (the kernel splits Q and P into float16 hi + lo parts, so its
+scores and sums are float32-accurate). The planner tests at the end need no device.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import vkattn
+from conftest import Mirror, assert_close, rand_kv, rand_q
+from vkattn import tuning
+from vkattn._attn import StorageFormat, attn_pipeline
+from vkattn.device import PlanningDevice
+from vkattn.reference import attention, round_to
+
+LSE_TOL = dict(atol=2e-5, rtol=2e-4)
+
+
+@pytest.fixture
+def coopmat(device, monkeypatch):
+    """The device, with VKATTN_KERNEL=coopmat; skips where the kernel cannot run, naming why."""
+    problem = device.coopmat_problem()
+    if problem:
+        pytest.skip(f"attn_coopmat.comp cannot run here: {problem}")
+    monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
+    return device
+
+
+def kernels_run(cache) -> set:
+    """The kernels of the attention plans a cache built."""
+    return {p.cfg.kernel for p in cache._plans.values() if getattr(p, "cfg", None) is not None}
+
+
+def last_cfg(cache):
+    """The AttnConfig of the attention plan used last (plans are kept in LRU order)."""
+    cfgs = [p.cfg for p in cache._plans.values() if getattr(p, "cfg", None) is not None]
+    return cfgs[-1]
+
+
+# (num_kv_heads, group, head_dim, v_head_dim, dtype): GQA groups 1, 2, 3, 4, 8, head dims that are
+# and are not multiples of the matrix K (5, 13, 37, 40, 72), v_head_dim != head_dim, int8 storage
+SHAPES = [
+    (2, 1, 64, 64, "float16"),
+    (2, 4, 128, 128, "float16"),
+    (1, 3, 37, 37, "float16"),
+    (2, 2, 72, 40, "float16"),
+    (1, 8, 16, 16, "float16"),
+    (3, 1, 5, 3, "float16"),
+    (2, 4, 64, 64, "int8"),
+    (1, 3, 13, 24, "int8"),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hkv%d-g%d-d%d-dv%d-%s" % s)
+def test_prefill_chunk_attend_long_prompt(coopmat, rng, shape):
+    hkv, group, d, dv, dtype = shape
+    cache = vkattn.KVCache(160, hkv, d, dv, dtype=dtype, device=coopmat)
+    mirror = Mirror(cache)
+    # causal prefill from an empty cache, 19 rows (fused append; rows not a multiple of 8 or 16)
+    k, v = rand_kv(rng, cache, 19)
+    q = rand_q(rng, cache, group, 19)
+    out, lse = cache.forward(q, k, v, return_lse=True)
+    mirror.append(k, v)
+    ref, ref_lse = attention(q, mirror.k, mirror.v, return_lse=True)
+    assert_close(out, ref, dtype)
+    np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
+    assert last_cfg(cache).kernel == "coopmat"
+    # a chunk of 9 rows over a past of 19 (float16 inputs), scale given
+    k, v = rand_kv(rng, cache, 9, np.float16)
+    q = rand_q(rng, cache, group, 9, np.float16)
+    out = cache.forward(q, k, v, scale=0.3)
+    mirror.append(k, v)
+    assert_close(out, mirror.ref(q, True, 0.3), dtype)
+    # 7 rows attending the cache without new rows, causal and not
+    q = rand_q(rng, cache, group, 7)
+    assert_close(cache.attend(q), mirror.ref(q), dtype)
+    assert_close(cache.attend(q, causal=False), mirror.ref(q, False), dtype)
+    # a prompt longer than the fused append takes: appended first, then attended from the cache
+    k, v = rand_kv(rng, cache, 45)
+    q = rand_q(rng, cache, group, 45)
+    out = cache.forward(q, k, v)
+    mirror.append(k, v)
+    assert_close(out, mirror.ref(q), dtype)
+    assert kernels_run(cache) == {"coopmat"}
+    kk, vv = cache.read()                     # the fused append stored what append.comp stores
+    assert np.array_equal(kk, mirror.k) and np.array_equal(vv, mirror.v)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_chunk_over_a_long_past_splits_the_keys(coopmat, rng, dtype):
+    cache = vkattn.KVCache(1700, 1, 64, dtype=dtype, device=coopmat)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, 1600)
+    cache.append(k, v)
+    mirror.append(k, v)
+    # a chunk, a short one, and one with a window and sinks (the sinks lie below the first split's
+    # keys: split 0 takes them)
+    for s, kw in ((12, {}), (3, {}), (9, dict(window=300, n_sink=5))):
+        k, v = rand_kv(rng, cache, s)
+        q = rand_q(rng, cache, 4, s)
+        out, lse = cache.forward(q, k, v, return_lse=True, **kw)
+        mirror.append(k, v)
+        ref, ref_lse = attention(q, mirror.k, mirror.v, return_lse=True, **kw)
+        assert_close(out, ref, dtype)
+        np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
+        cfg = last_cfg(cache)
+        assert cfg.kernel == "coopmat" and cfg.splits > 1      # merged on the device by the last split
+
+
+def test_query_scale_extremes(coopmat, rng):
+    # each Q row is scaled into float16 range by a power of two: huge and tiny queries stay exact
+    cache = vkattn.KVCache(64, 2, 32, device=coopmat)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, 40)
+    cache.append(k, v)
+    mirror.append(k, v)
+    for factor in (3e4, 1e-6):
+        q = rand_q(rng, cache, 2, 10) * np.float32(factor)
+        q[0, 3] = 0.0                                        # an all-zero query row
+        ref, ref_lse = attention(q, mirror.k, mirror.v, return_lse=True)
+        out, lse = cache.attend(q, return_lse=True)
+        assert_close(out, ref, "float16")
+        np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
+    assert kernels_run(cache) == {"coopmat"}
+
+
+def variant_args(name, rng, hq, s, total):
+    return {
+        "window": dict(window=7),
+        "window_sinks": dict(window=23, n_sink=4),
+        "softcap": dict(softcap=2.5),
+        "alibi": dict(alibi_slopes=(2.0 ** -np.arange(1, hq + 1)).astype(np.float32)),
+        "mask": dict(mask=np.where(rng.random((s, total)) < 0.2, -np.inf,
+                                   rng.standard_normal((s, total))).astype(np.float32)),
+        "mask_heads": dict(mask=rng.standard_normal((hq, s, total)).astype(np.float32)),
+        "all": dict(window=40, n_sink=3, softcap=5.0, alibi_slopes=np.linspace(0.01, 0.3, hq).astype(np.float32),
+                    mask=rng.standard_normal((s, total)).astype(np.float32)),
+    }[name]
+
+
+@pytest.mark.parametrize("variant", ["window", "window_sinks", "softcap", "alibi", "mask", "mask_heads", "all"])
+def test_variants(coopmat, rng, variant):
+    hkv, group, d, past, s = 2, 2, 24, 100, 9
+    cache = vkattn.KVCache(past + s + 5, hkv, d, device=coopmat)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, past)
+    cache.append(k, v)
+    mirror.append(k, v)
+    k, v = rand_kv(rng, cache, s)
+    q = rand_q(rng, cache, group, s)
+    kw = variant_args(variant, rng, hkv * group, s, past + s)
+    out, lse = cache.forward(q, k, v, return_lse=True, **kw)
+    mirror.append(k, v)
+    ref, ref_lse = attention(q, mirror.k, mirror.v, return_lse=True, **kw)
+    assert_close(out, ref, "float16")
+    np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
+    q2 = rand_q(rng, cache, group, s)
+    assert_close(cache.attend(q2, causal=False, **kw), attention(q2, mirror.k, mirror.v, causal=False, **kw),
+                 "float16")
+    assert kernels_run(cache) == {"coopmat"}
+
+
+@pytest.mark.parametrize("style,rotary_dim", [("neox", 16), ("gptj", None)])
+def test_rotated_keys_and_queries(coopmat, rng, style, rotary_dim):
+    d = 32
+    rope = vkattn.RoPE(style=style, rotary_dim=rotary_dim)
+    rdim = rope.dim(d)
+    cache = vkattn.KVCache(80, 2, d, device=coopmat, rope=rope)
+    k0, v0 = rand_kv(rng, cache, 50)
+    cache.append(k0, v0)
+    k1, v1 = rand_kv(rng, cache, 11)
+    q = rand_q(rng, cache, 3, 11)
+    out = cache.forward(q, k1, v1, rope_q=True)
+    pos = np.arange(61)
+    kr = round_to(rope.apply(np.concatenate([k0, k1], 1), pos, rdim), "float16")
+    vr = round_to(np.concatenate([v0, v1], 1), "float16")
+    ks, vs = cache.read()
+    np.testing.assert_allclose(ks, kr, atol=1e-6, rtol=2e-3)     # a float32 rotation may fuse: an ulp
+    assert np.array_equal(vs, vr)
+    assert_close(out, attention(rope.apply(q, pos[50:], rdim), ks, vs), "float16")
+    assert kernels_run(cache) == {"coopmat"}
+
+
+class Pages:
+    """Host copy of a paged cache's sequences."""
+
+    def __init__(self, cache):
+        self.c, self.k, self.v = cache, {}, {}
+
+    def add(self, n):
+        sids = [self.c.add_sequence() for _ in range(n)]
+        for sid in sids:
+            self.k[sid] = np.zeros((self.c.num_kv_heads, 0, self.c.head_dim), np.float32)
+            self.v[sid] = np.zeros((self.c.num_kv_heads, 0, self.c.v_head_dim), np.float32)
+        return sids
+
+    def step(self, rng, sids, counts, group, **kw):
+        c, total = self.c, sum(counts)
+        q = rng.standard_normal((c.num_kv_heads * group, total, c.head_dim)).astype(np.float32)
+        k = rng.standard_normal((c.num_kv_heads, total, c.head_dim)).astype(np.float32)
+        v = rng.standard_normal((c.num_kv_heads, total, c.v_head_dim)).astype(np.float32)
+        out, lse = c.forward(sids, q, k, v, n_new=counts, return_lse=True, **kw)
+        a = 0
+        for i, (sid, n) in enumerate(zip(sids, counts)):
+            rows = slice(a, a + n)
+            self.k[sid] = np.concatenate([self.k[sid], round_to(k[:, rows], c.dtype)], 1)
+            self.v[sid] = np.concatenate([self.v[sid], round_to(v[:, rows], c.dtype)], 1)
+            extra = dict(kw)
+            if "mask" in extra:
+                extra["mask"] = extra["mask"][i]
+            ref, ref_lse = attention(q[:, rows], self.k[sid], self.v[sid], return_lse=True, **extra)
+            assert_close(out[:, rows], ref, c.dtype)
+            np.testing.assert_allclose(lse[:, rows], ref_lse, **LSE_TOL)
+            a += n
+        for sid in sids:
+            ks, vs = c.read(sid)
+            assert np.array_equal(ks, self.k[sid]) and np.array_equal(vs, self.v[sid]), f"sequence {sid}"
+
+
+@pytest.mark.parametrize("block_size,dtype,slots", [(16, "float16", 496), (7, "int8", 1400)])
+def test_paged_ragged_batches(coopmat, rng, monkeypatch, block_size, dtype, slots):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)     # CPU drivers: split-K plans want 2 workgroups a core
+    cache = vkattn.PagedKVCache(-(-slots // block_size), block_size, 2, 40, dtype=dtype, device=coopmat)
+    pages = Pages(cache)
+    sids = pages.add(3)
+    pages.step(rng, sids, [13, 1, 30], 3)              # ragged chunked prefill, one sequence of one row
+    pages.step(rng, sids[::-1], [20, 5, 2], 3)         # chunks over the pasts, in another order
+    child = cache.fork(sids[1])
+    pages.k[child], pages.v[child] = pages.k[sids[1]].copy(), pages.v[sids[1]].copy()
+    pages.step(rng, [child, sids[1]], [6, 3], 3)
+    assert kernels_run(cache) == {"coopmat"}
+    pages.step(rng, [sids[2]], [5], 3)                 # one sequence's chunk: few tiles over the pool,
+    assert (last_cfg(cache).splits > 1) == (slots > 1024)   # whose keys the large pool splits
+
+
+@pytest.mark.parametrize("variant", ["window_sinks", "mask_heads"])
+def test_paged_variants(coopmat, rng, variant):
+    cache = vkattn.PagedKVCache(30, 16, 2, 24, device=coopmat)
+    pages = Pages(cache)
+    sids = pages.add(3)
+    counts = [20, 3, 31]
+    kw = {"window_sinks": dict(window=19, n_sink=2),
+          "mask_heads": dict(mask=[rng.standard_normal((4, n, n)).astype(np.float32) for n in counts])}[variant]
+    pages.step(rng, sids, counts, 2, **kw)
+    assert kernels_run(cache) == {"coopmat"}
+
+
+# ------------------------------------------------------------------ fallbacks (on the device)
+
+def test_fallbacks_float32_and_decode(coopmat, rng):
+    # float32 storage and decode do not take the cooperative-matrix kernel: the device's other one
+    other = tuning.kernel_for(coopmat)
+    cache = vkattn.KVCache(60, 2, 16, dtype="float32", device=coopmat)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, 20)
+    q = rand_q(rng, cache, 2, 20)
+    out = cache.forward(q, k, v)
+    mirror.append(k, v)
+    assert_close(out, mirror.ref(q), "float32")
+    assert kernels_run(cache) == {other}
+    cache16 = vkattn.KVCache(60, 2, 16, device=coopmat)
+    mirror = Mirror(cache16)
+    k, v = rand_kv(rng, cache16, 20)
+    cache16.append(k, v)
+    mirror.append(k, v)
+    q = rand_q(rng, cache16, 2, 1)
+    assert_close(cache16.attend(q), mirror.ref(q), "float16")
+    assert kernels_run(cache16) == {other}
+
+
+def test_forcing_it_where_it_cannot_run_is_a_clear_error(device, rng, monkeypatch):
+    """VKATTN_KERNEL=coopmat on a device or compiler without cooperative matrices: a ValueError
+    naming the reason, and the cache unchanged. (Where the kernel runs, forcing it works.)"""
+    monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
+    cache = vkattn.KVCache(40, 1, 16, device=device)
+    k, v = rand_kv(rng, cache, 10)
+    q = rand_q(rng, cache, 2, 10)
+    problem = device.coopmat_problem()
+    if not problem:
+        cache.forward(q, k, v)
+        assert cache.length == 10 and kernels_run(cache) == {"coopmat"}
+        return
+    with pytest.raises(ValueError, match="VKATTN_KERNEL=coopmat: .+"):
+        cache.forward(q, k, v)
+    assert cache.length == 0
+
+
+# ------------------------------------------------------------------ the planner, no device needed
+
+def planning(device, monkeypatch, **fields):
+    """A PlanningDevice like ``device`` with the given DeviceInfo fields, whose compiler is taken
+    to build GL_KHR_cooperative_matrix (these tests check the planner, not glslang)."""
+    monkeypatch.setattr("vkattn.compiler.coopmat_compiler_problem", lambda: "")
+    base = dict(cooperative_matrix=True, coopmat_stages=tuning.COMPUTE_STAGE, shader_float16=True,
+                vulkan_memory_model=True, vulkan_memory_model_device_scope=True, subgroup_size_control=True,
+                compute_full_subgroups=True, required_subgroup_size_stages=tuning.COMPUTE_STAGE,
+                subgroup_supported_operations=0xff, subgroup_supported_stages=tuning.COMPUTE_STAGE)
+    base.update(fields)
+    return PlanningDevice(dataclasses.replace(device.info, **base))
+
+
+GPU = dict(device_type="discrete_gpu", name="a GPU", subgroup_size=64, min_subgroup_size=32, max_subgroup_size=64,
+           max_compute_shared_memory_size=65536,
+           coopmat_shapes=("16x16x16 f16 f16 f16 f16 subgroup", "16x16x16 f16 f16 f32 f32 subgroup",
+                           "16x16x16 s8 s8 s32 s32 subgroup"))
+
+
+def test_planner_picks_coopmat_for_prefill_on_a_gpu_that_can(device, monkeypatch):
+    monkeypatch.delenv("VKATTN_KERNEL", raising=False)
+    gpu = planning(device, monkeypatch, **GPU)
+    assert gpu.coopmat_problem() == "" and gpu.coopmat_shape() == (16, 16, 16) and gpu.coopmat_subgroup() == 32
+    fmt = StorageFormat(8, 128, dtype="float16")
+    for rows in (2, 17, 512):
+        cfg, pipe = attn_pipeline(gpu, fmt, 32, rows, 0, 1, 0, 4096, False)
+        assert cfg.kernel == "coopmat" and pipe.shader == "attn_coopmat" and cfg.sg == 32
+        assert cfg.wg == tuning.COOPMAT_SUBGROUPS * 32 and cfg.br % 16 == 0 and cfg.br >= 4 * cfg.bq
+        assert cfg.bc % 16 == 0 and cfg.bc % cfg.tpr == 0 and cfg.tpr <= 32 and pipe.defines["COOPMAT_UNROLL"] == 1
+        assert len(pipe.spec) == 16
+        assert tuning.coopmat_shared_bytes(cfg.br, cfg.bc, fmt._dk4, fmt._dv4, fmt._ch, cfg.mnk,
+                                           tuning.COOPMAT_SUBGROUPS) <= tuning.COOPMAT_SHARED_BUDGET
+    # decode stays on attn.comp; float32 storage falls back to it
+    assert attn_pipeline(gpu, fmt, 32, 1, 0, 1, 0, 4096, True)[0].kernel == "tile"
+    f32 = StorageFormat(8, 128, dtype="float32")
+    assert attn_pipeline(gpu, f32, 32, 64, 0, 1, 0, 4096, False)[0].kernel == "tile"
+    i8 = StorageFormat(8, 128, dtype="int8")
+    assert attn_pipeline(gpu, i8, 32, 64, 0, 1, 0, 4096, False)[0].kernel == "coopmat"
+    # VKATTN_KERNEL=tile keeps attn.comp everywhere
+    monkeypatch.setenv("VKATTN_KERNEL", "tile")
+    assert attn_pipeline(gpu, fmt, 32, 64, 0, 1, 0, 4096, False)[0].kernel == "tile"
+
+
+def test_planner_falls_back_where_the_tile_does_not_fit(device, monkeypatch):
+    monkeypatch.delenv("VKATTN_KERNEL", raising=False)
+    small = planning(device, monkeypatch, **dict(GPU, max_compute_shared_memory_size=24576))
+    fmt = StorageFormat(1, 128, dtype="float16")
+    big = tuning.coopmat_config(planning(device, monkeypatch, **GPU), 1, 64, fmt._dk4, fmt._dv4, fmt._ch, 4096, 1)
+    assert (big.br, big.bc) == (16, 32)          # 32 rows would pass COOPMAT_SHARED_BUDGET
+    cfg = tuning.coopmat_config(small, 1, 64, fmt._dk4, fmt._dv4, fmt._ch, 4096, 1)
+    assert (cfg.br, cfg.bc) == (16, 16)          # fewer keys per block within 24 KiB
+    assert tuning.coopmat_shared_bytes(cfg.br, cfg.bc, fmt._dk4, fmt._dv4, fmt._ch, cfg.mnk,
+                                       tuning.COOPMAT_SUBGROUPS) <= 24576
+    # 32 query heads per kv head need 32 matrix rows; at head_dim 256 more than 24 KiB: attn.comp
+    wide = StorageFormat(1, 256)
+    assert tuning.coopmat_config(small, 32, 64, wide._dk4, wide._dv4, wide._ch, 4096, 1) is None
+    assert attn_pipeline(small, wide, 32, 64, 0, 1, 0, 4096, False)[0].kernel == "tile"
+
+
+@pytest.mark.parametrize("fields,reason", [
+    (dict(cooperative_matrix=False), "does not offer VK_KHR_cooperative_matrix"),
+    (dict(coopmat_shapes=("32x32x8 f16 f16 f32 f32 subgroup",)), "lists no float16"),
+    (dict(coopmat_shapes=("16x16x16 f16 f16 f32 f32 workgroup",)), "lists no float16"),
+    (dict(coopmat_shapes=("16x16x16 f16 f16 f16 f16 subgroup",)), "lists no float16"),
+    (dict(vulkan_memory_model=False), "vulkanMemoryModel"),
+    (dict(compute_full_subgroups=False), "computeFullSubgroups"),
+    (dict(required_subgroup_size_stages=0), "cannot pin"),
+])
+def test_planner_names_what_is_missing(device, monkeypatch, fields, reason):
+    gpu = planning(device, monkeypatch, **dict(GPU, **fields))
+    assert reason in gpu.coopmat_problem()
+    fmt = StorageFormat(2, 64)
+    monkeypatch.delenv("VKATTN_KERNEL", raising=False)
+    assert attn_pipeline(gpu, fmt, 4, 64, 0, 1, 0, 4096, False)[0].kernel == "tile"
+    monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
+    with pytest.raises(ValueError, match="VKATTN_KERNEL=coopmat: .*" + reason):
+        attn_pipeline(gpu, fmt, 4, 64, 0, 1, 0, 4096, False)
+
+
+def test_planner_leaves_cpu_drivers_on_their_kernel_unless_forced(device, monkeypatch):
+    monkeypatch.delenv("VKATTN_KERNEL", raising=False)
+    cpu = planning(device, monkeypatch, device_type="cpu", subgroup_size=8, min_subgroup_size=8,
+                   max_subgroup_size=8, coopmat_shapes=("8x8x8 f16 f16 f32 f32 subgroup",))
+    assert cpu.coopmat_problem() == "" and cpu.coopmat_subgroup() == 8
+    fmt = StorageFormat(2, 64)
+    assert attn_pipeline(cpu, fmt, 4, 64, 0, 1, 0, 4096, False)[0].kernel != "coopmat"
+    monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
+    cfg, pipe = attn_pipeline(cpu, fmt, 4, 64, 0, 1, 0, 4096, False)
+    assert cfg.kernel == "coopmat" and cfg.mnk == (8, 8, 8) and cfg.sg == 8 and pipe.defines["COOPMAT_UNROLL"] == 0
+
+
+def test_kernel_switch_is_validated(device, monkeypatch):
+    monkeypatch.setenv("VKATTN_KERNEL", "matrix")
+    with pytest.raises(ValueError, match="VKATTN_KERNEL='matrix': expected 'tile', 'lane' or 'coopmat'"):
+        tuning.forced_kernel()

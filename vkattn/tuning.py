@@ -149,17 +149,24 @@ def kernel_for(device) -> str:
 
 
 def coopmat_wanted(device) -> bool:
-    """Whether prefill and chunks (more than one query row) go to attn_coopmat.comp: with
+    """Whether prefill and chunks (more than one query row) go to attn_coopmat.comp: only with
     VKATTN_KERNEL=coopmat (a ValueError naming the reason where the device or the compiler cannot:
-    Device.coopmat_problem), and by default on a GPU that can. Not by default on CPU drivers
-    (lavapipe 26 offers 8x8x8 matrices; attn_lane.comp is its faster kernel, perf/RESULTS.md)."""
+    Device.coopmat_problem). Not by default anywhere yet: it passes its parity suite on Mesa 26's
+    lavapipe (8x8x8), but on the one GPU it has met -- NVIDIA H100, driver 580.159.04, 16x16x16,
+    subgroup 32 -- its results were wrong (perf/RESULTS.md, issue 22); on CPU drivers
+    attn_lane.comp is faster anyway. COOPMAT_DEFAULT turns the default on for GPUs once verified."""
     env = forced_kernel()
     if env == "coopmat":
         problem = device.coopmat_problem()
         if problem:
             raise ValueError(f"VKATTN_KERNEL=coopmat: {problem}")
         return True
-    return env == "" and not device.is_software and not device.coopmat_problem()
+    return COOPMAT_DEFAULT and env == "" and not device.is_software and not device.coopmat_problem()
+
+
+# attn_coopmat.comp by default on GPUs that offer cooperative matrices: off until it passes the
+# parity suite on a GPU (coopmat_wanted)
+COOPMAT_DEFAULT = False
 
 
 def coopmat_shared_bytes(br: int, bc: int, dk4: int, dv4: int, ch: int, mnk: tuple, nsg: int) -> int:

@@ -32,7 +32,6 @@ on any other Mesa (perf/gpu_report_mesa26.* from Debian 13 with trixie-backports
 """
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import os
@@ -43,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vkattn import _vkpipeline as vp
+from vkattn import tuning
 from vkattn._attn import (F_ALIBI, F_MASK, F_PAGED, F_SOFTCAP, F_WINDOW, HEADER, SEQ_WORDS, AttnPlan,
                           RoPE, StorageFormat, aux_bucket, attn_pipeline, split_keys)
 from vkattn._base import CacheBase, READ_ROWS, append_pipeline, gather_pipeline
@@ -843,20 +843,6 @@ class CoopKernel:
     note: str = ""
 
 
-@contextlib.contextmanager
-def _kernel_env(kernel: str):
-    """VKATTN_KERNEL=kernel for the planner inside, restored after."""
-    old = os.environ.get("VKATTN_KERNEL")
-    os.environ["VKATTN_KERNEL"] = kernel
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("VKATTN_KERNEL", None)
-        else:
-            os.environ["VKATTN_KERNEL"] = old
-
-
 def _prefill_call() -> Call:
     return Call(f"prefill {PREFILL}", COOPMAT_SHAPE, "float16", "forward", s=PREFILL, n_new=PREFILL)
 
@@ -864,7 +850,7 @@ def _prefill_call() -> Call:
 def _scalar_prefill_model(fam: str, info, gpus) -> dict:
     """{gpu: model us} of the prefill on attn.comp (VKATTN_KERNEL=tile), for the comparison where
     the report's own plan of the call took another kernel."""
-    with _kernel_env("tile"):
+    with tuning.kernel_forced("tile"):
         pc = plan_call(PlanningDevice(info), _prefill_call())
     stats = compile_family(fam, [pc])
     return {g.name: times(pc, g, stats)["model_us"] for g in gpus}
@@ -878,7 +864,7 @@ def _coopmat_kernels(fam: str, info) -> list:
     out, note = [], ""
     if (shader_dir() / "attn_coopmat.comp").is_file():
         try:
-            with _kernel_env("coopmat"):
+            with tuning.kernel_forced("coopmat"):
                 pc = plan_call(PlanningDevice(info), _prefill_call())
             d = next(x for x in pc.dispatches if x.role == "attn")
             if "coopmat" in d.pipeline.shader:

@@ -18,6 +18,7 @@ import os
 import sys
 
 import vkattn
+from vkattn import tuning
 
 from . import batch, decode, prefill
 from .common import PerfConfigError, Shape, print_table, write_results
@@ -40,17 +41,10 @@ def prefill_rows(shape, dev) -> list:
     if dev.coopmat_problem():
         return prefill.run(shape, dev)
     rows = []
-    old = os.environ.get("VKATTN_KERNEL")
-    try:
-        for kernel in ("coopmat", "tile"):
-            os.environ["VKATTN_KERNEL"] = kernel
+    for kernel in ("coopmat", "tile"):
+        with tuning.kernel_forced(kernel):
             rows += [dataclasses.replace(r, case=f"{r.case} [{kernel}]", extra=dict(r.extra, attention=kernel))
                      for r in prefill.run(shape, dev)]
-    finally:
-        if old is None:
-            os.environ.pop("VKATTN_KERNEL", None)
-        else:
-            os.environ["VKATTN_KERNEL"] = old
     return rows
 
 

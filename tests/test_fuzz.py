@@ -7,8 +7,6 @@ compiles a pipeline (~0.3-2 s cold, then cached on disk by Mesa), so
 shapes come from a small fixed menu and the example counts below are modest. ``derandomize=True`` makes every run test the same
 examples, so a warm run re-uses the Mesa pipeline cache.
 """
-import contextlib
-import os
 import re
 
 import numpy as np
@@ -17,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import vkattn
+from vkattn import tuning
 from conftest import Mirror, assert_close, assert_unchanged, snapshot
 from vkattn.checks import FP16_MAX
 
@@ -33,20 +32,6 @@ MAX_QUERY_ROWS = 24
 
 _COMMON = dict(deadline=None, derandomize=True, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-@contextlib.contextmanager
-def kernel_env(kernel):
-    """VKATTN_KERNEL for the plans built inside (read when a plan is built); restored after."""
-    old = os.environ.get("VKATTN_KERNEL")
-    os.environ["VKATTN_KERNEL"] = kernel
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("VKATTN_KERNEL", None)
-        else:
-            os.environ["VKATTN_KERNEL"] = old
 
 
 def _not_pow2(c):
@@ -85,7 +70,7 @@ def test_parity_fuzz(data):
     n_steps = draw(st.integers(1, 5), label="steps")
     rng = np.random.default_rng(seed)
 
-    with kernel_env(kernel), vkattn.KVCache(capacity, hkv, d, dv, dtype=dtype, device=device) as cache:
+    with tuning.kernel_forced(kernel), vkattn.KVCache(capacity, hkv, d, dv, dtype=dtype, device=device) as cache:
         mirror = Mirror(cache)
         for step in range(n_steps):
             length, free = cache.length, capacity - cache.length

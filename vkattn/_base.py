@@ -220,13 +220,9 @@ class _SlotReadPlan:
 
     def __init__(self, c: CacheBase, rows: int = READ_ROWS):
         """``rows``: positions per run, at most READ_ROWS (the grid is READ_ROWS' either way)."""
-        be, hkv = c.device.backend, c.num_kv_heads
+        be = c.device.backend
         self.c = c
-        self.ok = be.buffer(rows * hkv * c._dk4 * 4, np.uint32, name="read_k")
-        self.ov = be.buffer(rows * hkv * c._dv4 * 4, np.uint32, name="read_v")
-        self.params = be.buffer(1 + rows * hkv, np.uint32, name="read_rows")
-        self.oks = be.buffer(rows * hkv if c._i8 else 1, np.float32, name="read_kscale")
-        self.ovs = be.buffer(rows * hkv if c._i8 else 1, np.float32, name="read_vscale")
+        self.ok, self.ov, self.params, self.oks, self.ovs = slot_buffers(c, rows, "read")
         pipe = gather_pipeline(c.device, c)
         self.prog = be.program(compile_shader(pipe.shader, pipe.defines),
                                [c._k, c._v, self.ok, self.ov, self.params, c._ks, c._vs, self.oks, self.ovs],
@@ -308,6 +304,18 @@ class _SlotWritePlan:
 
     def destroy(self) -> None:
         destroy(self.rec, self.prog, self.nk, self.nv, self.dst, self.rope)
+
+
+def slot_buffers(c, rows: int, what: str) -> tuple:
+    """Host buffers of a slot gather (read) or scatter (load) of ``rows`` positions, all kv heads:
+    K words, V words, the row list (count + one cache row per position and head), int8 K and V
+    scales (one word each for other dtypes)."""
+    be, hkv = c.device.backend, c.num_kv_heads
+    n = rows * hkv
+    return (be.buffer(n * c._dk4 * 4, np.uint32, name=f"{what}_k"), be.buffer(n * c._dv4 * 4, np.uint32, name=f"{what}_v"),
+            be.buffer(1 + n, np.uint32, name=f"{what}_rows"),
+            be.buffer(n if c._i8 else 1, np.float32, name=f"{what}_kscale"),
+            be.buffer(n if c._i8 else 1, np.float32, name=f"{what}_vscale"))
 
 
 def slot_rows(c, slots) -> np.ndarray:

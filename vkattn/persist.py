@@ -41,7 +41,7 @@ import uuid
 import numpy as np
 
 from ._attn import Pipeline, destroy, grid_groups
-from ._base import READ_ROWS, slot_rows
+from ._base import READ_ROWS, slot_buffers, slot_rows
 from .compiler import compile_shader
 from .errors import CacheFileCorruptError, CacheFileMismatchError
 from .tuning import WORKGROUP
@@ -280,13 +280,9 @@ class _ScatterPlan:
 
     def __init__(self, c, rows: int = READ_ROWS):
         """``rows``: positions per run, at most READ_ROWS (the grid is READ_ROWS' either way)."""
-        be, hkv = c.device.backend, c.num_kv_heads
+        be = c.device.backend
         self.c = c
-        self.ik = be.buffer(rows * hkv * c._dk4 * 4, np.uint32, name="load_k")
-        self.iv = be.buffer(rows * hkv * c._dv4 * 4, np.uint32, name="load_v")
-        self.params = be.buffer(1 + rows * hkv, np.uint32, name="load_rows")
-        self.iks = be.buffer(rows * hkv if c._i8 else 1, np.float32, name="load_kscale")
-        self.ivs = be.buffer(rows * hkv if c._i8 else 1, np.float32, name="load_vscale")
+        self.ik, self.iv, self.params, self.iks, self.ivs = slot_buffers(c, rows, "load")
         pipe = scatter_pipeline(c.device, c)
         self.prog = be.program(compile_shader(pipe.shader, pipe.defines),
                                [c._k, c._v, self.ik, self.iv, self.params, c._ks, c._vs, self.iks, self.ivs],

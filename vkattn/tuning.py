@@ -17,6 +17,7 @@ workgroup size, probed subgroup), never assumed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -130,6 +131,21 @@ def forced_kernel() -> str:
     if env not in ("", "tile", "lane", "coopmat"):
         raise ValueError(f"VKATTN_KERNEL={env!r}: expected 'tile', 'lane' or 'coopmat'")
     return env
+
+
+@contextlib.contextmanager
+def kernel_forced(kernel: str):
+    """VKATTN_KERNEL=kernel for the plans built inside (the planner reads it when a plan is
+    built), the previous value restored after."""
+    old = os.environ.get("VKATTN_KERNEL")
+    os.environ["VKATTN_KERNEL"] = kernel
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("VKATTN_KERNEL", None)
+        else:
+            os.environ["VKATTN_KERNEL"] = old
 
 
 def kernel_for(device) -> str:

@@ -42,7 +42,7 @@ test-subgroup4: setup
 # (0 messages each). They skip, naming why, where the device or glslang has no cooperative
 # matrices; CI runs this on Mesa 26's lavapipe: scripts/distro.sh trixie --mesa backports -- make test-coopmat
 test-coopmat: setup
-	VKATTN_GPUAV_KERNELS=coopmat bash scripts/validation.sh tests/test_coopmat.py --durations=5
+	VKATTN_GPUAV_KERNELS=coopmat bash scripts/validation.sh tests/test_coopmat.py tests/test_check.py -k coopmat --durations=5
 
 perf: setup
 	$(PY) -m perf

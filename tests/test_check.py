@@ -19,7 +19,8 @@ def test_check_quick_passes_here(device, tmp_path, capsys):
     assert rep["verdict"] == "PASS" and rep["failed"] == 0
     kernels = {c["kernel"].rstrip("*") for c in rep["cases"]}
     assert "tile" in kernels and ("lane" in kernels) == bool(device.lane_subgroup())
-    assert ("coopmat" in kernels) == (not device.coopmat_problem())     # where it runs, it is checked
+    # attn_coopmat.comp is opt-in (tuning.COOPMAT_DEFAULT): checked where vkattn picks it
+    assert ("coopmat" in kernels) == (rep["prefill_kernel"] == "coopmat")
     assert rep["prefill_kernel"] in ("tile", "lane", "coopmat")
     assert {c["dtype"] for c in rep["cases"]} == {"float32", "float16", "int8"}
     assert all(c["checked"] > 0 for c in rep["cases"])
@@ -76,3 +77,15 @@ def test_adversarial_rows_catch_other_roundings():
 def test_check_refuses_bad_arguments():
     with pytest.raises(SystemExit):
         check.main(["--repeats", "1"])
+
+
+def test_check_covers_the_coopmat_kernel_when_it_is_picked(device, tmp_path, monkeypatch, capsys):
+    problem = device.coopmat_problem()
+    if problem:
+        pytest.skip(f"attn_coopmat.comp does not run here: {problem}")
+    monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
+    path = tmp_path / "report.json"
+    assert check.main(["--quick", "--repeats", "3", "--json", str(path)]) == 0
+    rep = json.loads(path.read_text())
+    assert rep["prefill_kernel"] == "coopmat" and rep["failed"] == 0
+    assert "coopmat" in {c["kernel"].rstrip("*") for c in rep["cases"]}

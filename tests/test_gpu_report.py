@@ -126,12 +126,14 @@ def test_coopmat_section_compiles_the_study_kernel():
     (row,) = study[fam]["kernels"]
     assert "error" not in row, row
     from vkattn.compiler import shader_dir
-    if not (shader_dir() / "attn_coopmat.comp").is_file():
-        assert row["label"].startswith("study kernel")
+    study_kernel = not (shader_dir() / "attn_coopmat.comp").is_file()
+    assert row["label"].startswith("study kernel" if study_kernel else "vkattn attn_coopmat"), row["label"]
     st = row["stats"]
-    assert st["wmma"] == 16 and st["loop_valu"] > 0 and st["VGPRs"] > 0      # one 16x16 block per pass
+    assert st["wmma"] > 0 and st["loop_valu"] > 0 and st["VGPRs"] > 0
     (model,) = [t for t in row["model"].values()]
-    assert model["wmma_per_block"] == 16 and model["bound"] in ("issue", "mem") and model["model_us"] > 0
+    assert model["wmma_per_block"] > 0 and model["bound"] in ("issue", "mem") and model["model_us"] > 0
+    if study_kernel:                  # one 16x16 block per pass of its key loop
+        assert st["wmma"] == 16 and model["wmma_per_block"] == 16
     assert list(row["scalar_model_us"].values()) == [150.0]
     text = "\n".join(pg.coopmat_markdown({"coopmat": study}))
     assert "Cooperative matrices" in text and fam in text

@@ -83,3 +83,22 @@ def assert_unchanged(cache, snap):
     assert cache.length == n
     k2, v2 = cache.read()
     assert np.array_equal(k, k2) and np.array_equal(v, v2)
+
+
+# log-sum-exp tolerance of the variant tests (all kernels)
+LSE_TOL = dict(atol=2e-5, rtol=2e-4)
+
+
+def variant_args(name, rng, hq, s, total):
+    return {
+        "window": dict(window=7),
+        "window_sinks": dict(window=23, n_sink=4),
+        "softcap": dict(softcap=2.5),
+        "alibi": dict(alibi_slopes=(2.0 ** -np.arange(1, hq + 1)).astype(np.float32)),
+        "mask": dict(mask=np.where(rng.random((s, total)) < 0.2, -np.inf,
+                                   rng.standard_normal((s, total))).astype(np.float32)),
+        "mask_heads": dict(mask=rng.standard_normal((hq, s, total)).astype(np.float32)),
+        "all": dict(window=40, n_sink=3, softcap=5.0,
+                    alibi_slopes=np.linspace(0.01, 0.3, hq).astype(np.float32),
+                    mask=rng.standard_normal((s, total)).astype(np.float32)),
+    }[name]

@@ -4,25 +4,9 @@ import numpy as np
 import pytest
 
 import vkattn
-from conftest import Mirror, assert_close, rand_kv, rand_q
+from conftest import LSE_TOL, Mirror, assert_close, rand_kv, rand_q, variant_args
 
 KERNELS = ["lane", "tile"]
-LSE_TOL = dict(atol=2e-5, rtol=2e-4)
-
-
-def variant_args(name, rng, hq, s, total):
-    return {
-        "window": dict(window=7),
-        "window_sinks": dict(window=23, n_sink=4),
-        "softcap": dict(softcap=2.5),
-        "alibi": dict(alibi_slopes=(2.0 ** -np.arange(1, hq + 1)).astype(np.float32)),
-        "mask": dict(mask=np.where(rng.random((s, total)) < 0.2, -np.inf,
-                                   rng.standard_normal((s, total))).astype(np.float32)),
-        "mask_heads": dict(mask=rng.standard_normal((hq, s, total)).astype(np.float32)),
-        "all": dict(window=40, n_sink=3, softcap=5.0,
-                    alibi_slopes=np.linspace(0.01, 0.3, hq).astype(np.float32),
-                    mask=rng.standard_normal((s, total)).astype(np.float32)),
-    }[name]
 
 
 VARIANTS = ["window", "window_sinks", "softcap", "alibi", "mask", "mask_heads", "all"]

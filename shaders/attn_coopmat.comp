@@ -75,7 +75,7 @@ layout(constant_id = 11) const uint MN = 8u;
 layout(constant_id = 12) const uint MK = 8u;
 layout(constant_id = 13) const uint BC = 16u;    // keys per block (a multiple of MN and MK)
 layout(constant_id = 14) const uint BR = 8u;     // query vectors per workgroup: G*BQ rounded up to MM
-layout(constant_id = 15) const uint TPR = 1u;    // softmax threads per row (a power of two <= SG, | BC)
+layout(constant_id = 15) const uint TPR = 1u;    // softmax threads per row (a power of two <= SG, 4 TPR | BC)
 
 layout(std430, binding = 0) buffer KC { uvec4 kc[]; };
 layout(std430, binding = 1) buffer VC { uvec4 vc[]; };
@@ -134,22 +134,29 @@ const uint PST = BC + 8u;
 const uint XST = MN + 4u;
 const uint TEAMS = WG / TPR;              // softmax teams; team t takes rows t, t + TEAMS, ..
 const uint RPT = (BR + TEAMS - 1u) / TEAMS;   // rows per team
-const uint CPT = BC / TPR;                // columns per thread
+const uint CPT = BC / TPR;                // columns per thread: CPT / 4 runs of 4 adjacent columns,
+                                          // so each thread writes whole f16vec4 words of P (no two
+                                          // invocations store into one word: a driver may store a
+                                          // half as a read-modify-write of its word)
 const float TAU = 8.0;                    // log2 units a score may pass the running max by
 const uint FRESH = 32u;                   // new rows per sequence at most (tuning.FUSED_APPEND_MAX_ROWS)
 #define M_EMPTY uintBitsToFloat(0xff7fffffu)
 
+// The arrays the matrix loads and stores touch come first, each a multiple of 16 bytes long, so
+// that a driver laying the variables out in order at their natural alignment puts every matrix
+// row at a 16-byte boundary (the alignment OpCooperativeMatrixLoadKHR / StoreKHR require of their
+// pointer and stride); the scalar arrays after them may leave any alignment.
 shared f16vec4 s_q[2u * BR * QST / 4u];        // Q hi rows, then lo rows (scaled by 2^-e)
 shared f16vec4 s_kv[BC * KVST / 4u];           // the block's K rows, then its V rows
 shared float s_s[BR * SST];                    // S
 shared f16vec4 s_p[2u * BR * PST / 4u];        // P hi rows, then lo rows
+shared float s_x[NSG * MM * XST];              // per subgroup: one accumulator tile
 shared float s_alpha[BR];                      // this block's rescale of each row
 shared int s_qe[BR];                           // each Q row's exponent e
 shared float s_m[BR], s_l[BR];                 // the rows' final max and sum
 shared float s_ksc[KV_I8 != 0 ? BC : 1u], s_vsc[KV_I8 != 0 ? BC : 1u];   // int8 row scales
 shared float s_fsc[KV_I8 != 0 ? 2u * FRESH : 1u];   // int8 scales of the new rows (K, then V)
 shared uint s_grew[NSG];                       // per subgroup: some row's max moved
-shared float s_x[NSG * MM * XST];              // per subgroup: one accumulator tile
 shared uint s_last;
 
 // this invocation's indices
@@ -251,14 +258,16 @@ float team_sum(float x) {
 // significant bits of which float16 keeps 11. Bit operations, not a float16 round trip: a
 // conversion's rounding is the driver's (lavapipe 26 keeps float16 values in float32 registers,
 // so f16(x) - x there is 0 until stored).
-float hi_part(float x) { return uintBitsToFloat(floatBitsToUint(x) & 0xffffe000u); }
 vec4 hi_part(vec4 x) { return uintBitsToFloat(floatBitsToUint(x) & 0xffffe000u); }
 
-void put_p(uint r, uint c, float p) {
-    const float hi = hi_part(p);
-    const uint i = r * PST + c, i2 = (BR + r) * PST + c;
-    s_p[i / 4u][i % 4u] = float16_t(hi);
-    s_p[i2 / 4u][i2 % 4u] = float16_t(p - hi);
+// column of the block this thread's i-th score of a row is (runs of 4 adjacent columns per thread)
+uint p_col(uint i) { return 4u * (tl + (i / 4u) * TPR) + i % 4u; }
+
+// P row r, columns c .. c+3 (c a multiple of 4): hi and lo halves, one whole word each
+void put_p4(uint r, uint c, vec4 p) {
+    const vec4 hi = hi_part(p);
+    s_p[(r * PST + c) / 4u] = f16vec4(hi);
+    s_p[((BR + r) * PST + c) / 4u] = f16vec4(p - hi);
 }
 
 // the online softmax of the block's scores (keys j0 + c, those below hi exist): P into s_p,
@@ -275,7 +284,7 @@ void softmax(uint j0, uint hi) {
         float s[CPT];
         float smax = NEG_INF;
         [[unroll]] for (uint i = 0u; i < CPT; ++i) {
-            const uint c = tl + i * TPR, j = j0 + c;
+            const uint c = p_col(i), j = j0 + c;
             float x = ldexp(s_s[rr * SST + c], s_qe[rr]);
 #if KV_I8
             x *= s_ksc[c];
@@ -293,16 +302,18 @@ void softmax(uint j0, uint hi) {
         const float alpha = exp2(mold - mnew);
         grew = grew || (alpha != 1.0 && l_r[k] > 0.0);
         float psum = 0.0;
-        [[unroll]] for (uint i = 0u; i < CPT; ++i) {
-            const uint c = tl + i * TPR;
-            const float p = exp2(s[i] - mnew);
-            psum += p;
+        [[unroll]] for (uint i4 = 0u; i4 < CPT; i4 += 4u) {
+            vec4 pv;
+            [[unroll]] for (uint e = 0u; e < 4u; ++e) {
+                const float p = exp2(s[i4 + e] - mnew);
+                psum += p;
 #if KV_I8
-            const float pv = vmx > 0.0 ? p * (s_vsc[c] / vmx) : 0.0;
+                pv[e] = vmx > 0.0 ? p * (s_vsc[p_col(i4 + e)] / vmx) : 0.0;
 #else
-            const float pv = p;
+                pv[e] = p;
 #endif
-            if (r < BR) put_p(r, c, pv);
+            }
+            if (r < BR) put_p4(r, p_col(i4), pv);
         }
         l_r[k] = l_r[k] * alpha + team_sum(psum);
         m_r[k] = mnew;

@@ -10,6 +10,8 @@ dtype, the same as the other kernels (the kernel splits Q and P into float16 hi 
 scores and sums are float32-accurate). The planner tests at the end need no device.
 """
 import dataclasses
+import os
+import re
 
 import numpy as np
 import pytest
@@ -315,7 +317,7 @@ def test_planner_picks_coopmat_for_prefill_on_a_gpu_that_can(device, monkeypatch
         cfg, pipe = attn_pipeline(gpu, fmt, 32, rows, 0, 1, 0, 4096, False)
         assert cfg.kernel == "coopmat" and pipe.shader == "attn_coopmat" and cfg.sg == 32
         assert cfg.wg == tuning.COOPMAT_SUBGROUPS * 32 and cfg.br % 16 == 0 and cfg.br >= 4 * cfg.bq
-        assert cfg.bc % 16 == 0 and cfg.bc % cfg.tpr == 0 and cfg.tpr <= 32 and pipe.defines["COOPMAT_UNROLL"] == 1
+        assert cfg.bc % 16 == 0 and cfg.bc % (4 * cfg.tpr) == 0 and cfg.tpr <= 32 and pipe.defines["COOPMAT_UNROLL"] == 1
         assert len(pipe.spec) == 16
         assert tuning.coopmat_shared_bytes(cfg.br, cfg.bc, fmt._dk4, fmt._dv4, fmt._ch, cfg.mnk,
                                            tuning.COOPMAT_SUBGROUPS) <= tuning.COOPMAT_SHARED_BUDGET
@@ -382,3 +384,44 @@ def test_kernel_switch_is_validated(device, monkeypatch):
     monkeypatch.setenv("VKATTN_KERNEL", "matrix")
     with pytest.raises(ValueError, match="VKATTN_KERNEL='matrix': expected 'tile', 'lane' or 'coopmat'"):
         tuning.forced_kernel()
+
+
+SHADER = os.path.join(os.path.dirname(__file__), "..", "shaders", "attn_coopmat.comp")
+
+
+@pytest.mark.parametrize("shapes", [GPU["coopmat_shapes"], ("8x8x8 f16 f16 f32 f32 subgroup",)],
+                         ids=["16x16x16", "8x8x8"])
+def test_matrix_memory_is_16_byte_aligned_and_words_have_one_writer(device, monkeypatch, shapes):
+    """What a GPU requires and lavapipe forgives: every cooperative-matrix load and store touches
+    only the shared arrays declared first, each a multiple of 16 bytes for every planned shape
+    (so laid out in order their rows start at 16-byte boundaries, VUID-RuntimeSpirv-
+    OpCooperativeMatrixLoadKHR-08986), and the softmax threads own runs of 4 columns of P, so no
+    two invocations store into one f16vec4 word (4 * TPR divides BC)."""
+    src = open(SHADER).read()
+    decls = re.findall(r"^shared\s+(\w+)\s+(\w+)\[(.+?)\];", src, re.M)
+    names = [name for _, name, _ in decls]
+    targets = set(re.findall(r"coopMat(?:Load|Store)\(\w+(?:\[\w+\])?,\s*(\w+),", src))
+    assert targets == {"s_q", "s_kv", "s_s", "s_p", "s_x"}
+    assert set(names[:len(targets)]) == targets, names
+    sizes = {"f16vec4": 8, "float": 4}
+    gpu = planning(device, monkeypatch, **dict(GPU, coopmat_shapes=shapes))
+    seen = 0
+    for dtype in ("float16", "int8"):
+        for head_dim, v_dim in ((64, 64), (72, 72), (128, 128), (256, 256), (80, 112)):
+            fmt = StorageFormat(head_dim, v_dim, dtype=dtype)
+            for group, rows in ((1, 7), (4, 512), (7, 33)):
+                cfg = tuning.coopmat_config(gpu, group, rows, fmt._dk4, fmt._dv4, fmt._ch, 4096, 2)
+                if cfg is None:
+                    continue
+                seen += 1
+                mm, mn, mk = cfg.mnk
+                assert cfg.bc % (4 * cfg.tpr) == 0
+                hw = fmt._ch * 4
+                dks = -(-fmt._dk4 * hw // mk) * mk
+                dvs = -(-fmt._dv4 * hw // mn) * mn
+                env = dict(BR=cfg.br, BC=cfg.bc, NSG=tuning.COOPMAT_SUBGROUPS, MM=mm, QST=dks + 8,
+                           KVST=max(dks, dvs) + 8, SST=cfg.bc + 4, PST=cfg.bc + 8, XST=mn + 4)
+                for typ, name, expr in decls[:len(targets)]:
+                    count = eval(re.sub(r"(\d+)u\b", r"\1", expr).replace("/", "//"), {}, env)
+                    assert count * sizes[typ] % 16 == 0, (name, cfg)
+    assert seen >= 20

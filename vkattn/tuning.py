@@ -206,7 +206,7 @@ def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capa
     The workgroup: COOPMAT_SUBGROUPS subgroups of Device.coopmat_subgroup(); query rows bq (a power of two, G * bq <= COOPMAT_NQ) folded with the G heads into BR
     = G * bq rounded up to M matrix rows; BC = COOPMAT_KEY_TILES * max(N, K) keys per block; the
     softmax in teams of the largest power of two of threads per row the workgroup allows (at
-    most the subgroup and BC). Over COOPMAT_SHARED_BUDGET bq halves, then BC; where even the
+    most the subgroup and BC / 4: a thread takes runs of 4 adjacent columns). Over COOPMAT_SHARED_BUDGET bq halves, then BC; where even the
     smallest tile is over it (head_dim 256), the same within the device's shared memory. Split-K
     as attn.comp's prefill (tile_config)."""
     if ch == 1:
@@ -241,8 +241,8 @@ def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capa
         return None
     bq, bc = sizes
     br = br_of(bq)
-    tpr = 1
-    while 2 * tpr * br <= wg and 2 * tpr <= min(sg, bc):
+    tpr = 1      # each softmax thread takes runs of 4 adjacent columns (whole f16vec4 words of P)
+    while 2 * tpr * br <= wg and 2 * tpr <= min(sg, bc // 4):
         tpr *= 2
     want = 2 * (os.cpu_count() or 1) if device.is_software else TILE_TARGET_WGS
     tiles = num_kv_heads * -(-s // bq)

@@ -53,6 +53,11 @@ PREFILL_NQ = 32         # query vectors (heads x rows) per prefill workgroup, be
 LANE_NQ = 32            # query vectors per attn_lane.comp workgroup: every K/V load serves this many
                         # (prefill S=512, d 128 on lavapipe: 16 -> 121 ms, 32 -> 95 ms, 64 -> 104 ms)
 LANE_STATE_VEC4 = 128   # private vec4 (queries + accumulators) per lane in attn_lane.comp
+LANE_LONG_ROWS = 128    # .. a call of at least this many query rows (a long prefill) may use
+LANE_STATE_VEC4_LONG = 256   # this many: twice the query vectors per K/V load at head_dim 128
+                        # (S=512 over 1536 cached, float16 32/8 heads, lavapipe 22.3, one run,
+                        # fastest of 10: 320 -> 272 ms, from empty 53 -> 47 ms), paid with a longer
+                        # first compile (6.4 s against 2.4 s) only by calls that long
 FUSED_APPEND_MAX_ROWS = 32   # KVCache.forward with more new rows (PagedKVCache.forward: a sequence
                         # with more) appends them in a submission of its own, then attends from the
                         # cache: in the fused kernel every workgroup of a sequence stores all of its
@@ -263,11 +268,13 @@ def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_
     at 16, 1.3 s at 8; the call then takes 72 / 74 / 91 ms from an empty cache, and on a 1536-token
     past 363-376 ms at 32 against 415-419 ms at 16). The budget of 128 keeps 16 at head_dim 128:
     13% on a prefill over a long past, for a cold test suite of about 5 min instead of more than
-    7 (perf/RESULTS.md, session 9). Rows per workgroup are the fewest covering s in halvings, so odd short prefills share
-    pipelines."""
+    7 (perf/RESULTS.md, session 9); calls of LANE_LONG_ROWS rows or more (long prefills, rare in
+    the suite) get LANE_STATE_VEC4_LONG. Rows per workgroup are the fewest covering s in halvings,
+    so odd short prefills share pipelines."""
     wg = device.lane_subgroup()          # probed: one subgroup, shuffles work
     per_qv = (-(-dk4 // wg) + -(-dv4 // wg)) * ch
-    nq = max(1, min(LANE_NQ, LANE_STATE_VEC4 // per_qv))
+    budget = LANE_STATE_VEC4_LONG if s >= LANE_LONG_ROWS else LANE_STATE_VEC4
+    nq = max(1, min(LANE_NQ, budget // per_qv))
     bq = max(1, nq // group)
     while bq // 2 >= s:             # fewest rows covering s, in powers of two (fewer pipelines)
         bq //= 2

@@ -50,7 +50,7 @@ from vkattn.compiler import compile_shader
 from vkattn.device import PlanningDevice
 from vkattn.cascade import MERGE_PARAMS, merge_pipeline, shared_splits
 from vkattn.paged import copy_pipeline
-from vkattn.tuning import decode_key_bound, row_bucket
+from vkattn.tuning import decode_key_bound, kernel_for, own_splits, row_bucket
 
 L = 4096                # context of the decode cases
 PREFILL = 512
@@ -305,7 +305,8 @@ def _plan_cascade(dev, call: Call, f, row: int) -> Planned:
                                 splits=shared_splits(dev, hkv, sbound))
     shared = _attn_traffic(scfg, spipe, f, call, [(p, 0, b)], hq, row, causal=False)
     obound = decode_key_bound(max(call.lens) + 1, call.capacity)
-    ocfg, opipe = attn_pipeline(dev, f, hq, b, b, b, F_PAGED, obound, True)
+    osplits = own_splits(dev, kernel_for(dev), hkv, b, row_bucket(max(call.lens) + 1))
+    ocfg, opipe = attn_pipeline(dev, f, hq, b, b, b, F_PAGED, obound, True, splits=osplits)
     own = _attn_traffic(ocfg, opipe, f, call, [(p + n, 1, 1, p) for n in call.lens], hq, row)
     res = 4 * hq * b * (f.v_head_dim + 1)                 # one result: out and lse of every row
     params = 4 * (MERGE_PARAMS + b)

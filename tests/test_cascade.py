@@ -381,3 +381,74 @@ def test_a_narrower_pipeline_is_caught_and_replanned(rng, monkeypatch):
         cache.close()
     finally:
         dev.close()
+
+
+def cascade_plans(cache) -> list:
+    return [p for key, p in cache._plans.items() if key[0] == "cascade"]
+
+
+@pytest.mark.parametrize("own,want_split", [(3, False), (300, True)])
+def test_own_part_splits_follow_its_keys(device, rng, monkeypatch, own, want_split):
+    """On attn.comp the own dispatch splits its keys by tuning.own_splits (the batch's own keys and
+    workgroups, not a lone decode's 32-way rule): one split for a few own keys, several for a long
+    own part; both against the reference and today's path."""
+    monkeypatch.setenv("VKATTN_KERNEL", "tile")
+    monkeypatch.delenv("VKATTN_DECODE_SPLITS", raising=False)
+    bs, hkv, group, d, prefix, batch = 8, 2, 2, 32, 40, 3
+    caches = twin_caches(-(-(prefix + own + 8) // bs) * batch + 4, bs, hkv, d, "float16", device)
+    sids = forked(rng, monkeypatch, caches, prefix, batch, group)
+    twin_forward(rng, monkeypatch, caches, sids, [own] * batch, hkv * group, True)
+    twin_forward(rng, monkeypatch, caches, sids, [1] * batch, hkv * group, True)
+    span = own + 1
+    want = vkattn.tuning.own_splits(device, "tile", hkv, batch, vkattn.tuning.row_bucket(span))
+    assert (want > 1) == want_split, want
+    splits = {p.own.cfg.splits for p in cascade_plans(caches[0]) if p.own.rows == batch}
+    assert splits == {want}, splits
+
+
+def test_own_splits_rule():
+    """tuning.own_splits: enough splits to fill TILE_TARGET_WGS workgroups or to give each about
+    DECODE_SPLIT_KEYS keys, never below MIN_CHUNK keys a split; None (the decode rule) for the
+    lane kernel and under VKATTN_DECODE_SPLITS."""
+    from vkattn._attn import MIN_CHUNK
+    t = vkattn.tuning
+
+    class Gpu:
+        is_software = False
+    # 16 sequences x 8 kv heads = 128 workgroups a split: two splits fill 256, 512 keys want 4
+    assert t.own_splits(Gpu(), "tile", 8, 16, 512) == 512 // t.DECODE_SPLIT_KEYS
+    assert t.own_splits(Gpu(), "tile", 8, 16, 256) == 2
+    assert t.own_splits(Gpu(), "tile", 8, 16, 64) == 64 // MIN_CHUNK
+    assert t.own_splits(Gpu(), "tile", 8, 64, 128) == 1                 # the batch fills the GPU
+    assert t.own_splits(Gpu(), "tile", 1, 1, 1 << 20) == t.DECODE_MAX_SPLITS
+    assert t.own_splits(Gpu(), "tile", 2, 2, 4096) == t.TILE_TARGET_WGS // 4
+    assert t.own_splits(Gpu(), "lane", 8, 16, 512) is None
+
+
+def test_own_splits_env_keeps_the_decode_rule(monkeypatch):
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "7")
+
+    class Gpu:
+        is_software = False
+    assert vkattn.tuning.own_splits(Gpu(), "tile", 8, 16, 512) is None
+
+
+def test_cascade_reads_at_most_a_third_on_navi21(monkeypatch):
+    """perf gpu's traffic model of the perf case (16 sequences, 2048 shared + 64..256 own tokens,
+    32/8 heads, head_dim 128, float16) as RADV navi21's limits plan it: the cascade step reads at
+    most a third of today's bytes."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from perf import cascade as pc
+    from perf.common import Shape
+    from vkattn import _vkpipeline as vp
+    if vp.radeon_icd() is None:
+        pytest.skip("RADV is not installed (no radeon_icd*.json; Debian: mesa-vulkan-drivers)")
+    if vp.family_device_info(pc.FAMILY) is None:
+        pytest.skip(f"the installed RADV gives no null device for {pc.FAMILY}")
+    monkeypatch.delenv("VKATTN_KERNEL", raising=False)
+    monkeypatch.delenv("VKATTN_DECODE_SPLITS", raising=False)
+    own = [int(x) for x in np.linspace(pc.OWN[0], pc.OWN[1], 16).round()]
+    shape = Shape(heads=32, kv_heads=8, head_dim=128, v_head_dim=128, dtype="float16", qlen=1, capacity=None,
+                  iters=1, warmup=0)
+    t = pc._traffic(vkattn.default_device(), shape, 16, 2048, own)
+    assert t[f"reads_ratio_{pc.FAMILY}"] <= 1 / 3, t

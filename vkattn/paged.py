@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 
 from . import cascade
-from .tuning import decode_key_bound, row_bucket
 from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
 from .checks import check_array, check_bool, check_int, check_scale
@@ -13,7 +12,7 @@ from . import persist
 from .device import Device
 from .errors import CacheFullError
 from .paging import BlockPool, UnknownSequenceError
-from .tuning import WORKGROUP
+from .tuning import WORKGROUP, decode_key_bound, kernel_for, own_splits, row_bucket
 
 
 
@@ -402,8 +401,12 @@ class PagedKVCache(CacheBase):
         bound = decode_key_bound(max(p + n - a for p, n, a in zip(plan.past, plan.n_new, lo)), self.slots) \
             if decode else self.slots
         rows, nn = (total, nn) if decode else (row_bucket(total), row_bucket(nn) if nn else 0)
-        return (("attn", hq, rows, nn, nseq, flags, bucket, bound),
-                (hq, rows, nn, nseq, flags, bucket, bound, decode, self._rope_dim))
+        splits = None
+        if key_lo is not None and decode:       # cascade's own part: few keys per sequence
+            span = max(p + n - a for p, n, a in zip(plan.past, plan.n_new, lo))
+            splits = own_splits(self.device, kernel_for(self.device), self.num_kv_heads, nseq, row_bucket(span))
+        return (("attn", hq, rows, nn, nseq, flags, bucket, bound, splits),
+                (hq, rows, nn, nseq, flags, bucket, bound, decode, self._rope_dim, splits))
 
     def _write_new(self, plan, k, v) -> None:
         """append.comp: every new row of ``plan`` at its slot, rotated at its position (one

@@ -303,6 +303,25 @@ def decode_splits(device, kernel: str, num_kv_heads: int, capacity: int) -> int:
     return max(1, min(want, -(-capacity // WORKGROUP)))
 
 
+def own_splits(device, kernel: str, num_kv_heads: int, nseq: int, span: int) -> int | None:
+    """Key splits of a cascade's own dispatch (vkattn.cascade) on attn.comp, or None where the
+    decode rule stands (the lane kernel, VKATTN_DECODE_SPLITS): ``nseq`` sequences of
+    a decode step, each attending its own keys after the shared prefix, ``span`` of them at most
+    (a power-of-two bucket). Its workgroups already number nseq x num_kv_heads per split, so it
+    splits only as many ways as it takes to reach TILE_TARGET_WGS workgroups, or to give each
+    about DECODE_SPLIT_KEYS keys where the own parts are long, never below MIN_CHUNK keys a split.
+    The decode rule (32 splits at least, for one sequence's grid) left most of them with no key
+    that still read their queries and new rows and wrote a partial: RADV navi21's plan, 16
+    sequences, 64..256 own keys, 32/8 heads d128, read 30 MiB for 10 MiB of own keys."""
+    from ._attn import MIN_CHUNK
+    if kernel != "tile" or os.environ.get("VKATTN_DECODE_SPLITS"):
+        return None
+    span = max(span, 1)
+    fill = -(-TILE_TARGET_WGS // max(1, nseq * num_kv_heads))
+    want = max(fill, -(-span // DECODE_SPLIT_KEYS))
+    return max(1, min(want, -(-span // MIN_CHUNK), DECODE_MAX_SPLITS))
+
+
 def row_bucket(n: int) -> int:
     """The row count a plan is built for when a call brings ``n`` query or new rows: ``n`` rounded
     up to a power of two. Every count in (2^(k-1), 2^k] runs on the plan of 2^k (its buffers and
@@ -362,8 +381,13 @@ def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacit
         rpt, kb = 1, TILE_KB_PREFILL
         while 2 * rpt * row_floats <= TILE_ROW_FLOATS and 2 * rpt <= TILE_MAX_RPT:
             rpt *= 2
-        bq = 1                      # a power of two: whole subgroups even when s is odd
-        while bq < s and 2 * bq * group <= PREFILL_NQ:
+        # a power of two: whole subgroups even when s is odd. Cascade's shared pass (``splits``
+        # given: a batch's rows against keys they all see) takes them all in one workgroup where
+        # the threads allow, so each split reads its share of the prefix once (RADV navi21's plan,
+        # 16 rows x 4 heads: two query tiles read the prefix twice)
+        nq_max = PREFILL_NQ if splits is None else max(PREFILL_NQ, max_wg * rpt // ds)
+        bq = 1
+        while bq < s and 2 * bq * group <= nq_max:
             bq *= 2
         while bq > 1 and ds * -(-group * bq // rpt) > max_wg:
             bq //= 2

@@ -22,8 +22,9 @@ demo: setup
 check: setup           # the self-test on this machine's Vulkan device (python -m vkattn check)
 	$(PY) -m vkattn check
 
-test: setup            # both cores: llvmpipe compiles each new pipeline on one thread
-	$(PY) -m pytest -q -n auto
+test: setup            # both cores: llvmpipe compiles each new pipeline on one thread; worksteal hands
+                       # each worker a contiguous half of the tests (fewer pipelines compiled by both)
+	$(PY) -m pytest -q -n auto --dist worksteal
 
 test-validation: setup
 	bash scripts/validation.sh
@@ -32,10 +33,10 @@ test-validation: setup
 # memory), and the parity tests of both kernels with lavapipe's subgroup at 4 lanes (issue 20)
 PARITY := tests/test_attention.py tests/test_variants.py tests/test_int8.py tests/test_paged.py tests/test_subgroup.py
 test-noshuffle: setup
-	VKATTN_KERNEL=tile VKATTN_TILE_CLUSTER=1 $(PY) -m pytest -q -n auto $(PARITY) -k "not lane"
+	VKATTN_KERNEL=tile VKATTN_TILE_CLUSTER=1 $(PY) -m pytest -q -n auto --dist worksteal $(PARITY) -k "not lane"
 
 test-subgroup4: setup
-	LP_NATIVE_VECTOR_WIDTH=128 $(PY) -m pytest -q -n auto $(PARITY)
+	LP_NATIVE_VECTOR_WIDTH=128 $(PY) -m pytest -q -n auto --dist worksteal $(PARITY)
 
 # attn_coopmat.comp (cooperative matrices): its parity tests under the Khronos layer's
 # synchronization validation, then the bounds sweep's coopmat cases under GPU-assisted validation

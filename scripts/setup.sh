@@ -41,7 +41,7 @@ if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -c "import k
   rm -f "$stamp"
   echo "vkattn setup: $VKATTN_NUMPY, kp built against $VKATTN_PYBIND11 pybind11"
   "$VPY" -m pip install -q --upgrade pip "setuptools>=70" wheel
-  "$VPY" -m pip install -q "$VKATTN_NUMPY" $VKATTN_PY_DEPS pytest pytest-xdist hypothesis
+  "$VPY" -m pip install -q "$VKATTN_NUMPY" $VKATTN_PY_DEPS pytest "pytest-xdist>=3.2" hypothesis
   vkattn_kp "$VPY"
   "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
   "$VPY" -c "import kp, vkattn"

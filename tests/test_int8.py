@@ -96,3 +96,24 @@ def test_int8_verify_mode(device, rng):
     cache.append(*rand_kv(rng, cache, 30))
     cache.forward(rand_q(rng, cache, 2, 3), *rand_kv(rng, cache, 3))
     assert round_to(np.ones((1, 1, 4), np.float32), "int8").tolist() == [[[1.0, 1.0, 1.0, 1.0]]]
+
+
+def test_int8_long_prefill_takes_the_long_lane_state(device, rng, monkeypatch):
+    """A prefill of tuning.LANE_LONG_ROWS rows or more on attn_lane.comp gets LANE_STATE_VEC4_LONG
+    (twice the query vectors per workgroup at head_dim 128): int8 K/V on that pipeline, from empty
+    and over a past, against the reference on the stored values."""
+    monkeypatch.setenv("VKATTN_KERNEL", "lane")
+    t = vkattn.tuning
+    hkv, group, d = 1, 4, 128
+    cache = vkattn.KVCache(2 * t.LANE_LONG_ROWS + 40, hkv, d, dtype="int8", device=device)
+    for n in (t.LANE_LONG_ROWS + 3, t.LANE_LONG_ROWS - 1):       # from empty, then over that past
+        k, v = rand_kv(rng, cache, n)
+        q = rand_q(rng, cache, group, n)
+        out = cache.forward(q, k, v)
+        assert_close(out, attention(q, *cache.read()), "int8")
+    long = t.lane_config(device, group, t.LANE_LONG_ROWS, cache._dk4, cache._dv4, cache._ch, hkv, cache.capacity)
+    short = t.lane_config(device, group, t.LANE_LONG_ROWS // 2, cache._dk4, cache._dv4, cache._ch, hkv,
+                          cache.capacity)
+    assert long.bq > short.bq, (long, short)
+    bqs = {p.cfg.bq for p in cache._plans.values() if hasattr(p, "cfg") and p.cfg.kernel == "lane"}
+    assert long.bq in bqs, bqs

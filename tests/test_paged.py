@@ -271,7 +271,8 @@ def test_long_prefill_is_appended_first(device, rng, monkeypatch, kernel, dtype,
     sids = [split.add_sequence() for _ in range(3)]
     for s in sids:
         fused.add_sequence(s)
-    for counts in ([5, 1, 2], [n0 + 1, 3, 2 * n0 + 7]):          # a fused batch, then a split one
+    # a fused batch, then a split one (within the row bucket of 2 * n0: tuning.LANE_LONG_ROWS)
+    for counts in ([5, 1, 2], [n0 + 1, 3, n0 // 2 + 7]):
         past = [split.length(s) for s in sids]
         total = sum(counts)
         q = rng.standard_normal((hkv * group, total, d)).astype(np.float32)

@@ -410,7 +410,6 @@ def test_own_splits_rule():
     """tuning.own_splits: enough splits to fill TILE_TARGET_WGS workgroups or to give each about
     DECODE_SPLIT_KEYS keys, never below MIN_CHUNK keys a split; None (the decode rule) for the
     lane kernel and under VKATTN_DECODE_SPLITS."""
-    from vkattn._attn import MIN_CHUNK
     t = vkattn.tuning
 
     class Gpu:
@@ -418,7 +417,7 @@ def test_own_splits_rule():
     # 16 sequences x 8 kv heads = 128 workgroups a split: two splits fill 256, 512 keys want 4
     assert t.own_splits(Gpu(), "tile", 8, 16, 512) == 512 // t.DECODE_SPLIT_KEYS
     assert t.own_splits(Gpu(), "tile", 8, 16, 256) == 2
-    assert t.own_splits(Gpu(), "tile", 8, 16, 64) == 64 // MIN_CHUNK
+    assert t.own_splits(Gpu(), "tile", 8, 16, 64) == 64 // t.MIN_CHUNK
     assert t.own_splits(Gpu(), "tile", 8, 64, 128) == 1                 # the batch fills the GPU
     assert t.own_splits(Gpu(), "tile", 1, 1, 1 << 20) == t.DECODE_MAX_SPLITS
     assert t.own_splits(Gpu(), "tile", 2, 2, 4096) == t.TILE_TARGET_WGS // 4

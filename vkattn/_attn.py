@@ -16,14 +16,13 @@ import numpy as np
 from .checks import check_int
 from .compiler import compile_shader
 from .errors import DeviceLimitError
-from .tuning import WORKGROUP, attention_config
+from .tuning import MIN_CHUNK, WORKGROUP, attention_config
 
 _LOG2E = 1.4426950408889634
 HEADER = 32
 SEQ_WORDS = 12
 F_PAGED, F_WINDOW, F_SOFTCAP, F_ALIBI, F_MASK = 1, 2, 4, 8, 16
 F_ROPE_K, F_ROPE_Q, F_ROPE_NEOX = 32, 64, 128
-MIN_CHUNK = 64          # keys per split at least: short sequences of a batch use fewer splits
 
 
 @dataclass(frozen=True)

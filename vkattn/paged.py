@@ -398,12 +398,11 @@ class PagedKVCache(CacheBase):
         # batch decode: sized for the longest sequence's power-of-two bucket (the split count
         # follows the context, tuning.decode_key_bound); prefill and chunks: for the pool
         lo = key_lo or [0] * nseq
-        bound = decode_key_bound(max(p + n - a for p, n, a in zip(plan.past, plan.n_new, lo)), self.slots) \
-            if decode else self.slots
+        span = max(p + n - a for p, n, a in zip(plan.past, plan.n_new, lo))
+        bound = decode_key_bound(span, self.slots) if decode else self.slots
         rows, nn = (total, nn) if decode else (row_bucket(total), row_bucket(nn) if nn else 0)
         splits = None
         if key_lo is not None and decode:       # cascade's own part: few keys per sequence
-            span = max(p + n - a for p, n, a in zip(plan.past, plan.n_new, lo))
             splits = own_splits(self.device, kernel_for(self.device), self.num_kv_heads, nseq, row_bucket(span))
         return (("attn", hq, rows, nn, nseq, flags, bucket, bound, splits),
                 (hq, rows, nn, nseq, flags, bucket, bound, decode, self._rope_dim, splits))

@@ -47,6 +47,7 @@ TILE_SPLIT_KEYS = 512   # .. but give each split this many keys of the capacity 
 DECODE_SPLIT_KEYS = 128  # attn.comp decode on a GPU: about this many keys per split workgroup, from 32
 DECODE_MAX_SPLITS = 256  # .. to 256 splits per kv head (NVIDIA H100, device time, perf/RESULTS.md
                          # session 10: 32 splits L=65536 4.08 ms, 256 splits 0.98; L=16384 best at 128)
+MIN_CHUNK = 64          # keys per split at least: short sequences of a batch use fewer splits
 DECODE_BOUND_MIN = 4096  # decode plans are sized for the live length rounded up to a power of two from
                          # here (at most the capacity), so the split count follows the context
 PREFILL_NQ = 32         # query vectors (heads x rows) per prefill workgroup, before shrinking
@@ -313,7 +314,6 @@ def own_splits(device, kernel: str, num_kv_heads: int, nseq: int, span: int) -> 
     The decode rule (32 splits at least, for one sequence's grid) left most of them with no key
     that still read their queries and new rows and wrote a partial: RADV navi21's plan, 16
     sequences, 64..256 own keys, 32/8 heads d128, read 30 MiB for 10 MiB of own keys."""
-    from ._attn import MIN_CHUNK
     if kernel != "tile" or os.environ.get("VKATTN_DECODE_SPLITS"):
         return None
     span = max(span, 1)

@@ -45,7 +45,7 @@ from vkattn import _vkpipeline as vp
 from vkattn import tuning
 from vkattn._attn import (F_ALIBI, F_MASK, F_PAGED, F_SOFTCAP, F_WINDOW, HEADER, SEQ_WORDS, AttnPlan,
                           RoPE, StorageFormat, aux_bucket, attn_pipeline, split_keys)
-from vkattn._base import CacheBase, READ_ROWS, append_pipeline, gather_pipeline
+from vkattn._base import READ_ROWS, appends_first, append_pipeline, gather_pipeline
 from vkattn.compiler import compile_shader
 from vkattn.device import PlanningDevice
 from vkattn.cascade import MERGE_PARAMS, merge_pipeline, shared_splits
@@ -255,14 +255,14 @@ def plan_call(dev, call: Call) -> Planned:
         nseq = len(lens)
         total = nseq
         seqs = [(p, 1, 1) for p in lens]            # (past, n_new, q_len)
-        split = CacheBase._appends_first(1)
+        split = appends_first(dev, 1, 1, f._ch)
         flags |= F_PAGED
         tables = sum(-(-(p + 1) // BLOCK) for p in lens)
         key_bound = call.capacity
         decode = True
     else:
         nseq, total, tables = 1, call.s, 0
-        split = call.n_new and CacheBase._appends_first(call.n_new)
+        split = bool(call.n_new) and appends_first(dev, call.n_new, call.s, f._ch)
         seqs = [(call.past + (call.n_new if split else 0), 0 if split else call.n_new, call.s)]
         key_bound = call.capacity
         decode = call.s == 1

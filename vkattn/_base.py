@@ -13,11 +13,23 @@ from .checks import check_bool, check_int
 from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, DeviceLimitError, VerificationError
-from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, row_bucket
+from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, coopmat_takes, row_bucket
 
 DTYPES = ("float16", "float32", "int8")
 MAX_PLANS = 8
 READ_ROWS = 4096        # positions per read() submission
+
+
+def appends_first(device, most_new_rows: int, rows: int, ch: int) -> bool:
+    """Whether a forward whose largest sequence brings ``most_new_rows`` new rows (and ``rows``
+    query rows) appends them in a submission of its own and then attends from the cache, instead
+    of fusing the append into the attention dispatch: more than FUSED_APPEND_MAX_ROWS, or a call
+    attn_coopmat.comp takes (it reads every key from the cache; tuning.coopmat_takes). Two
+    submissions because kp records no barrier between two dispatches, so the attention cannot read
+    rows an earlier dispatch of the same submission wrote."""
+    if most_new_rows > FUSED_APPEND_MAX_ROWS:
+        return True
+    return most_new_rows > 0 and coopmat_takes(device, rows, ch)
 
 
 class CacheBase:
@@ -171,14 +183,9 @@ class CacheBase:
             raise ValueError(f"num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {hq}")
         return hq
 
-    @staticmethod
-    def _appends_first(most_new_rows: int) -> bool:
-        """Whether a forward whose largest sequence brings ``most_new_rows`` new rows appends them
-        in a submission of its own and then attends from the cache (more than
-        FUSED_APPEND_MAX_ROWS), instead of fusing the append into the attention dispatch. Two
-        submissions because kp records no barrier between two dispatches, so the attention cannot
-        read rows an earlier dispatch of the same submission wrote."""
-        return most_new_rows > FUSED_APPEND_MAX_ROWS
+    def _appends_first(self, most_new_rows: int, rows: int | None = None) -> bool:
+        """appends_first for this cache's device and storage (``rows``: default as many)."""
+        return appends_first(self.device, most_new_rows, most_new_rows if rows is None else rows, self._ch)
 
     def _append_plan(self, n: int) -> "_SlotWritePlan":
         """append.comp for ``n`` rows: the plan of n's row bucket (tuning.row_bucket)."""

@@ -222,7 +222,7 @@ class KVCache(CacheBase):
     def _forward_plans(self, hq, s, n_new, flags, words, total) -> tuple:
         """(append plan or None, attention plan) for a call with ``n_new`` new rows and ``total``
         keys: fused into the attention dispatch, or appended first (CacheBase._appends_first)."""
-        if self._appends_first(n_new):
+        if self._appends_first(n_new, s):
             return self._append_plan(n_new), self._attn_plan(hq, s, 0, flags, words, total)
         return None, self._attn_plan(hq, s, n_new, flags, words, total)
 

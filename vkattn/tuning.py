@@ -77,12 +77,15 @@ TILE_MAX_KEYS = 8192    # keys per attn.comp workgroup on a software device (~20
 LANE_MAX_KEYS = 32768   # keys one attn_lane.comp invocation may walk (lavapipe stops loops at 65535)
 COOPMAT_SUBGROUP = 32   # attn_coopmat.comp: the subgroup size its pipelines are pinned to where the device
                         # allows it (Device.coopmat_subgroup), else the reported one (lavapipe: 8)
-COOPMAT_SUBGROUPS = 4   # .. subgroups per workgroup (lavapipe 26, float16 32/8 heads d128 prefill 512:
-                        # the pipeline compiles in 7.6 s at 4, 28 s at 1, with the same run time)
-COOPMAT_NQ = 32         # .. query vectors (GQA heads x rows) per workgroup at most, as PREFILL_NQ
+COOPMAT_SUBGROUPS = 4   # .. subgroups per workgroup, one matrix row tile (M query vectors) each
 COOPMAT_KEY_TILES = 2   # .. keys per block: this many matrix sides (max(N, K))
-COOPMAT_SHARED_BUDGET = 32768   # .. shared memory per workgroup at most (GPUs: two workgroups in 64 KiB);
-                        # a tile over it gives up query rows, then keys per block (coopmat_config)
+COOPMAT_MAX_DIM = 128   # .. padded head dims it takes at most: a subgroup holds its Q rows' hi part
+                        # and all of its O columns in registers (d 128, 16x16 matrices, subgroup 32:
+                        # 64 + 64 VGPRs a lane on RDNA3); wider heads go to the device's other kernel
+COOPMAT_SHARED_BUDGET = 32768   # .. shared memory per workgroup wanted (GPUs: two workgroups in 64 KiB);
+                        # a tile over it gives up keys per block, and where even the fewest keys pass
+                        # it (head_dim 128: Q's lo rows alone are 17 KiB) the device's limit decides
+                        # (coopmat_config; 45 KiB at d128: one workgroup per 64 KiB)
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,8 @@ class AttnConfig:
     sg: int = 0    # attn_coopmat.comp: the pinned subgroup size
     mnk: tuple = ()   # .. the matrix shape (M, N, K)
     bc: int = 0    # .. keys per block
-    br: int = 0    # .. matrix rows per workgroup (group * bq rounded up to M)
-    tpr: int = 0   # .. softmax threads per row
+    br: int = 0    # .. matrix rows per workgroup (a row tile of M per subgroup, >= group * bq)
+    tpr: int = 0   # .. softmax lanes per row (max(1, sg / M))
     unroll: bool = True   # .. its loops over a subgroup's accumulators unrolled (GPUs: they stay in
                           # registers); not on CPU drivers, where llvmpipe compiles the unrolled
                           # pipeline in twice the time (13.5 s against 7.6 s, lavapipe 26, d64)
@@ -192,29 +195,33 @@ COOPMAT_DEFAULT = False
 
 
 def coopmat_shared_bytes(br: int, bc: int, dk4: int, dv4: int, ch: int, mnk: tuple, nsg: int) -> int:
-    """attn_coopmat.comp's shared memory (its declarations, for these constants)."""
+    """attn_coopmat.comp's shared memory (its declarations, for these constants): one uvec4 array
+    -- the block's K and V rows and a scratch tile per subgroup, or (before the key loop) the
+    staging of the workgroup's Q hi rows; then Q's lo rows -- and the per-row and per-key scalars."""
     mm, mn, mk = mnk
     dks = -(-dk4 * 4 * ch // mk) * mk
     dvs = -(-dv4 * 4 * ch // mn) * mn
+    krow, vrow = dks // 8 + 1, dvs // 8 + 1
+    scratch = max(mm * (bc // 4 + 1), 2 * mm * (bc // 8 + 1), mm * (mn // 4 + 1))
+    words = max(bc * (krow + vrow) + nsg * scratch, br * krow) + br * krow   # + Q's lo rows
     i8 = ch == 4
-    return (2 * br * (dks + 8) * 2 + bc * (max(dks, dvs) + 8) * 2 + br * (bc + 4) * 4 + 2 * br * (bc + 8) * 2
-            + 4 * br * 4 + (2 * bc * 4 if i8 else 8) + (2 * 32 * 4 if i8 else 4) + nsg * 4
-            + nsg * mm * (mn + 4) * 4 + 4)
+    return 16 * words + 3 * br * 4 + (2 * bc * 4 if i8 else 8) + nsg * 4 + 4
 
 
 def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,
                    num_kv_heads: int):
     """attn_coopmat.comp for a call of ``s`` > 1 query rows, or None where it does not take the
     call -- the stated fallbacks to the device's other kernel (kernel_for): float32 storage (its
-    float16 matrices would round the stored values), and tiles over the device's shared memory
-    even at the smallest size (one matrix side of query rows, G of them at least, and of keys).
+    float16 matrices would round the stored values), head dims over COOPMAT_MAX_DIM, more query
+    heads per kv head than the workgroup has matrix rows, and tiles over the device's shared
+    memory even with the fewest keys per block.
 
-    The workgroup: COOPMAT_SUBGROUPS subgroups of Device.coopmat_subgroup(); query rows bq (a power of two, G * bq <= COOPMAT_NQ) folded with the G heads into BR
-    = G * bq rounded up to M matrix rows; BC = COOPMAT_KEY_TILES * max(N, K) keys per block; the
-    softmax in teams of the largest power of two of threads per row the workgroup allows (at
-    most the subgroup and BC / 4: a thread takes runs of 4 adjacent columns). Over COOPMAT_SHARED_BUDGET bq halves, then BC; where even the
-    smallest tile is over it (head_dim 256), the same within the device's shared memory. Split-K
-    as attn.comp's prefill (tile_config)."""
+    The workgroup: COOPMAT_SUBGROUPS subgroups of Device.coopmat_subgroup(), one row tile of M
+    query vectors each (BR = COOPMAT_SUBGROUPS * M); query rows bq (a power of two, G * bq <= BR)
+    folded with the G heads into those rows; BC = COOPMAT_KEY_TILES * max(N, K) keys per block,
+    halved while over COOPMAT_SHARED_BUDGET (then the device's limit) down to one matrix side and
+    8 * TPR; the softmax by TPR = max(1, SG / M) lanes per row, each taking runs of 8 adjacent
+    columns (whole words of P). Split-K as attn.comp's prefill (tile_config)."""
     if ch == 1:
         return None
     mnk = device.coopmat_shape()
@@ -222,34 +229,29 @@ def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capa
     sg = device.coopmat_subgroup()
     nsg = COOPMAT_SUBGROUPS
     wg = nsg * sg
-    if wg > device.max_workgroup_size:
+    br = nsg * mm
+    if wg > device.max_workgroup_size or group > br:
+        return None
+    if -(-dk4 * 4 * ch // mk) * mk > COOPMAT_MAX_DIM or -(-dv4 * 4 * ch // mn) * mn > COOPMAT_MAX_DIM:
         return None
     bq = 1
-    while bq < s and 2 * bq * group <= COOPMAT_NQ:
+    while bq < s and 2 * bq * group <= br:
         bq *= 2
-    def br_of(b):
-        return -(-group * b // mm) * mm
+    tpr = max(1, sg // mm)
+    least = max(mn, mk, 8 * tpr)
 
-    def fit(budget, bq):
-        bc = COOPMAT_KEY_TILES * max(mn, mk)
-        while coopmat_shared_bytes(br_of(bq), bc, dk4, dv4, ch, mnk, nsg) > budget:
-            if bq > 1 and br_of(bq // 2) < br_of(bq):
-                bq //= 2
-            elif bc > max(mn, mk):
-                bc //= 2
-            else:
+    def fit(budget):
+        bc = max(COOPMAT_KEY_TILES * max(mn, mk), least)
+        while coopmat_shared_bytes(br, bc, dk4, dv4, ch, mnk, nsg) > budget:
+            if bc // 2 < least:
                 return None
-        return bq, bc
+            bc //= 2
+        return bc
 
     # within COOPMAT_SHARED_BUDGET; where even the smallest tile passes it, within the device's limit
-    sizes = fit(min(COOPMAT_SHARED_BUDGET, device.max_shared_memory), bq) or fit(device.max_shared_memory, bq)
-    if sizes is None:
+    bc = fit(min(COOPMAT_SHARED_BUDGET, device.max_shared_memory)) or fit(device.max_shared_memory)
+    if bc is None:
         return None
-    bq, bc = sizes
-    br = br_of(bq)
-    tpr = 1      # each softmax thread takes runs of 4 adjacent columns (whole f16vec4 words of P)
-    while 2 * tpr * br <= wg and 2 * tpr <= min(sg, bc // 4):
-        tpr *= 2
     want = 2 * (os.cpu_count() or 1) if device.is_software else TILE_TARGET_WGS
     tiles = num_kv_heads * -(-s // bq)
     splits = max(1, min(32, -(-want // tiles), -(-capacity // TILE_SPLIT_KEYS)))
@@ -257,6 +259,12 @@ def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capa
         splits = max(splits, -(-capacity // TILE_MAX_KEYS))
     return AttnConfig(kernel="coopmat", wg=wg, bq=bq, splits=splits, sg=sg, mnk=tuple(mnk), bc=bc, br=br,
                       tpr=tpr, unroll=not device.is_software)
+
+
+def coopmat_takes(device, rows: int, ch: int) -> bool:
+    """Whether a call of ``rows`` query rows may go to attn_coopmat.comp, which reads every key from
+    the cache (no fused append): such a forward appends its new rows first."""
+    return rows > 1 and ch != 1 and coopmat_wanted(device)
 
 
 def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_heads: int,

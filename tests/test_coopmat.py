@@ -270,6 +270,33 @@ def test_fallbacks_float32_and_decode(coopmat, rng):
     assert kernels_run(cache16) == {other}
 
 
+def test_self_test_ran_and_passed(coopmat):
+    # the fixture's coopmat_problem() ran the device's self-test (once) before any plan used the kernel
+    assert coopmat._coopmat_test_result == ""
+    assert vkattn.device.COOPMAT_SELF_TEST and coopmat.coopmat_problem() == ""
+
+
+def test_self_test_failure_keeps_the_kernel_off(coopmat, rng, monkeypatch):
+    # a device whose matrices give wrong results: the self-test names the case, the default planner
+    # would fall back and VKATTN_KERNEL=coopmat raises; the cache loses nothing
+    monkeypatch.setattr(coopmat, "_coopmat_test_result", None)
+    monkeypatch.setattr(coopmat, "_coopmat_broken", "", raising=False)
+    real = vkattn.reference.attention
+    monkeypatch.setattr(vkattn.reference, "attention", lambda *a, **kw: real(*a, **kw) + np.float32(0.01))
+    problem = coopmat.coopmat_problem()
+    assert problem.startswith("its self-test gave wrong results (float16, 19 rows over 0 cached"), problem
+    assert coopmat.coopmat_problem() == problem               # not run again
+    cache = vkattn.KVCache(40, 1, 16, device=coopmat)
+    k, v = rand_kv(rng, cache, 10)
+    with pytest.raises(ValueError, match="VKATTN_KERNEL=coopmat: its self-test gave wrong results"):
+        cache.forward(rand_q(rng, cache, 2, 10), k, v)
+    assert cache.length == 0
+    monkeypatch.delenv("VKATTN_KERNEL")
+    monkeypatch.setattr(tuning, "COOPMAT_DEFAULT", True)
+    monkeypatch.setattr(type(coopmat), "is_software", property(lambda self: False))
+    assert not tuning.coopmat_wanted(coopmat)                 # the default: the other kernel
+
+
 def test_forcing_it_where_it_cannot_run_is_a_clear_error(device, rng, monkeypatch):
     """VKATTN_KERNEL=coopmat on a device or compiler without cooperative matrices: a ValueError
     naming the reason, and the cache unchanged. (Where the kernel runs, forcing it works.)"""

@@ -150,11 +150,55 @@ class _Limits:
         problem = coopmat_compiler_problem()
         if problem:
             return f"the shader compiler cannot build GL_KHR_cooperative_matrix ({problem})"
+        return self._coopmat_self_test()
+
+    def _coopmat_self_test(self) -> str:
+        """Why the kernel's self-test on this device failed ("" when it passed; a planning device
+        runs nothing)."""
         return ""
 
     def coopmat_shape(self):
         """(M, N, K) of the float16 -> float32 subgroup matrices attn_coopmat.comp is built for."""
         return self.info.coopmat_shape()
+
+
+# attn_coopmat.comp's self-test cases: (dtype, kv heads, q heads per kv head, head_dim, v_head_dim,
+# prefill rows, chunk rows)
+COOPMAT_SELF_TEST = (("float16", 2, 3, 40, 40, 19, 7), ("int8", 1, 4, 24, 16, 11, 5))
+
+
+def _run_coopmat_self_test(device) -> str:
+    """Device._coopmat_self_test's run: "" or what went wrong."""
+    import numpy as np
+    from . import reference
+    from .cache import KVCache
+    from .tuning import kernel_forced
+    rng = np.random.default_rng(22)
+    for dtype, hkv, group, d, dv, n0, n1 in COOPMAT_SELF_TEST:
+        try:
+            cache = KVCache(n0 + n1, hkv, d, dv, dtype=dtype, device=device)
+        except Exception as exc:        # noqa: BLE001 -- any failure is the verdict
+            return f"its self-test could not build a cache: {type(exc).__name__}: {exc}"
+        try:
+            with kernel_forced("coopmat"):
+                for n in (n0, n1):
+                    q = rng.standard_normal((hkv * group, n, d)).astype(np.float32)
+                    k = rng.standard_normal((hkv, n, d)).astype(np.float32)
+                    v = rng.standard_normal((hkv, n, dv)).astype(np.float32)
+                    out = cache.forward(q, k, v)
+                    ks, vs = cache.read()
+                    ref = reference.attention(q, ks, vs)
+                    atol, rtol = reference.TOLERANCE[dtype]
+                    bad = np.abs(out - ref) > atol + rtol * np.abs(ref)
+                    if not np.all(np.isfinite(out)) or bad.any():
+                        worst = float(np.nanmax(np.abs(out - ref)))
+                        return (f"its self-test gave wrong results ({dtype}, {n} rows over {cache.length - n} "
+                                f"cached, {int(bad.sum())} of {bad.size} values off, max error {worst:.3g})")
+        except Exception as exc:        # noqa: BLE001
+            return f"its self-test failed ({dtype}): {type(exc).__name__}: {exc}"
+        finally:
+            cache.close()
+    return ""
 
 
 class Device(_Limits):
@@ -183,6 +227,25 @@ class Device(_Limits):
 
     def _coopmat_features(self) -> frozenset:
         return self.backend.features
+
+    _coopmat_test_result = None     # the self-test's verdict: None before it ran, "" passed (or running)
+
+    def _coopmat_self_test(self) -> str:
+        """attn_coopmat.comp's self-test, once per device, before the first plan that would use
+        it: small odd shapes (float16 head_dim 40 with 3 query heads per kv head, int8 24/16 with
+        4; a prefill from empty, then a chunk over it) against the numpy reference with the
+        library's tolerances. A device whose matrices give wrong results then never runs the
+        kernel: the default planner falls back to the device's other kernel and
+        VKATTN_KERNEL=coopmat raises, naming the failed case (coopmat_failed). A guard for drivers
+        nobody has tested on, not a replacement for the parity suite."""
+        with self.backend.lock:          # a second thread waits for the verdict; this one's own
+            if self._coopmat_test_result is None:      # plans inside the test see "" (running)
+                self._coopmat_test_result = ""
+                why = _run_coopmat_self_test(self)
+                self._coopmat_test_result = why
+                if why:
+                    self.coopmat_failed(why)
+            return self._coopmat_test_result
 
     def coopmat_failed(self, why: str) -> None:
         """A cooperative-matrix pipeline did not run as planned (``why``): the kernel is not picked

@@ -157,7 +157,7 @@ const uint QLO = LOOPW > QW ? LOOPW : QW;    // Q's lo rows, for the whole dispa
 const uint SMEM = QLO + QW;                  // loop's K, V and scratch tiles, or (before the loop)
 shared uvec4 s_mem[SMEM];                    // the staging of Q's hi rows
 shared float s_alpha[BR];                 // this block's rescale of each row
-shared float s_m[BR], s_l[BR];            // the rows' final max and sum
+shared float s_l[BR];                     // the rows' final sums
 shared float s_ksc[KV_I8 != 0 ? BC : 1u], s_vsc[KV_I8 != 0 ? BC : 1u];   // int8 row scales
 shared uint s_grew[NSG];                  // per subgroup: some row's max moved (and it holds a sum)
 shared uint s_last;
@@ -480,11 +480,10 @@ void main() {
     for (uint part_i = 0u; part_i < 3u; ++part_i)
         for (uint j0 = lo[part_i]; j0 < hi[part_i]; j0 += BC) block(j0, hi[part_i], live);
 
-    // the rows' max and sum, for the output (and the partials' ml, lse: one lane per row)
+    // the rows' sums, for the output (and the partials' ml, lse: one lane per row)
     [[unroll]] for (uint k = 0u; k < RPL; ++k) {
         const uint r = lane_row(k);
         if (tl == 0u) {
-            s_m[r] = m_r[k];
             s_l[r] = l_r[k];
             const uint orow = out_row(r, qt);
             if (orow != ~0u) {

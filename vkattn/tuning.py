@@ -205,7 +205,7 @@ def coopmat_shared_bytes(br: int, bc: int, dk4: int, dv4: int, ch: int, mnk: tup
     scratch = max(mm * (bc // 4 + 1), 2 * mm * (bc // 8 + 1), mm * (mn // 4 + 1))
     words = max(bc * (krow + vrow) + nsg * scratch, br * krow) + br * krow   # + Q's lo rows
     i8 = ch == 4
-    return 16 * words + 3 * br * 4 + (2 * bc * 4 if i8 else 8) + nsg * 4 + 4
+    return 16 * words + 2 * br * 4 + (2 * bc * 4 if i8 else 8) + nsg * 4 + 4
 
 
 def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,

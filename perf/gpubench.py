@@ -5,9 +5,10 @@ perf/out/gpu_bench.{json,csv}.
 
 The GPU is the one vkattn picks (the first non-CPU Vulkan device; ``VKATTN_DEVICE`` = an index or
 a part of the name chooses another). Where that device runs attn_coopmat.comp (cooperative matrices,
-Device.coopmat_problem), the prefill cases run twice: on it ("[coopmat]", vkattn's pick there) and
-on attn.comp ("[tile]", VKATTN_KERNEL=tile), side by side; elsewhere the line above the table
-says why the cooperative-matrix kernel is not timed. Shapes and iterations come from the VKATTN_PERF_* variables of
+Device.coopmat_problem), the prefill cases run twice: on it ("[coopmat]") and on attn.comp
+("[tile]", VKATTN_KERNEL=tile), side by side, and a line says which one vkattn picks there and
+its speed probe's figures (tuning.coopmat_choice); elsewhere the line above the table says why the
+cooperative-matrix kernel is not timed. Shapes and iterations come from the VKATTN_PERF_* variables of
 perf/common.py; decode contexts default to 512, 4096 and 16384 here. A machine whose only Vulkan
 device is a CPU driver (lavapipe) is refused with a message, unless
 VKATTN_GPU_BENCH_ALLOW_SOFTWARE=1 (how the test suite runs it end to end)."""
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
     print("cooperative matrices: " + (f"attn_coopmat.comp, {'x'.join(map(str, dev.coopmat_shape()))} float16 -> "
                                       f"float32, subgroup {dev.coopmat_subgroup()}" if not problem else
                                       f"not timed: {problem}"))
+    print(f"vkattn's prefill kernel here: {tuning.coopmat_choice(dev)}")
     torch_label = "torch GPU" if tgpu else "torch CPU"
     print(f"torch beside it: {tgpu or 'CPU (no CUDA/ROCm device visible to torch)'}")
     print_table(rows, label, torch_label)

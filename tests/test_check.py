@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import vkattn
-from vkattn import check
+from vkattn import check, tuning
 from vkattn.reference import quantize_int8
 
 
@@ -19,9 +19,12 @@ def test_check_quick_passes_here(device, tmp_path, capsys):
     assert rep["verdict"] == "PASS" and rep["failed"] == 0
     kernels = {c["kernel"].rstrip("*") for c in rep["cases"]}
     assert "tile" in kernels and ("lane" in kernels) == bool(device.lane_subgroup())
-    # attn_coopmat.comp is opt-in (tuning.COOPMAT_DEFAULT): checked where vkattn picks it
-    assert ("coopmat" in kernels) == (rep["prefill_kernel"] == "coopmat")
-    assert rep["prefill_kernel"] in ("tile", "lane", "coopmat")
+    # attn_coopmat.comp: checked wherever it runs, starred where vkattn picks it for prefill
+    assert ("coopmat" in kernels) == (device.coopmat_problem() == "")
+    assert rep["prefill_kernel"] == ("coopmat" if tuning.coopmat_wanted(device) else rep["default_kernel"])
+    assert f"prefill  : {tuning.coopmat_choice(device)}" in out
+    starred = {c["kernel"] for c in rep["cases"] if c["kernel"].endswith("*")}
+    assert starred == {rep["default_kernel"] + "*", rep["prefill_kernel"] + "*"}
     assert {c["dtype"] for c in rep["cases"]} == {"float32", "float16", "int8"}
     assert all(c["checked"] > 0 for c in rep["cases"])
     assert rep["device"]["name"] == device.name and rep["default_kernel"] in ("tile", "lane")
@@ -79,13 +82,14 @@ def test_check_refuses_bad_arguments():
         check.main(["--repeats", "1"])
 
 
-def test_check_covers_the_coopmat_kernel_when_it_is_picked(device, tmp_path, monkeypatch, capsys):
+def test_check_covers_the_coopmat_kernel_when_it_is_forced(device, tmp_path, monkeypatch, capsys):
     problem = device.coopmat_problem()
     if problem:
         pytest.skip(f"attn_coopmat.comp does not run here: {problem}")
     monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
     path = tmp_path / "report.json"
     assert check.main(["--quick", "--repeats", "3", "--json", str(path)]) == 0
+    assert "prefill  : attn_coopmat.comp for prefill and chunks (forced: VKATTN_KERNEL=coopmat)" in capsys.readouterr().out
     rep = json.loads(path.read_text())
     assert rep["prefill_kernel"] == "coopmat" and rep["failed"] == 0
-    assert "coopmat" in {c["kernel"].rstrip("*") for c in rep["cases"]}
+    assert "coopmat*" in {c["kernel"] for c in rep["cases"]}

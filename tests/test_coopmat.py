@@ -297,6 +297,50 @@ def test_self_test_failure_keeps_the_kernel_off(coopmat, rng, monkeypatch):
     assert not tuning.coopmat_wanted(coopmat)                 # the default: the other kernel
 
 
+def test_speed_probe_times_both_kernels_and_decides_the_default(coopmat, monkeypatch):
+    """Device.coopmat_speed: the probe's prefill runs on attn_coopmat.comp and on the device's other
+    kernel, timed (device time where the device has timestamps); coopmat_pays compares them, and
+    on a GPU (is_software patched off here) that verdict is the default's. The probe leaves the
+    forced kernel as it was. (Which kernel is faster on lavapipe is not asserted: a timing.)"""
+    monkeypatch.setattr(coopmat, "_coopmat_speed", None)
+    speed = coopmat.coopmat_speed()
+    assert "error" not in speed, speed
+    with tuning.kernel_forced(""):
+        other = tuning.kernel_for(coopmat)
+    assert speed["other"] == other and set(speed) == {"coopmat", other, "other", "clock"}
+    assert all(np.isfinite(speed[k]) and speed[k] > 0 for k in ("coopmat", other))
+    assert speed["clock"] == ("device" if coopmat.info.timestamp_compute_and_graphics else "wall")
+    assert os.environ["VKATTN_KERNEL"] == "coopmat" and coopmat.coopmat_speed() is speed      # once
+    assert coopmat.coopmat_pays() == (speed["coopmat"] <= tuning.COOPMAT_MARGIN * speed[other])
+    monkeypatch.delenv("VKATTN_KERNEL")
+    assert not tuning.coopmat_wanted(coopmat)           # a CPU driver: never by default
+    assert "a CPU driver" in tuning.coopmat_choice(coopmat)
+    monkeypatch.setattr(type(coopmat), "is_software", property(lambda self: False))
+    assert tuning.coopmat_wanted(coopmat) == coopmat.coopmat_pays()
+    assert f"{speed['coopmat']:.3f} ms" in tuning.coopmat_choice(coopmat)
+
+
+@pytest.mark.parametrize("speed,pays", [
+    ({"coopmat": 0.89, "other": "tile", "tile": 1.0, "clock": "device"}, True),
+    ({"coopmat": 0.95, "other": "tile", "tile": 1.0, "clock": "device"}, False),      # a near tie
+    ({"coopmat": 3.0, "other": "lane", "lane": 1.0, "clock": "wall"}, False),
+    ({"error": "DeviceLimitError: too big"}, False),
+])
+def test_the_default_follows_the_probe(device, monkeypatch, speed, pays):
+    # no device work: the probe's figures given, the verdict and the planner's choice on a GPU
+    gpu = planning(device, monkeypatch, **GPU)
+    monkeypatch.delenv("VKATTN_KERNEL", raising=False)
+    monkeypatch.setattr(device, "_coopmat_speed", speed)
+    assert device.coopmat_pays() == pays
+    monkeypatch.setattr(gpu, "coopmat_pays", device.coopmat_pays)
+    monkeypatch.setattr(gpu, "_coopmat_speed", speed, raising=False)
+    fmt = StorageFormat(8, 128, dtype="float16")
+    assert attn_pipeline(gpu, fmt, 32, 64, 0, 1, 0, 4096, False)[0].kernel == ("coopmat" if pays else "tile")
+    line = tuning.coopmat_choice(gpu)
+    assert line.startswith("attn_coopmat.comp" if pays else "attn.comp")
+    assert ("could not run: DeviceLimitError" in line) if "error" in speed else (f"{speed['coopmat']:.3f} ms" in line)
+
+
 def test_forcing_it_where_it_cannot_run_is_a_clear_error(device, rng, monkeypatch):
     """VKATTN_KERNEL=coopmat on a device or compiler without cooperative matrices: a ValueError
     naming the reason, and the cache unchanged. (Where the kernel runs, forcing it works.)"""
@@ -339,14 +383,14 @@ def test_planner_picks_coopmat_for_prefill_on_a_gpu_that_can(device, monkeypatch
     gpu = planning(device, monkeypatch, **GPU)
     assert gpu.coopmat_problem() == "" and gpu.coopmat_shape() == (16, 16, 16) and gpu.coopmat_subgroup() == 32
     fmt = StorageFormat(8, 128, dtype="float16")
-    # opt-in until verified on a GPU (wrong results on the H100, perf/RESULTS.md): attn.comp by
-    # default, attn_coopmat.comp with VKATTN_KERNEL=coopmat; the default rule once switched on
-    assert not tuning.COOPMAT_DEFAULT
+    # by default where the speed probe timed it faster: a planning device times nothing (attn.comp);
+    # VKATTN_KERNEL=coopmat forces it without a probe
+    assert tuning.COOPMAT_DEFAULT and not gpu.coopmat_pays()
     assert attn_pipeline(gpu, fmt, 32, 64, 0, 1, 0, 4096, False)[0].kernel == "tile"
     monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
     assert attn_pipeline(gpu, fmt, 32, 64, 0, 1, 0, 4096, False)[0].kernel == "coopmat"
     monkeypatch.delenv("VKATTN_KERNEL")
-    monkeypatch.setattr(tuning, "COOPMAT_DEFAULT", True)
+    monkeypatch.setattr(gpu, "coopmat_pays", lambda: True)
     for rows in (2, 17, 512):
         cfg, pipe = attn_pipeline(gpu, fmt, 32, rows, 0, 1, 0, 4096, False)
         assert cfg.kernel == "coopmat" and pipe.shader == "attn_coopmat" and cfg.sg == 32
@@ -361,8 +405,11 @@ def test_planner_picks_coopmat_for_prefill_on_a_gpu_that_can(device, monkeypatch
     assert attn_pipeline(gpu, f32, 32, 64, 0, 1, 0, 4096, False)[0].kernel == "tile"
     i8 = StorageFormat(8, 128, dtype="int8")
     assert attn_pipeline(gpu, i8, 32, 64, 0, 1, 0, 4096, False)[0].kernel == "coopmat"
-    # VKATTN_KERNEL=tile keeps attn.comp everywhere
+    # VKATTN_KERNEL=tile keeps attn.comp everywhere; COOPMAT_DEFAULT off too
     monkeypatch.setenv("VKATTN_KERNEL", "tile")
+    assert attn_pipeline(gpu, fmt, 32, 64, 0, 1, 0, 4096, False)[0].kernel == "tile"
+    monkeypatch.delenv("VKATTN_KERNEL")
+    monkeypatch.setattr(tuning, "COOPMAT_DEFAULT", False)
     assert attn_pipeline(gpu, fmt, 32, 64, 0, 1, 0, 4096, False)[0].kernel == "tile"
 
 

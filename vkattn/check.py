@@ -7,10 +7,11 @@ every case passed, 1 when any failed, 2 when there is no Vulkan device.
 
 Cases, for each attention kernel that runs on the device (attn.comp "tile" everywhere;
 attn_lane.comp "lane" where a subgroup of at most 16 shuffles, i.e. CPU drivers;
-attn_coopmat.comp "coopmat" where vkattn picks it -- with VKATTN_KERNEL=coopmat, an opt-in kernel
-until verified on a GPU (tuning.coopmat_wanted) -- and the device has cooperative matrices and
-glslang compiles them, Device.coopmat_problem; it takes the prefill and chunk calls of its cases,
-decode goes to the device's other kernel), the ones vkattn picks by default marked ``*``:
+attn_coopmat.comp "coopmat" wherever it can run -- the device has cooperative matrices, glslang
+compiles them and the kernel passed its self-test, Device.coopmat_problem -- whether or not vkattn
+picks it there (tuning.coopmat_wanted: on GPUs whose speed probe times it faster); it takes the
+prefill and chunk calls of its cases, decode goes to the device's other kernel), the ones vkattn
+picks by default marked ``*``:
 
 - float32, float16 and int8 caches: decode (split-K, merged on the device), a causal prefill
   from an empty cache, a chunk over a past (fused append), a long prompt (appended first, then
@@ -359,6 +360,7 @@ def device_facts(dev) -> dict:
     info["kp_enabled_features"] = sorted(dev.backend.features)      # empty: kp unpatched or none offered
     info["coopmat_shape"] = dev.coopmat_shape()
     info["coopmat_problem"] = dev.coopmat_problem()                # "": attn_coopmat.comp runs here
+    info["coopmat_speed"] = dev._coopmat_speed          # the speed probe's figures, where it ran
     return info
 
 
@@ -372,10 +374,10 @@ def run_check(dev=None, *, quick: bool = False, repeats: int = 20, progress=None
         prefill_default = "coopmat" if tuning.coopmat_wanted(dev) else default
     except ValueError:                  # VKATTN_KERNEL=coopmat where it cannot run: the cases say why
         prefill_default = default
-    # attn_coopmat.comp where vkattn picks it (VKATTN_KERNEL=coopmat, or tuning.COOPMAT_DEFAULT): an
-    # opt-in kernel until verified on a GPU, not part of the default self-test
+    # attn_coopmat.comp wherever it can run, picked or not (VKATTN_KERNEL=coopmat where it cannot:
+    # the cases fail, naming why)
     kernels = ["tile"] + (["lane"] if dev.lane_subgroup() else []) + \
-        (["coopmat"] if prefill_default == "coopmat" else [])
+        (["coopmat"] if prefill_default == "coopmat" or not dev.coopmat_problem() else [])
     env = {k: v for k, v in os.environ.items() if k.startswith(("VKATTN_", "LP_", "MESA_", "RADV_", "VK_"))}
     rep = Report(device=device_facts(dev), vkattn=__version__, default_kernel=default, kernels=kernels,
                  prefill_kernel=prefill_default,
@@ -434,10 +436,11 @@ def main(argv=None) -> int:
     print(f"kernels  : tile cluster {dev.tile_cluster()}, lane subgroup {dev.lane_subgroup() or 'unusable'}; "
           f"device features enabled: {', '.join(sorted(dev.backend.features)) or 'none'}")
     problem = dev.coopmat_problem()
-    print("matrices : " + (f"cooperative {'x'.join(map(str, dev.coopmat_shape()))} float16 -> float32, subgroup "
-                           f"{dev.coopmat_subgroup()} (attn_coopmat.comp, opt-in: run with VKATTN_KERNEL=coopmat "
-                           f"to check it)" if not problem else
-                           f"attn_coopmat.comp not run: {problem}"))
+    if not problem:
+        print(f"matrices : cooperative {'x'.join(map(str, dev.coopmat_shape()))} float16 -> float32, subgroup "
+              f"{dev.coopmat_subgroup()}, self-test passed")
+    from . import tuning
+    print(f"prefill  : {tuning.coopmat_choice(dev)}")
     print("(the first run on a machine builds every pipeline: up to a few minutes on lavapipe)")
     print(f"\n{'case':32} {'kernel':6} {'dtype':8} {'max|err|':>10} {'NMSE':>10} {'n':>5} {'s':>7}  result")
     print("-" * 100)

@@ -157,6 +157,11 @@ class _Limits:
         runs nothing)."""
         return ""
 
+    def coopmat_pays(self) -> bool:
+        """Whether the speed probe timed attn_coopmat.comp faster than the other kernel (a
+        planning device times nothing: no)."""
+        return False
+
     def coopmat_shape(self):
         """(M, N, K) of the float16 -> float32 subgroup matrices attn_coopmat.comp is built for."""
         return self.info.coopmat_shape()
@@ -199,6 +204,48 @@ def _run_coopmat_self_test(device) -> str:
         finally:
             cache.close()
     return ""
+
+
+def _run_coopmat_speed_probe(device) -> dict:
+    """Device.coopmat_speed's run: {"coopmat": ms, "other": kernel, kernel: ms, "clock": "device"
+    or "wall"}, or {"error": why}."""
+    import time
+
+    import numpy as np
+    from .cache import KVCache
+    from .tuning import COOPMAT_PROBE, COOPMAT_PROBE_ROUNDS, kernel_for, kernel_forced
+    hkv, group, d, rows = COOPMAT_PROBE
+    with kernel_forced(""):
+        other = kernel_for(device)
+    rng = np.random.default_rng(22)
+    try:
+        cache = KVCache(rows, hkv, d, dtype="float16", device=device, timestamps=True)
+    except Exception as exc:        # noqa: BLE001 -- any failure is the verdict
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        cache.append(rng.standard_normal((hkv, rows, d), dtype=np.float32),
+                     rng.standard_normal((hkv, rows, d), dtype=np.float32))
+        q = rng.standard_normal((hkv * group, rows, d), dtype=np.float32)
+        times = {"coopmat": [], other: []}
+        for rnd in range(COOPMAT_PROBE_ROUNDS + 1):      # round 0 builds the plans and warms up
+            for kernel in times:
+                with kernel_forced(kernel):
+                    t0 = time.perf_counter()
+                    cache.attend(q)
+                    wall = (time.perf_counter() - t0) * 1e3
+                ran = [p.cfg.kernel for p in cache._plans.values() if getattr(p, "cfg", None) is not None]
+                if ran[-1] != kernel:
+                    return {"error": f"its call ({hkv * group}/{hkv} heads, d{d}, {rows} rows) went to {ran[-1]}, "
+                                     f"not {kernel}"}
+                ops = [ms for op, ms in cache.last_timings() if not op.startswith(("upload ", "download "))]
+                if rnd:
+                    times[kernel].append(sum(ops) if ops else wall)
+        out = {k: float(np.median(v)) for k, v in times.items()}
+        return dict(out, other=other, clock="device" if cache.timestamps else "wall")
+    except Exception as exc:        # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        cache.close()
 
 
 class Device(_Limits):
@@ -246,6 +293,28 @@ class Device(_Limits):
                 if why:
                     self.coopmat_failed(why)
             return self._coopmat_test_result
+
+    _coopmat_speed = None           # the speed probe's figures: None before it ran
+
+    def coopmat_speed(self) -> dict:
+        """attn_coopmat.comp's speed probe, once per device: a float16 prefill from empty of
+        tuning.COOPMAT_PROBE (32/8 heads, d128, 512 rows), run on it and on the device's other
+        kernel (tuning.kernel_for) in COOPMAT_PROBE_ROUNDS alternated rounds after a warm-up, the
+        median of each; device time from timestamp queries where the device has them, else wall
+        time. {"coopmat": ms, "other": kernel, kernel: ms, "clock": "device" or "wall"}, or
+        {"error": why} where the probe could not run. Call it where coopmat_problem() is ""."""
+        with self.backend.lock:
+            if self._coopmat_speed is None:
+                self._coopmat_speed = {"error": "running"}     # plans inside the probe are forced
+                self._coopmat_speed = _run_coopmat_speed_probe(self)
+            return self._coopmat_speed
+
+    def coopmat_pays(self) -> bool:
+        """Whether the speed probe timed attn_coopmat.comp at most tuning.COOPMAT_MARGIN of the
+        other kernel's time (tuning.coopmat_wanted's default)."""
+        from .tuning import COOPMAT_MARGIN
+        speed = self.coopmat_speed()
+        return "error" not in speed and speed["coopmat"] <= COOPMAT_MARGIN * speed[speed["other"]]
 
     def coopmat_failed(self, why: str) -> None:
         """A cooperative-matrix pipeline did not run as planned (``why``): the kernel is not picked

@@ -174,24 +174,73 @@ def kernel_for(device) -> str:
 
 
 def coopmat_wanted(device) -> bool:
-    """Whether prefill and chunks (more than one query row) go to attn_coopmat.comp: only with
-    VKATTN_KERNEL=coopmat (a ValueError naming the reason where the device or the compiler cannot:
-    Device.coopmat_problem). Not by default anywhere yet: it passes its parity suite on Mesa 26's
-    lavapipe (8x8x8), but on the one GPU it has met -- NVIDIA H100, driver 580.159.04, 16x16x16,
-    subgroup 32 -- its results were wrong (perf/RESULTS.md, issue 22); on CPU drivers
-    attn_lane.comp is faster anyway. COOPMAT_DEFAULT turns the default on for GPUs once verified."""
+    """Whether prefill and chunks (more than one query row) go to attn_coopmat.comp.
+
+    VKATTN_KERNEL=coopmat: always (a ValueError naming the reason where the device or the compiler
+    cannot: Device.coopmat_problem); tile or lane: never. By default (COOPMAT_DEFAULT) on a GPU
+    that can run it -- the device offers the matrices and features, glslang builds them, and the
+    kernel passed its self-test there (coopmat_problem) -- and whose speed probe timed it at most
+    COOPMAT_MARGIN of the other kernel's time (Device.coopmat_pays). Not on CPU drivers: their
+    matrices are emulated (Mesa 26's lavapipe: about 11x slower than attn_lane.comp, perf/RESULTS.md
+    session 14), and a planning device (PlanningDevice, ``perf gpu``) times nothing, so it plans
+    the other kernel."""
     env = forced_kernel()
     if env == "coopmat":
         problem = device.coopmat_problem()
         if problem:
             raise ValueError(f"VKATTN_KERNEL=coopmat: {problem}")
         return True
-    return COOPMAT_DEFAULT and env == "" and not device.is_software and not device.coopmat_problem()
+    return (COOPMAT_DEFAULT and env == "" and not device.is_software and not device.coopmat_problem()
+            and device.coopmat_pays())
 
 
-# attn_coopmat.comp by default on GPUs that offer cooperative matrices: off until it passes the
-# parity suite on a GPU (coopmat_wanted)
-COOPMAT_DEFAULT = False
+def coopmat_choice(device) -> str:
+    """One line on the kernel of prefill and chunks on ``device`` and why (``python -m vkattn
+    check``, ``make gpu-bench``); runs the self-test and, where the default would, the speed probe."""
+    try:
+        if coopmat_wanted(device):
+            if forced_kernel() == "coopmat":
+                return "attn_coopmat.comp for prefill and chunks (forced: VKATTN_KERNEL=coopmat)"
+            return f"attn_coopmat.comp for prefill and chunks{_probe_words(device)}"
+    except ValueError as exc:
+        return str(exc)
+    problem = device.coopmat_problem()
+    other = kernel_for(device)
+    if problem:
+        return f"{KERNEL_FILES[other]} (attn_coopmat.comp cannot run: {problem})"
+    if forced_kernel():
+        return f"{KERNEL_FILES[other]} (VKATTN_KERNEL={forced_kernel()})"
+    if device.is_software:
+        return f"{KERNEL_FILES[other]} (a CPU driver: its matrices are emulated; VKATTN_KERNEL=coopmat runs them)"
+    if not COOPMAT_DEFAULT:
+        return f"{KERNEL_FILES[other]} (tuning.COOPMAT_DEFAULT is off)"
+    return f"{KERNEL_FILES[other]}{_probe_words(device)}"
+
+
+KERNEL_FILES = {"tile": "attn.comp", "lane": "attn_lane.comp", "coopmat": "attn_coopmat.comp"}
+
+
+def _probe_words(device) -> str:
+    """The speed probe's figures, where it ran."""
+    speed = getattr(device, "_coopmat_speed", None)
+    if not speed:
+        return ""
+    if "error" in speed:
+        return f" (its speed probe could not run: {speed['error']})"
+    other = speed["other"]
+    return (f" (speed probe, {speed['clock']} time: attn_coopmat.comp {speed['coopmat']:.3f} ms, "
+            f"{KERNEL_FILES[other]} {speed[other]:.3f} ms)")
+
+
+# attn_coopmat.comp by default on GPUs that offer cooperative matrices, pass its self-test and time
+# it faster (coopmat_wanted)
+COOPMAT_DEFAULT = True
+COOPMAT_PROBE = (8, 4, 128, 512)   # the speed probe's call: a float16 prefill from empty of this many
+                        # (kv heads, query heads per kv head, head_dim, rows) -- an LLM's prompt, big
+                        # enough that the GPU's work, not the submission, is what is timed
+COOPMAT_PROBE_ROUNDS = 3   # .. alternated rounds timed on each kernel (after one warm-up each): the median
+COOPMAT_MARGIN = 0.9    # .. attn_coopmat.comp is picked where it takes at most this fraction of the
+                        # other kernel's time: a near tie keeps the kernel every device runs
 
 
 def coopmat_shared_bytes(br: int, bc: int, dk4: int, dv4: int, ch: int, mnk: tuple, nsg: int) -> int:

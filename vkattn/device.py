@@ -218,17 +218,16 @@ def _run_coopmat_speed_probe(device) -> dict:
     with kernel_forced(""):
         other = kernel_for(device)
     rng = np.random.default_rng(22)
+    k, v = (rng.standard_normal((hkv, rows, d), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((hkv * group, rows, d), dtype=np.float32)
+    caches = {}                     # one cache per kernel: a cache keeps the plans it built
     try:
-        cache = KVCache(rows, hkv, d, dtype="float16", device=device, timestamps=True)
-    except Exception as exc:        # noqa: BLE001 -- any failure is the verdict
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    try:
-        cache.append(rng.standard_normal((hkv, rows, d), dtype=np.float32),
-                     rng.standard_normal((hkv, rows, d), dtype=np.float32))
-        q = rng.standard_normal((hkv * group, rows, d), dtype=np.float32)
-        times = {"coopmat": [], other: []}
+        for kernel in ("coopmat", other):
+            caches[kernel] = KVCache(rows, hkv, d, dtype="float16", device=device, timestamps=True)
+            caches[kernel].append(k, v)
+        times = {kernel: [] for kernel in caches}
         for rnd in range(COOPMAT_PROBE_ROUNDS + 1):      # round 0 builds the plans and warms up
-            for kernel in times:
+            for kernel, cache in caches.items():
                 with kernel_forced(kernel):
                     t0 = time.perf_counter()
                     cache.attend(q)
@@ -240,12 +239,13 @@ def _run_coopmat_speed_probe(device) -> dict:
                 ops = [ms for op, ms in cache.last_timings() if not op.startswith(("upload ", "download "))]
                 if rnd:
                     times[kernel].append(sum(ops) if ops else wall)
-        out = {k: float(np.median(v)) for k, v in times.items()}
-        return dict(out, other=other, clock="device" if cache.timestamps else "wall")
-    except Exception as exc:        # noqa: BLE001
+        out = {kernel: float(np.median(t)) for kernel, t in times.items()}
+        return dict(out, other=other, clock="device" if caches[other].timestamps else "wall")
+    except Exception as exc:        # noqa: BLE001 -- any failure is the verdict
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
-        cache.close()
+        for cache in caches.values():
+            cache.close()
 
 
 class Device(_Limits):

@@ -320,6 +320,27 @@ def test_speed_probe_times_both_kernels_and_decides_the_default(coopmat, monkeyp
     assert f"{speed['coopmat']:.3f} ms" in tuning.coopmat_choice(coopmat)
 
 
+def test_default_takes_it_where_the_probe_says_it_pays(coopmat, rng, monkeypatch):
+    # the default path end to end on a real implementation: a GPU (is_software patched off) whose
+    # probe timed the kernel faster -- prefill and chunk on attn_coopmat.comp, decode on the other
+    # kernel, every result against the reference; timed slower, nothing on it
+    monkeypatch.delenv("VKATTN_KERNEL")
+    monkeypatch.setattr(type(coopmat), "is_software", property(lambda self: False))
+    for pays in (True, False):
+        monkeypatch.setattr(coopmat, "_coopmat_speed", {"coopmat": 1.0 if pays else 2.0, "other": "tile",
+                                                        "tile": 1.5, "clock": "device"})
+        cache = vkattn.KVCache(64, 2, 24, dtype="float16", device=coopmat)
+        mirror = Mirror(cache)
+        for n in (21, 6, 1):
+            k, v = rand_kv(rng, cache, n)
+            q = rand_q(rng, cache, 3, n)
+            out = cache.forward(q, k, v)
+            mirror.append(k, v)
+            assert_close(out, mirror.ref(q), "float16")
+            assert last_cfg(cache).kernel == ("coopmat" if pays and n > 1 else "tile")
+        cache.close()
+
+
 @pytest.mark.parametrize("speed,pays", [
     ({"coopmat": 0.89, "other": "tile", "tile": 1.0, "clock": "device"}, True),
     ({"coopmat": 0.95, "other": "tile", "tile": 1.0, "clock": "device"}, False),      # a near tie

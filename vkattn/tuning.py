@@ -181,8 +181,8 @@ def coopmat_wanted(device) -> bool:
     that can run it -- the device offers the matrices and features, glslang builds them, and the
     kernel passed its self-test there (coopmat_problem) -- and whose speed probe timed it at most
     COOPMAT_MARGIN of the other kernel's time (Device.coopmat_pays). Not on CPU drivers: their
-    matrices are emulated (Mesa 26's lavapipe: about 11x slower than attn_lane.comp, perf/RESULTS.md
-    session 14), and a planning device (PlanningDevice, ``perf gpu``) times nothing, so it plans
+    matrices are emulated (Mesa 26's lavapipe: 11-14x slower than attn_lane.comp, perf/RESULTS.md
+    sessions 14 and 15), and a planning device (PlanningDevice, ``perf gpu``) times nothing, so it plans
     the other kernel."""
     env = forced_kernel()
     if env == "coopmat":

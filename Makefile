@@ -5,7 +5,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-hf install demo check test test-validation test-noshuffle test-subgroup4 test-coopmat perf gpu-report gpu-bench clean
+.PHONY: setup setup-hf install demo check test test-validation test-noshuffle test-subgroup4 test-coopmat test-spirv test-platform perf gpu-report gpu-bench clean
 setup:
 	@bash scripts/setup.sh
 
@@ -44,6 +44,11 @@ test-subgroup4: setup
 # matrices; CI runs this on Mesa 26's lavapipe: scripts/distro.sh trixie --mesa backports -- make test-coopmat
 test-coopmat: setup
 	VKATTN_GPUAV_KERNELS=coopmat bash scripts/validation.sh tests/test_coopmat.py tests/test_check.py -k coopmat --durations=5
+
+# every shader variant, and every module a test run logged (SHADER_LOG=file: the run's
+# VKATTN_SHADER_LOG), compiled by this glslang and glslang 13.1.1, validated by spirv-val 2025.5
+test-spirv: setup
+	bash scripts/spirv.sh $(SHADER_LOG)
 
 perf: setup
 	$(PY) -m perf

@@ -1,1 +1,1 @@
-"""vkattn perf scripts: ``python -m perf`` runs decode, prefill and append cases (see README)."""
+"""vkattn perf scripts: ``python -m perf`` runs decode, prefill and append cases (docs/perf.md)."""

@@ -27,8 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 
 import vkattn
+from vkattn.device import PlanningDevice
 from vkattn.reference import attention
+from vkattn.tools import vkpipeline as vp
+from vkattn.tuning import decode_key_bound
 
+from . import gpu
 from .common import Row, Shape, check, env_int, selected
 
 OWN = (64, 256)
@@ -115,9 +119,6 @@ def _traffic(device, shape: Shape, bs: int, shared: int, own: list) -> dict:
     """Device bytes read by a decode step of the batch (own tokens ``own`` after ``shared``
     shared ones), today's and the cascade's, from perf/gpu.py's model: on ``device`` and on
     FAMILY's planning limits where its RADV null device is here."""
-    from vkattn.tuning import decode_key_bound
-
-    from . import gpu
     @dataclass
     class Call(gpu.Call):           # the perf shape's heads, not one of the report's shapes
         dims: tuple = ()
@@ -133,8 +134,6 @@ def _traffic(device, shape: Shape, bs: int, shared: int, own: list) -> dict:
              Call("cascade", "", shape.dtype, "cascade", lens=tuple(own), shared=shared, capacity=bound, dims=dims)]
     devs = [("here", device)]
     try:
-        from vkattn import _vkpipeline as vp
-        from vkattn.device import PlanningDevice
         info = vp.family_device_info(FAMILY)
         if info is not None:
             devs.append((FAMILY, PlanningDevice(info)))

@@ -24,12 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vkattn import _vkpipeline as vp
+from vkattn.tools import vkpipeline as vp
 from vkattn._attn import StorageFormat, attn_pipeline
 from vkattn.compiler import compile_shader, shader_dir
 from vkattn.device import PlanningDevice
 
-from .gpu import key_loop
+from .disasm import key_loop
 
 FEATURES = ["shaderFloat16", "storageBuffer16BitAccess"]
 VARIANTS = {"shipped": {}, "16bit-storage": {"F16_STORAGE": 1},

@@ -5,7 +5,7 @@ float32 and int8; attend, decode step, a 16-row chunk and a 512-token prefill at
 variants; a paged batch; read and fork) this plans every pipeline vkattn would build -- the same
 planner the caches use (vkattn._attn.attn_pipeline, append/gather/copy pipelines), run against the
 device limits of RADV's null hardware for each AMD family the installed Mesa knows -- compiles
-each with ACO there (vkattn._vkpipeline) and reports per pipeline and family: VGPRs, SGPRs,
+each with ACO there (vkattn.tools.vkpipeline) and reports per pipeline and family: VGPRs, SGPRs,
 spills, scratch, LDS, waves per SIMD and instructions, plus the VALU instructions of the key loop
 read from the disassembly.
 
@@ -15,7 +15,7 @@ datasheets: memory (unique bytes / bandwidth), arithmetic (flops / fp32 rate) an
 compiler is here, instruction issue (the VALU instructions the compiled code executes / the
 chip's issue rate). The largest is the model time.
 
-The compiler is RADV/ACO of the installed Mesa, reached without the GPU as vkattn._vkpipeline
+The compiler is RADV/ACO of the installed Mesa, reached without the GPU as vkattn.tools.vkpipeline
 finds best: RADV_FORCE_FAMILY up to Mesa 25 (Debian 12's 22.3: polaris10, vega10, navi10, navi21,
 gfx1100), AMDGPU's drm-shim on Mesa 26 (trixie-backports' 26.1: the same chips, RDNA3 spelled
 navi31, and gfx1201 = RDNA4). Beside vkattn's pipelines the report puts llama.cpp's flash attention
@@ -41,16 +41,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vkattn import _vkpipeline as vp
+from vkattn.tools import vkpipeline as vp
 from vkattn import tuning
 from vkattn._attn import (F_ALIBI, F_MASK, F_PAGED, F_SOFTCAP, F_WINDOW, HEADER, SEQ_WORDS, AttnPlan,
                           RoPE, StorageFormat, aux_bucket, attn_pipeline, split_keys)
 from vkattn._base import READ_ROWS, appends_first, append_pipeline, gather_pipeline
-from vkattn.compiler import compile_shader
+from vkattn.compiler import compile_shader, shader_dir
 from vkattn.device import PlanningDevice
 from vkattn.cascade import MERGE_PARAMS, merge_pipeline, shared_splits
 from vkattn.paged import copy_pipeline
 from vkattn.tuning import decode_key_bound, kernel_for, own_splits, row_bucket
+
+from .disasm import STAT_KEYS, key_loop
 
 L = 4096                # context of the decode cases
 PREFILL = 512
@@ -402,60 +404,6 @@ def _job_key(p) -> tuple:
 def _job_name(p) -> str:
     defs = ",".join(f"{k}={v}" for k, v in sorted(p.defines.items()))
     return f"{p.shader}[{defs}]({','.join(map(str, p.spec))})"
-
-
-_BRANCH = re.compile(r"^\s*s_c?branch\w*\s+(BB\d+)")
-_LABEL = re.compile(r"^(BB\d+):")
-
-
-def key_loop(asm: str) -> dict:
-    """The key loop of an ACO disassembly: the backward-branch range with the most VALU
-    instructions that loads from memory and stores nothing (the attention kernels' loop storing a
-    call's new rows, before the key loop, is not it). {"valu": VALU instructions of a pass that skips the
-    loop's conditional blocks (forward branches inside it: the rescale when no row's max grew),
-    "valu_cond": those in the conditional blocks, "loads": buffer loads per pass, "valu_total":
-    every VALU instruction of the shader, "wmma" / "wmma_total": the matrix multiply-adds
-    (v_wmma_*, v_swmmac_*; not counted as VALU) in the loop / in the shader}."""
-    lines = [ln.strip() for ln in asm.splitlines()]
-    labels = {}
-    for i, line in enumerate(lines):
-        m = _LABEL.match(line)
-        if m:
-            labels[m.group(1)] = i
-    best = {"valu": 0, "valu_cond": 0, "loads": 0, "wmma": 0}
-    for i, line in enumerate(lines):
-        m = _BRANCH.match(line)
-        if not (m and m.group(1) in labels and labels[m.group(1)] < i):
-            continue
-        start = labels[m.group(1)]
-        cond = set()
-        for k in range(start, i):                       # forward branches to a label in the loop
-            f = _BRANCH.match(lines[k])
-            if f and f.group(1) in labels and k < labels[f.group(1)] <= i:
-                cond.update(range(k + 1, labels[f.group(1)]))
-        valu = [k for k in range(start, i + 1) if _is_valu(lines[k])]
-        loads = sum(lines[k].startswith(("buffer_load", "global_load")) for k in range(start, i + 1))
-        if any(lines[k].startswith(("buffer_store", "global_store")) for k in range(start, i + 1)):
-            continue                                    # a loop that stores (the new rows), not the key loop
-        every = sum(k not in cond for k in valu)
-        if loads and len(valu) > best["valu"] + best["valu_cond"]:
-            best = {"valu": every, "valu_cond": len(valu) - every, "loads": loads,
-                    "wmma": sum(_is_matrix(lines[k]) for k in range(start, i + 1))}
-    best["valu_total"] = sum(_is_valu(ln) for ln in lines)
-    best["wmma_total"] = sum(_is_matrix(ln) for ln in lines)
-    return best
-
-
-def _is_matrix(line: str) -> bool:
-    return line.startswith(("v_wmma_", "v_swmmac_"))
-
-
-def _is_valu(line: str) -> bool:
-    return line.startswith("v_") and not _is_matrix(line)
-
-
-STAT_KEYS = ("VGPRs", "SGPRs", "Spilled VGPRs", "Spilled SGPRs", "Scratch size", "LDS size",
-             "Subgroups per SIMD", "Instructions")
 
 
 def _is_coopmat(cfg) -> bool:
@@ -861,7 +809,6 @@ def _coopmat_kernels(fam: str, info) -> list:
     """vkattn's cooperative-matrix prefill pipeline for the modelled call where the package has one
     (shaders/attn_coopmat.comp, planned by the caches' own planner with VKATTN_KERNEL=coopmat), else
     the study kernel perf/coopmat_tile.comp (one subgroup: 16 rows x 16 keys per pass)."""
-    from vkattn.compiler import shader_dir
     out, note = [], ""
     if (shader_dir() / "attn_coopmat.comp").is_file():
         try:

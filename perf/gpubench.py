@@ -59,8 +59,8 @@ def main(argv=None) -> int:
     label = f"{dev.name} ({info.device_type}; driver {info.driver_name or '?'} {info.driver_info}; Vulkan {info.api_version})"
     if dev.is_software and os.environ.get("VKATTN_GPU_BENCH_ALLOW_SOFTWARE", "") in ("", "0"):
         names = ", ".join(f"{d.index}: {d.name}" for d in vkattn.list_devices())
-        print(f"gpu-bench: no Vulkan GPU here (devices: {names}). Install the GPU's Vulkan driver (README, "
-              f"'On a GPU'), or pick one with VKATTN_DEVICE; `python -m perf` measures lavapipe.", file=sys.stderr)
+        print(f"gpu-bench: no Vulkan GPU here (devices: {names}). Install the GPU's Vulkan driver (docs/gpu.md), "
+              f"or pick one with VKATTN_DEVICE; `python -m perf` measures lavapipe.", file=sys.stderr)
         return 2
     tgpu = torch_gpu()
     if tgpu:

@@ -4,7 +4,7 @@ llama.cpp's scalar ``flash_attn.comp`` and cooperative-matrix ``flash_attn_cm1.c
 from a llama.cpp (or ggml) checkout the user names -- nothing of theirs is copied into this
 project -- with the defines llama.cpp's shader generator gives them and the specialisation
 constants its host code picks for the device at hand, then compiled by RADV/ACO for each AMD
-family the installed Mesa reaches without the GPU (``vkattn._vkpipeline``):
+family the installed Mesa reaches without the GPU (``vkattn.tools.vkpipeline``):
 
     VKATTN_LLAMA_CPP_SHADERS=<llama.cpp>/ggml/src/ggml-vulkan/vulkan-shaders python -m perf llama
     (or ``python -m perf gpu`` with the same variable: the report's anchor is then measured)
@@ -44,7 +44,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vkattn import _vkpipeline as vp
+from vkattn.tools import vkpipeline as vp
+
+from .disasm import STAT_KEYS, key_loop
 
 GGML_F16 = 1                      # ggml_type enumerants (llama.cpp's spec constants 12 and 13)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -74,7 +76,7 @@ class FaDevice:
 
     @classmethod
     def of(cls, info, support) -> "FaDevice":
-        """From ``vkattn._vkinfo.DeviceInfo`` and ``vkattn._vkpipeline.DeviceSupport``."""
+        """From ``vkattn._vkinfo.DeviceInfo`` and ``vkattn.tools.vkpipeline.DeviceSupport``."""
         f = support.features
         return cls(gcn=info.min_subgroup_size == info.max_subgroup_size == 64,
                    uma=info.device_type == "integrated",
@@ -254,7 +256,6 @@ def anchors(families, src=None, mechanism=None) -> dict:
     pipelines compiled for each family (cm1 where the device offers cooperative matrices). Stats:
     the statistics of ``perf gpu`` plus the configuration ("config", "spec") and, from the
     disassembly, the key loop's VALU and WMMA counts."""
-    from .gpu import STAT_KEYS, key_loop
     src = shader_dir(src)
     mechanism = mechanism or vp.null_mechanism()
     out = {}

@@ -8,7 +8,7 @@
 #
 #   scripts/mesa25.sh .venv/bin/python -m vkattn devices
 #   scripts/mesa25.sh .venv/bin/python -m perf decode
-#   scripts/mesa25.sh --radv navi31 .venv/bin/python vkattn/_vkpipeline.py --support
+#   scripts/mesa25.sh --radv navi31 .venv/bin/python vkattn/tools/vkpipeline.py --support
 #
 # Why: to compare. Mesa 25's lavapipe reads storage buffers faster in a probe (0.38 against 0.47 ns
 # per word), yet ran every vkattn perf case slower on the project's machine (perf/RESULTS.md,

@@ -36,7 +36,7 @@ VPY="$VENV/bin/python"
 vkattn_numpy_plan "$VPY"
 stamp="$VENV/.vkattn-setup"
 # the stamp is written last, after everything below succeeded, and checked first
-want=$({ cat pyproject.toml scripts/setup.sh scripts/lib.sh; echo "$VKATTN_NUMPY $VKATTN_PYBIND11"; } | sha256sum | cut -c1-16)
+want=$({ cat pyproject.toml scripts/setup.sh scripts/lib.sh scripts/kp-0.9.0-features.patch; echo "$VKATTN_NUMPY $VKATTN_PYBIND11"; } | sha256sum | cut -c1-16)
 if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -c "import kp, numpy, safetensors, pytest, xdist, vkattn" 2>/dev/null; }; then
   rm -f "$stamp"
   echo "vkattn setup: $VKATTN_NUMPY, kp built against $VKATTN_PYBIND11 pybind11"

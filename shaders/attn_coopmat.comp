@@ -409,11 +409,16 @@ void block(uint j0, uint kh, bool live) {
     subgroupMemoryBarrierShared();
     subgroupBarrier();
     if (live) {                               // O += P V
-#if KV_I8
+        // Each key block's P V is summed afresh in `acc` and added to O in float32 outside the
+        // multiply-add: no sum carried across key blocks inside coopMatMulAdd, whose accumulation
+        // rounding the extension leaves to the implementation (truncating tensor cores lose about
+        // one ulp per block there: 3e-4 relative at 128K keys). One matrix a declaration: glslang
+        // 13.1-15.0 drops the use of a second declarator (`MAT_A ph, pl;`), an invalid module.
         OPT_LOOP for (uint t = 0u; t < VT; ++t) {
             ACC acc = ACC(0.0);
             OPT_LOOP for (uint kb = 0u; kb < KB; ++kb) {
-                MAT_A ph, pl;
+                MAT_A ph;
+                MAT_A pl;
                 coopMatLoad(ph, s_mem, XBASE + kb * (MK / 8u), PROW, ROW_MAJOR);
                 coopMatLoad(pl, s_mem, XBASE + MM * PROW + kb * (MK / 8u), PROW, ROW_MAJOR);
                 MAT_B vb;
@@ -421,21 +426,12 @@ void block(uint j0, uint kh, bool live) {
                 acc = coopMatMulAdd(ph, vb, acc);
                 acc = coopMatMulAdd(pl, vb, acc);
             }
+#if KV_I8
             o[t] = o[t] + acc * vmx;
-        }
 #else
-        OPT_LOOP for (uint kb = 0u; kb < KB; ++kb) {
-            MAT_A ph, pl;
-            coopMatLoad(ph, s_mem, XBASE + kb * (MK / 8u), PROW, ROW_MAJOR);
-            coopMatLoad(pl, s_mem, XBASE + MM * PROW + kb * (MK / 8u), PROW, ROW_MAJOR);
-            OPT_LOOP for (uint t = 0u; t < VT; ++t) {
-                MAT_B vb;
-                coopMatLoad(vb, s_mem, VOFF + kb * MK * VROW + t * (MN / 8u), VROW, ROW_MAJOR);
-                o[t] = coopMatMulAdd(ph, vb, o[t]);
-                o[t] = coopMatMulAdd(pl, vb, o[t]);
-            }
-        }
+            o[t] = o[t] + acc;
 #endif
+        }
     }
     barrier();                                // K, V and the scratch tiles free for the next block
 }

@@ -327,7 +327,7 @@ def test_cascade_pipelines_compile_for_a_gpu(monkeypatch):
     no spills, no scratch."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from perf import gpu as pg
-    from vkattn import _vkpipeline as vp
+    from vkattn.tools import vkpipeline as vp
     from vkattn.device import PlanningDevice
     if vp.radeon_icd() is None:
         pytest.skip("RADV is not installed (no radeon_icd*.json; Debian: mesa-vulkan-drivers)")
@@ -439,7 +439,7 @@ def test_cascade_reads_at_most_a_third_on_navi21(monkeypatch):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from perf import cascade as pc
     from perf.common import Shape
-    from vkattn import _vkpipeline as vp
+    from vkattn.tools import vkpipeline as vp
     if vp.radeon_icd() is None:
         pytest.skip("RADV is not installed (no radeon_icd*.json; Debian: mesa-vulkan-drivers)")
     if vp.family_device_info(pc.FAMILY) is None:

@@ -273,22 +273,54 @@ def test_fallbacks_float32_and_decode(coopmat, rng):
 def test_self_test_ran_and_passed(coopmat):
     # the fixture's coopmat_problem() ran the device's self-test (once) before any plan used the kernel
     assert coopmat._coopmat_test_result == ""
-    assert vkattn.device.COOPMAT_SELF_TEST and coopmat.coopmat_problem() == ""
+    assert len(vkattn.measure.COOPMAT_CASES) >= 7 and coopmat.coopmat_problem() == ""
+
+
+def test_self_test_cases_each_pass_and_the_long_ones_split(coopmat, monkeypatch):
+    # every case afresh (not the disk cache's verdict): the long ones check >= 3 splits themselves
+    monkeypatch.setenv("VKATTN_MEASURE_CACHE", "0")
+    rng = np.random.default_rng(5)
+    with tuning.kernel_forced("coopmat"):
+        for name, case in vkattn.measure.COOPMAT_CASES:
+            case(coopmat, rng)
+
+
+@pytest.mark.parametrize("case, trigger", [
+    ("float16 long chunk", lambda kw, k: k.shape[1] > 1000 and k.shape[2] == 64),
+    ("float16 window + sinks", lambda kw, k: kw.get("window") == 97),
+    ("int8 paged batch", lambda kw, k: k.shape[2] == 40 and k.shape[0] == 2),
+])
+def test_a_failed_case_is_named(coopmat, monkeypatch, case, trigger):
+    # the reference perturbed for one case's calls only: the verdict names that case
+    monkeypatch.setenv("VKATTN_MEASURE_CACHE", "0")
+    monkeypatch.setattr(coopmat, "_coopmat_test_result", None)
+    monkeypatch.setattr(coopmat, "_coopmat_broken", "", raising=False)
+    real = vkattn.reference.attention
+
+    def wrong(q, k, v, *a, **kw):
+        out = real(q, k, v, *a, **kw)
+        return out + np.float32(0.01) if trigger(kw, k) else out
+    monkeypatch.setattr(vkattn.reference, "attention", wrong)
+    problem = coopmat.coopmat_problem()
+    assert problem.startswith(f"its self-test case '{case}"), problem
+    assert "wrong results" in problem
 
 
 def test_self_test_failure_keeps_the_kernel_off(coopmat, rng, monkeypatch):
     # a device whose matrices give wrong results: the self-test names the case, the default planner
     # would fall back and VKATTN_KERNEL=coopmat raises; the cache loses nothing
+    monkeypatch.setenv("VKATTN_MEASURE_CACHE", "0")
     monkeypatch.setattr(coopmat, "_coopmat_test_result", None)
     monkeypatch.setattr(coopmat, "_coopmat_broken", "", raising=False)
     real = vkattn.reference.attention
     monkeypatch.setattr(vkattn.reference, "attention", lambda *a, **kw: real(*a, **kw) + np.float32(0.01))
     problem = coopmat.coopmat_problem()
-    assert problem.startswith("its self-test gave wrong results (float16, 19 rows over 0 cached"), problem
+    assert problem.startswith("its self-test case 'float16 prefill + chunk, d40, 3 q heads per kv head' failed: "
+                              "float16 19 rows over 0 cached: wrong results"), problem
     assert coopmat.coopmat_problem() == problem               # not run again
     cache = vkattn.KVCache(40, 1, 16, device=coopmat)
     k, v = rand_kv(rng, cache, 10)
-    with pytest.raises(ValueError, match="VKATTN_KERNEL=coopmat: its self-test gave wrong results"):
+    with pytest.raises(ValueError, match="VKATTN_KERNEL=coopmat: its self-test case 'float16 prefill"):
         cache.forward(rand_q(rng, cache, 2, 10), k, v)
     assert cache.length == 0
     monkeypatch.delenv("VKATTN_KERNEL")
@@ -302,6 +334,7 @@ def test_speed_probe_times_both_kernels_and_decides_the_default(coopmat, monkeyp
     kernel, timed (device time where the device has timestamps); coopmat_pays compares them, and
     on a GPU (is_software patched off here) that verdict is the default's. The probe leaves the
     forced kernel as it was. (Which kernel is faster on lavapipe is not asserted: a timing.)"""
+    monkeypatch.setenv("VKATTN_MEASURE_CACHE", "0")
     monkeypatch.setattr(coopmat, "_coopmat_speed", None)
     speed = coopmat.coopmat_speed()
     assert "error" not in speed, speed
@@ -318,6 +351,17 @@ def test_speed_probe_times_both_kernels_and_decides_the_default(coopmat, monkeyp
     monkeypatch.setattr(type(coopmat), "is_software", property(lambda self: False))
     assert tuning.coopmat_wanted(coopmat) == coopmat.coopmat_pays()
     assert f"{speed['coopmat']:.3f} ms" in tuning.coopmat_choice(coopmat)
+
+
+def test_speed_probe_checks_its_result(coopmat, monkeypatch):
+    # a kernel whose 512-row prefill is wrong is not timed, let alone picked: the probe says which
+    monkeypatch.setenv("VKATTN_MEASURE_CACHE", "0")
+    monkeypatch.setattr(coopmat, "_coopmat_speed", None)
+    real = vkattn.reference.attention
+    monkeypatch.setattr(vkattn.reference, "attention", lambda *a, **kw: real(*a, **kw) * np.float32(1.01))
+    speed = coopmat.coopmat_speed()
+    assert "error" in speed and "the probe's prefill on coopmat: wrong results" in speed["error"], speed
+    assert not coopmat.coopmat_pays()
 
 
 def test_default_takes_it_where_the_probe_says_it_pays(coopmat, rng, monkeypatch):

@@ -1,5 +1,5 @@
 """GPU compiler statistics without a GPU: the package's kernels, planned for navi21 as `perf gpu`
-plans them, compiled by RADV/ACO for a family whose GPU is not there (vkattn._vkpipeline): Mesa's
+plans them, compiled by RADV/ACO for a family whose GPU is not there (vkattn.tools.vkpipeline): Mesa's
 null hardware (RADV_FORCE_FAMILY) up to Mesa 25, AMDGPU's drm-shim on Mesa 26. Needs RADV
 (mesa-vulkan-drivers), and on Mesa 26 the shim (mesa-drm-shim); no AMD GPU."""
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from vkattn import _vkpipeline as vp
+from vkattn.tools import vkpipeline as vp
 from vkattn._attn import StorageFormat, attn_pipeline
 from vkattn._base import append_pipeline
 from vkattn.compiler import compile_shader
@@ -319,7 +319,7 @@ def test_compile_stats_in_one_process(monkeypatch, jobs, tmp_path):
         import json
         import subprocess
         (tmp_path / "copy.spv").write_bytes(jobs[-1].spirv)
-        code = ("import json, sys; from vkattn import _vkpipeline as vp; "
+        code = ("import json, sys; from vkattn.tools import vkpipeline as vp; "
                 "j = vp.Job('copy', open(sys.argv[1], 'rb').read(), [64]); "
                 "r = vp.compile_stats([j, j], device='RADV', features=['storageBuffer8BitAccess'], ir=True); "
                 "e = r.jobs[0].executables[0]; "

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from perf import gpu as pg            # noqa: E402
 from perf import llama_cpp as ll      # noqa: E402
-from vkattn import _vkpipeline as vp  # noqa: E402
+from vkattn.tools import vkpipeline as vp  # noqa: E402
 
 XTX = next(g for g in pg.REFERENCE_GPUS if g.name == "Radeon RX 7900 XTX")
 

@@ -16,8 +16,8 @@ from .reference import merge_states
 from .errors import (CacheClosedError, CacheFileCorruptError, CacheFileError, CacheFileMismatchError,
                      CacheFullError, DeviceLimitError, ShaderCompileError, SyncHazardError, VerificationError)
 from .persist import file_info as cache_file_info
-
-__version__ = "0.1.0"
+from . import measure        # registers the per-device measurements (the self-test, the speed probe)
+from ._version import __version__
 
 __all__ = ["KVCache", "RoPE", "PagedKVCache", "UnknownSequenceError", "Device", "default_device", "list_devices", "reference", "CacheFullError",
            "CacheClosedError", "DeviceLimitError", "ShaderCompileError", "SyncHazardError",

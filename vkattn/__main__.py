@@ -16,6 +16,7 @@ _CAPACITY (4096), _DTYPE (float16).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ import time
 import numpy as np
 
 from . import KVCache, PagedKVCache, default_device, list_devices
+from .check import main as check_main
 from .reference import TOLERANCE, attention, round_to
 
 
@@ -266,7 +268,6 @@ def devices() -> int:
 
 
 def main(argv=None) -> int:
-    import logging
     # say so when a pipeline is built for the first time (seconds on lavapipe): nobody should think
     # the demo hangs. The "vkattn" logger gets its own handler: importing kp installs one on the
     # root logger (level WARNING), which would make logging.basicConfig a no-op. Restored on return
@@ -294,7 +295,6 @@ def _main(argv) -> int:
     if cmd == "devices":
         return devices()
     if cmd == "check":
-        from .check import main as check_main
         return check_main(argv[1:])
     if cmd == "generate":
         return generate(argv[1:])

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import reference
 from .checks import check_int
 from .compiler import compile_shader
 from .errors import DeviceLimitError
@@ -59,19 +60,17 @@ class RoPE:
 
     def apply(self, x, positions, rotary_dim: int) -> np.ndarray:
         """The numpy reference of what the device does: x (heads, n, head_dim) rotated."""
-        from .reference import rope
-        return rope(x, positions, base=self.base, rotary_dim=rotary_dim, style=self.style)
+        return reference.rope(x, positions, base=self.base, rotary_dim=rotary_dim, style=self.style)
 
     def table(self, positions, rotary_dim: int) -> np.ndarray:
         """(n, rotary_dim) float32 rows: the rotary_dim/2 cosines, then the sines (rope.glsl)."""
-        from .reference import rope_table
-        cos, sin = rope_table(np.asarray(positions), rotary_dim, self.base)
+        cos, sin = reference.rope_table(np.asarray(positions), rotary_dim, self.base)
         return np.concatenate([cos, sin], axis=1)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """Score rules of one call (validated); see README "Attention variants"."""
+    """Score rules of one call (validated); see docs/variants.md."""
     window: int | None = None
     n_sink: int = 0
     softcap: float | None = None

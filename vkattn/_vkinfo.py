@@ -15,6 +15,8 @@ Run ``python -m vkattn._vkinfo`` to print one line per device.
 from __future__ import annotations
 
 import ctypes
+import json
+import sys
 import threading
 from ctypes import (
     CFUNCTYPE,
@@ -31,7 +33,7 @@ from ctypes import (
     c_uint64,
     c_void_p,
 )
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 __all__ = ["DeviceInfo", "VulkanUnavailableError", "query_devices", "main"]
@@ -804,10 +806,6 @@ def _describe(info: DeviceInfo) -> str:
 def main(argv: Optional[list] = None) -> int:
     """One line per device; ``--json``: a JSON list of the DeviceInfo fields (for a parent process
     that needs another environment's devices, e.g. RADV's null hardware)."""
-    import json
-    import sys
-    from dataclasses import asdict
-
     argv = sys.argv[1:] if argv is None else argv
     try:
         devices = query_devices()

@@ -72,7 +72,7 @@ class KVCache(CacheBase):
         q: (num_qo_heads, s, head_dim) -> (num_qo_heads, s, v_head_dim) float32, and with
         ``return_lse`` also the log-sum-exp of each row's scores, (num_qo_heads, s) float32.
         Row i sits at position ``p = length - s + i``; with ``causal`` it sees keys 0 .. p.
-        ``scale`` defaults to 1/sqrt(head_dim). Variants (README, "Attention variants"):
+        ``scale`` defaults to 1/sqrt(head_dim). Variants (docs/variants.md):
         ``window`` (keys p - j >= window are masked) with ``n_sink`` sink keys always visible,
         ``mask`` (s, length) or (num_qo_heads, s, length) added to the scores, ``softcap``
         (scores become softcap * tanh(scores / softcap)), ``alibi_slopes`` (num_qo_heads,)

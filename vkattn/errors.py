@@ -1,4 +1,4 @@
-"""Every exception the public API raises (see README, "Errors")."""
+"""Every exception the public API raises (docs/errors.md)."""
 
 
 class CacheFullError(ValueError):

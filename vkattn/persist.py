@@ -45,6 +45,7 @@ from ._base import READ_ROWS, slot_buffers, slot_rows
 from .compiler import compile_shader
 from .errors import CacheFileCorruptError, CacheFileMismatchError
 from .tuning import WORKGROUP
+from ._version import __version__
 
 FORMAT_VERSION = 1
 SEQUENCE = "vkattn.sequence"
@@ -91,7 +92,6 @@ def checksum(meta: dict, tensors: dict) -> str:
 def write_file(path: str, kind: str, meta: dict, tensors: dict) -> None:
     """Serialise with safetensors and replace ``path`` atomically (a temporary file beside it,
     then a rename): a reader never sees a half-written file."""
-    from . import __version__
     st = _safetensors()
     meta = {k: str(v) for k, v in dict(meta, format=kind, format_version=FORMAT_VERSION,
                                        vkattn_version=__version__).items()}

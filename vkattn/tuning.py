@@ -21,6 +21,8 @@ import contextlib
 import os
 from dataclasses import dataclass
 
+from .errors import DeviceLimitError
+
 WORKGROUP = 64          # threads of the grid-stride kernels (append, gather, copy); attn.comp's target
                         # workgroup size (a decode tile with fewer threads takes key columns)
 TILE_MAX_WG = 256       # attn.comp threads per workgroup at most
@@ -415,8 +417,6 @@ def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacit
     (attn.comp's TILE_SHUFFLE 0 path: barriers, no subgroup operation). Either way a thread holds a
     few units of a row, so no head dim spills, and the column merge gives up columns until the
     workgroup's shared memory fits TILE_SHARED_BUDGET."""
-    from .errors import DeviceLimitError
-
     uv = 2 if ch == 4 else ch            # float vec4 per load unit: int8 rows are read by 8 bytes
     dku, dvu = dk4 * ch // uv, dv4 * ch // uv
     units = max(dku, dvu)

@@ -27,7 +27,7 @@ offers it:
 * :func:`family_stats` -- the same for each AMD family, one fresh subprocess per family with
   the mechanism's variables set; families the installed Mesa does not know come back unavailable.
 * :func:`available_families`, :func:`device_support` (extensions, optional features, subgroup
-  sizes), :func:`format_table`, and a CLI: ``python -m vkattn._vkpipeline attn --define KV_F16=1
+  sizes), :func:`format_table`, and a CLI: ``python -m vkattn.tools.vkpipeline attn --define KV_F16=1
   --spec 64,4,1,16,16,128,32,0,1,4,8 --family navi21,gfx1100``.
 
 A job is :class:`Job` (or a tuple ``(name, spirv, spec, bindings)``): SPIR-V, uint32 spec constants
@@ -129,14 +129,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator, Optional, Sequence
 
 if __name__ == "__main__" and not __package__:
-    # run as a file (``python3 vkattn/_vkpipeline.py``, and family_stats' children): import the
-    # sibling modules through a bare package, without the package __init__ (which imports kp)
+    # run as a file (``python3 vkattn/tools/vkpipeline.py``, and family_stats' children): import
+    # vkattn's modules through bare packages, without the package __init__ (which imports kp)
     import types
     _here = os.path.dirname(os.path.abspath(__file__))
-    __package__ = os.path.basename(_here)
-    sys.modules.setdefault(__package__, types.ModuleType(__package__)).__path__ = [_here]
+    _pkg = os.path.dirname(_here)
+    sys.modules.setdefault("vkattn", types.ModuleType("vkattn")).__path__ = [_pkg]
+    sys.modules.setdefault("vkattn.tools", types.ModuleType("vkattn.tools")).__path__ = [_here]
+    __package__ = "vkattn.tools"
 
-from ._vkinfo import (VkBool32, VkFlags, VkPhysicalDevice, VkPhysicalDeviceProperties2, VkResult,
+from ..compiler import compile_shader     # glslangValidator, cached; imports no kp
+from .._vkinfo import (DeviceInfo, VkBool32, VkFlags, VkPhysicalDevice, VkPhysicalDeviceProperties2, VkResult,
                       VkStructureType, VulkanUnavailableError, _bind, _create_instance,
                       _enumerate_physical_devices, _format_version, _load_loader,
                       _make_api_version, _result_name)
@@ -1309,11 +1312,10 @@ def family_device_info(family: str, env: Optional[dict] = None, timeout: float =
     """The DeviceInfo (vkattn._vkinfo) of RADV's device for ``family`` without its GPU, read in a
     child process with the environment of :func:`family_stats`; None where RADV or the family is
     absent. What ``perf gpu`` plans pipelines against (limits, subgroup size and operations)."""
-    from ._vkinfo import DeviceInfo
     mechanism = mechanism or null_mechanism()
     if not mechanism.available:
         return None
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vkinfo.py")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_vkinfo.py")
     found = []
 
     def probe(_name) -> bool:
@@ -1472,7 +1474,6 @@ def _load_spirv(shader: str, defines: dict) -> tuple[str, bytes]:
     if shader.endswith(".spv"):
         with open(shader, "rb") as f:
             return os.path.basename(shader)[:-4], f.read()
-    from .compiler import compile_shader   # glslangValidator, cached; no kp needed
     if shader.endswith(".comp") or os.sep in shader:
         path = os.path.abspath(shader if shader.endswith(".comp") else shader + ".comp")
         name = os.path.basename(path)[:-5]
@@ -1480,7 +1481,7 @@ def _load_spirv(shader: str, defines: dict) -> tuple[str, bytes]:
     try:
         return shader, compile_shader(shader, defines)
     except ModuleNotFoundError:     # run as a file outside an install: the checkout's shaders/
-        src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shaders")
+        src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shaders")
         return shader, compile_shader(shader, defines, src_dir=src)
 
 
@@ -1493,7 +1494,7 @@ def main(argv: Optional[list] = None) -> int:
     if argv == ["--child"]:
         return _child_main()
     ap = argparse.ArgumentParser(
-        prog="python -m vkattn._vkpipeline",
+        prog="python -m vkattn.tools.vkpipeline",
         description="Compiler statistics of a compute shader on RADV's null device (per AMD "
                     "family) or on any Vulkan device with VK_KHR_pipeline_executable_properties.")
     ap.add_argument("shader", nargs="?", help="a .comp file, a .spv file, or a package shader "

@@ -29,6 +29,20 @@ test: setup            # both cores: llvmpipe compiles each new pipeline on one 
 test-validation: setup
 	bash scripts/validation.sh
 
+# what a second platform adds (Debian 13: Python 3.13, numpy 2, Mesa 25 / 26): the tests whose
+# result depends on the Vulkan driver, the shader compiler, Python or numpy. Left to the host's
+# whole suite (docs/platforms.md says why): the hf tests (torch's CPU wheel is the host's only),
+# pure-Python bookkeeping (paging, prefix state machines, planner arithmetic, perf's settings,
+# the package structure) and the long randomised runs (fuzz, soak).
+PLATFORM := tests/test_attention.py tests/test_variants.py tests/test_int8.py tests/test_paged.py \
+	tests/test_subgroup.py tests/test_rope.py tests/test_exact.py tests/test_cascade.py tests/test_bounds.py \
+	tests/test_persist.py tests/test_prefix_paged.py tests/test_sharing.py tests/test_reference.py \
+	tests/test_errors.py tests/test_device.py tests/test_driverfix.py tests/test_gpu_compile.py \
+	tests/test_gpu_report.py tests/test_check.py tests/test_coopmat.py tests/test_coopmat_rounding.py \
+	tests/test_spirv.py tests/test_measure.py tests/test_demo.py tests/test_install.py
+test-platform: setup
+	$(PY) -m pytest -q -n auto --dist worksteal $(PLATFORM)
+
 # the parity tests of attn.comp with its no-shuffle path forced (clusters sum through shared
 # memory), and the parity tests of both kernels with lavapipe's subgroup at 4 lanes (issue 20)
 PARITY := tests/test_attention.py tests/test_variants.py tests/test_int8.py tests/test_paged.py tests/test_subgroup.py

@@ -13,7 +13,7 @@ LAYERS = [
     {"compiler", "tuning"},
     {"_kp"},
     {"device"},                         # limits, features, verdicts: builds no cache
-    {"_attn", "paging"},
+    {"array", "_attn", "paging"},       # device arrays, plans and pipelines, block bookkeeping
     {"_base"},
     {"persist", "cascade"},
     {"cache", "paged"},

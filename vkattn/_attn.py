@@ -9,11 +9,13 @@ window, softcap, ALiBi, mask) is a spec constant, so the default path pays for n
 from __future__ import annotations
 
 import numbers
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import reference
+from .array import DeviceArray
 from .checks import check_int
 from .compiler import compile_shader
 from .errors import DeviceLimitError
@@ -238,13 +240,15 @@ class AttnPlan:
         self.subgroup = pin
         self._check_width = bool(shuffles) and cfg.kernel in ("tile", "coopmat") and (
             not pin[0] or cfg.kernel == "coopmat")
-        self.attn = be.program(compile_shader(pipe.shader, pipe.defines), bindings, pipe.groups, pipe.spec,
-                               # the pools (and int8 scales) are written only by a fused append
-                               writes=(0, 1, 5, 6, 7, 8, 9, 11, 12) if nn else (5, 6, 7, 8, 9),
+        self._pipe, self._spirv = pipe, compile_shader(pipe.shader, pipe.defines)
+        # the pools (and int8 scales) are written only by a fused append
+        self._writes = (0, 1, 5, 6, 7, 8, 9, 11, 12) if nn else (5, 6, 7, 8, 9)
+        self.attn = be.program(self._spirv, bindings, pipe.groups, pipe.spec, writes=self._writes,
                                name=pipe.shader, subgroup=pin)
         self.rec = be.recording().upload(*inputs).dispatch(self.attn).download(self.out, self.lse).build(c.timestamps)
         self._header = np.zeros(HEADER, np.uint32)
         self._tiles = {}
+        self._binds = OrderedDict()     # device arrays in place of the plan's own buffers: see bound()
 
     def warm(self) -> None:
         """Run the recorded sequence once with no tiles (every workgroup returns at once), so the
@@ -260,12 +264,68 @@ class AttnPlan:
     def aux_need(nseq: int, tiles: int, hq: int, table_words: int, mask_words: int) -> int:
         return HEADER + SEQ_WORDS * nseq + 2 * tiles + hq + table_words + mask_words
 
-    def run(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant, rope: RoPE | None = None):
-        """q (hq, rows, head_dim) packed; k/v (num_kv_heads, n, d) packed new rows or None.
-        Returns out (hq, rows, v_head_dim) and lse (hq, rows) float32."""
+    def bound(self, q=None, nk=None, nv=None, out=None, lse=None) -> tuple:
+        """(program, recording) of this plan with the given buffers (vkattn._kp.Buffer of device
+        arrays; None: the plan's own) bound in place of q, the new K/V rows, out and lse. The
+        recording uploads what the host fills (aux, rotary table, the plan's own inputs) and
+        downloads only the plan's own outputs. Built once per set of buffers and kept (a few per
+        plan, least recently used dropped): a caller that reuses its arrays binds once."""
+        key = (q, nk, nv, out, lse)
+        hit = self._binds.get(key)
+        if hit is not None and all(b is None or b._t is not None for b in key):
+            self._binds.move_to_end(key)
+            return hit
+        if hit is not None:
+            self._drop_bind(key)
+        c, be = self.c, self.c.device.backend
+        bindings = [c._k, c._v, nk or self.nk, nv or self.nv, q or self.q, self.aux, out or self.out,
+                    self.part, self.ml, lse or self.lse, self.rope, c._ks, c._vs]
+        prog = be.program(self._spirv, bindings, self._pipe.groups, self._pipe.spec, writes=self._writes,
+                          name=self._pipe.shader, subgroup=self.subgroup)
+        up = [b for b in self.inputs if b not in (self.q, self.nk, self.nv)] + \
+             [own for own, user in ((self.q, q), (self.nk, nk), (self.nv, nv)) if own in self.inputs and user is None]
+        down = [b for b in ((self.out if out is None else None), (self.lse if lse is None else lse if self._check_width
+                                                                    else None)) if b is not None]
+        rec = be.recording().upload(*up).dispatch(prog)
+        if down:
+            rec.download(*down)
+        hit = self._binds[key] = (prog, rec.build(c.timestamps), up)
+        while len(self._binds) > 4:
+            self._drop_bind(next(iter(self._binds)))
+        return hit
+
+    def _drop_bind(self, key) -> None:
+        prog, rec, _ = self._binds.pop(key)
+        destroy(rec, prog)
+
+    def run(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant, rope: RoPE | None = None,
+            out=None, lse=None):
+        """q (hq, rows, head_dim) packed; k/v (num_kv_heads, n, d) packed new rows or None: numpy
+        arrays, or vkattn.DeviceArray (read in place). ``out`` / ``lse``: DeviceArrays to write
+        into (None: the plan's own, copied to the host). Returns out (hq, rows,
+        v_head_dim) and lse (hq, rows) float32 numpy arrays, None for those written to buffers."""
+        devq = q.buffer if isinstance(q, DeviceArray) else None
+        devk = k.buffer if isinstance(k, DeviceArray) else None
+        devv = v.buffer if isinstance(v, DeviceArray) else None
+        out = out.buffer if isinstance(out, DeviceArray) else out
+        lse = lse.buffer if isinstance(lse, DeviceArray) else lse
         rows = self.fill(q, k, v, seqs, causal, scale, variant, rope)
-        self.rec.run()
-        self.c._last_rec = self.rec
+        if devq is None and devk is None and devv is None and out is None and lse is None:
+            rec = self.rec
+        else:
+            rec = self.bound(devq, devk, devv, out, lse)[1]
+        rec.run()
+        self.c._last_rec = rec
+        if rec is not self.rec:
+            width = self.narrow_subgroup(rows, lse)
+            if width or (self._check_width and self.cfg.kernel == "coopmat" and self._ran_width(rows, lse) != self.cfg.sg):
+                raise RuntimeError(f"the {self.cfg.kernel} pipeline ran with subgroups of "
+                                   f"{self._ran_width(rows, lse)} where it needs {self.cfg.sg or self.cfg.ds}: "
+                                   f"run this call once with numpy arrays to let vkattn adapt the plan")
+            host_out = None if out is not None else self.out.view()[:self.hq * rows * self.c.v_head_dim].reshape(
+                self.hq, rows, self.c.v_head_dim).copy()
+            host_lse = None if lse is not None else self.lse.view()[:self.hq * rows].reshape(self.hq, rows).copy()
+            return host_out, host_lse
         if self._check_width and self.cfg.kernel == "coopmat":
             width = int(self.lse.view()[self.hq * rows:].view(np.uint32)[0])
             if width != self.cfg.sg:
@@ -289,13 +349,17 @@ class AttnPlan:
             return self.run(q, k, v, seqs, causal, scale, variant, rope)
         return self.result(rows)
 
-    def narrow_subgroup(self, rows: int) -> int:
+    def _ran_width(self, rows: int, lse=None) -> int:
+        """The subgroup size the last run's pipeline ran with (the word after lse's rows)."""
+        return int((lse or self.lse).view()[self.hq * rows:].view(np.uint32)[0])
+
+    def narrow_subgroup(self, rows: int, lse=None) -> int:
         """After a run of ``rows`` rows: the subgroup size the pipeline really ran with (attn.comp
         writes it after lse) where it could not be pinned and is narrower than the cluster the
         shuffles assume, else 0."""
         if not self._check_width or self.cfg.kernel != "tile":
             return 0
-        width = int(self.lse.view()[self.hq * rows:].view(np.uint32)[0])
+        width = self._ran_width(rows, lse)
         return width if width < self.cfg.ds else 0
 
     def result(self, rows: int) -> tuple:
@@ -304,15 +368,22 @@ class AttnPlan:
         out = self.out.view()[:self.hq * rows * c.v_head_dim].reshape(self.hq, rows, c.v_head_dim).copy()
         return out, self.lse.view()[:self.hq * rows].reshape(self.hq, rows).copy()
 
+    @staticmethod
+    def _rows(x) -> int:
+        """Rows per head of a (heads, rows, dim) numpy array or DeviceArray."""
+        return x.shape[1]
+
     def fill(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant,
              rope: RoPE | None = None) -> int:
         """Write a call's inputs into the host copies of q, nk/nv, aux and the rotary table (what
         ``inputs`` uploads); returns its rows per head."""
         c, cfg = self.c, self.cfg
-        rows, nn = q.shape[1], (0 if k is None else k.shape[1])    # this call's counts (<= the plan's)
-        put_rows(self.q, q, c._dk4 * c._ch * 4)
-        if k is not None:
+        rows, nn = self._rows(q), (0 if k is None else self._rows(k))   # this call's counts (<= the plan's)
+        if isinstance(q, np.ndarray):
+            put_rows(self.q, q, c._dk4 * c._ch * 4)
+        if isinstance(k, np.ndarray):
             put_rows(self.nk, k, c._dk4 * c._ch * 4)
+        if isinstance(v, np.ndarray):
             put_rows(self.nv, v, c._dv4 * c._ch * 4)
         aux = self.aux.view()
         f = aux.view(np.float32)
@@ -363,6 +434,8 @@ class AttnPlan:
         return rows
 
     def destroy(self) -> None:
+        for key in list(self._binds):
+            self._drop_bind(key)
         destroy(self.rec, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,
                 self.ml, self.rope)
 

@@ -8,8 +8,9 @@ from collections import OrderedDict
 import numpy as np
 
 from . import reference
+from .array import DeviceArray, check_device_array
 from ._attn import Pipeline, RoPE, destroy, grid_groups, put_rows, set_storage, token_bytes, unpack_rows
-from .checks import check_bool, check_int
+from .checks import check_array, check_bool, check_int
 from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, DeviceLimitError, VerificationError
@@ -120,6 +121,39 @@ class CacheBase:
             raise CacheClosedError(f"this {kind} is closed")
         if self.device.closed:
             raise CacheClosedError(f"the device {self.device.name!r} of this {kind} is closed")
+
+    # ------------------------------------------------------------------ numpy or device arrays
+    def _check_q_array(self, q, rows):
+        """q (num_qo_heads, rows or any, head_dim): numpy (checked, as float32) or a DeviceArray
+        on this cache's device whose rows the kernels read unpadded."""
+        if isinstance(q, DeviceArray):
+            return check_device_array("q", q, (None, rows, self.head_dim), self.device, 4 * self._ch)
+        return check_array("q", q, (None, rows, self.head_dim))
+
+    def _check_device_kv(self, k, v, n):
+        """Both DeviceArrays on this device: k (num_kv_heads, n, head_dim), v (.., v_head_dim).
+        Their values are the caller's (no readback): a float16 cache stores them rounded, and
+        values past float16's range become infinities there (numpy inputs are refused instead)."""
+        if not (isinstance(k, DeviceArray) and isinstance(v, DeviceArray)):
+            raise TypeError(f"k, v: both numpy arrays or both vkattn.DeviceArray, got {type(k).__name__} and "
+                            f"{type(v).__name__}")
+        k = check_device_array("k", k, (self.num_kv_heads, n, self.head_dim), self.device, 4 * self._ch)
+        v = check_device_array("v", v, (self.num_kv_heads, n, self.v_head_dim), self.device, 4 * self._ch)
+        return k, v
+
+    def _check_outputs(self, out, lse, hq: int, s: int) -> tuple:
+        """``out=`` (num_qo_heads, s, v_head_dim) and ``lse=`` (num_qo_heads, s): None or
+        DeviceArrays on this device (written in place)."""
+        if out is not None:
+            out = check_device_array("out", out, (hq, s, self.v_head_dim), self.device)
+        if lse is not None:
+            lse = check_device_array("lse", lse, (hq, s), self.device)
+        return out, lse
+
+    @staticmethod
+    def _host(out, lse, q) -> tuple:
+        """numpy copies of whichever of out, lse, q are DeviceArrays (verify mode)."""
+        return tuple(x.numpy() if isinstance(x, DeviceArray) else x for x in (out, lse, q))
 
     def _check_rope_q(self, rope_q) -> bool:
         rope_q = check_bool("rope_q", rope_q)
@@ -280,11 +314,31 @@ class _SlotWritePlan:
         self.dst = buf(1 + 2 * hkv * n, np.uint32, name="append_rows")
         self.rope = buf(n * max(c._rope_dim, 4), np.float32, name="rope_table")
         pipe = append_pipeline(c.device, c, n)
-        self.prog = be.program(compile_shader(pipe.shader, pipe.defines),
-                               [c._k, c._v, self.nk, self.nv, self.dst, self.rope, c._ks, c._vs],
+        self._pipe, self._spirv = pipe, compile_shader(pipe.shader, pipe.defines)
+        self.prog = be.program(self._spirv, [c._k, c._v, self.nk, self.nv, self.dst, self.rope, c._ks, c._vs],
                                pipe.groups, pipe.spec, writes=(0, 1, 6, 7), name=pipe.name)
         inputs = [self.nk, self.nv, self.dst] + ([self.rope] if c.rope else [])
         self.rec = be.recording().upload(*inputs).dispatch(self.prog).build(c.timestamps)
+        self._binds = OrderedDict()
+
+    def bound(self, nk, nv) -> tuple:
+        """(program, recording, uploads) with device arrays' buffers ``nk`` / ``nv`` as the new rows
+        (AttnPlan.bound's rule: built once per pair, a few kept)."""
+        key = (nk, nv)
+        hit = self._binds.get(key)
+        if hit is not None and nk._t is not None and nv._t is not None:
+            self._binds.move_to_end(key)
+            return hit
+        if hit is not None:
+            destroy(*self._binds.pop(key)[:2])
+        c, be = self.c, self.c.device.backend
+        prog = be.program(self._spirv, [c._k, c._v, nk, nv, self.dst, self.rope, c._ks, c._vs],
+                          self._pipe.groups, self._pipe.spec, writes=(0, 1, 6, 7), name=self._pipe.name)
+        up = [self.dst] + ([self.rope] if c.rope else [])
+        hit = self._binds[key] = (prog, be.recording().upload(*up).dispatch(prog).build(c.timestamps), up)
+        while len(self._binds) > 4:
+            destroy(*self._binds.pop(next(iter(self._binds)))[:2])
+        return hit
 
     def run(self, k, v, slots: np.ndarray, positions: np.ndarray | None = None) -> None:
         """k (num_kv_heads, n, head_dim), v (num_kv_heads, n, v_head_dim); new row r goes to
@@ -292,8 +346,19 @@ class _SlotWritePlan:
         (default: the slots, which are the positions of a KVCache)."""
         c = self.c
         hkv, n = c.num_kv_heads, k.shape[1]
-        put_rows(self.nk, k, c._dk4 * c._ch * 4)
-        put_rows(self.nv, v, c._dv4 * c._ch * 4)
+        device = isinstance(k, DeviceArray)
+        if not device:
+            put_rows(self.nk, k, c._dk4 * c._ch * 4)
+            put_rows(self.nv, v, c._dv4 * c._ch * 4)
+        self.fill_rows(n, slots, positions)
+        rec = self.bound(k.buffer, v.buffer)[1] if device else self.rec
+        rec.run()
+        c._last_rec = rec
+
+    def fill_rows(self, n: int, slots: np.ndarray, positions: np.ndarray | None = None) -> None:
+        """The row list and rotary table of a call of ``n`` rows (what run uploads besides K/V)."""
+        c = self.c
+        hkv = c.num_kv_heads
         d = self.dst.view()                      # [count, (cache row, rotary-table row) per h, r]
         d[0] = hkv * n
         d[1:1 + 2 * hkv * n:2] = slot_rows(c, slots).T.ravel()    # row of (h, r) at h * n + r
@@ -301,8 +366,6 @@ class _SlotWritePlan:
         if c.rope:
             pos = slots if positions is None else positions
             self.rope.view()[:n * c._rope_dim] = c.rope.table(np.asarray(pos), c._rope_dim).ravel()
-        self.rec.run()
-        c._last_rec = self.rec
 
     def warm(self) -> None:
         """One dispatch that writes no row (count 0): the driver builds the pipeline now."""
@@ -310,6 +373,9 @@ class _SlotWritePlan:
         self.rec.run()
 
     def destroy(self) -> None:
+        for prog, rec, _ in self._binds.values():
+            destroy(rec, prog)
+        self._binds.clear()
         destroy(self.rec, self.prog, self.nk, self.nv, self.dst, self.rope)
 
 

@@ -25,6 +25,16 @@ and then visible to the later access). :class:`Recording` checks these rules whi
 raises :class:`SyncHazardError`, so every recorded sequence is race-free by construction on any
 Vulkan device, not only on lavapipe (which serialises everything). Separate evaluations are
 ordered by kp's fence wait plus the next submission.
+
+Barriers (kp built with scripts/kp-0.9.0-features.patch, which exposes kp.OpMemoryBarrier):
+:meth:`Recording.barrier` records a buffer memory barrier from shader and transfer writes to
+shader and transfer reads and writes on the given buffers, at the compute and transfer stages;
+its execution dependency orders every earlier dispatch before every later command, and its memory
+dependency makes those buffers' writes visible. ``dispatch(prog, barriers=True)`` inserts one
+wherever the rules above would refuse the dispatch (on the buffers concerned), so one recording
+can chain any number of dependent dispatches -- a model's layers, vkattn's calls and a caller's
+own kp algorithms -- in one submission (vkattn.graph). With a plain kp, :data:`HAS_BARRIER` is
+False and such recordings are refused (SyncHazardError) as before.
 """
 from __future__ import annotations
 
@@ -46,6 +56,12 @@ from .compiler import first_build, log
 from .errors import SyncHazardError
 
 _DTYPES = {np.dtype(np.uint32), np.dtype(np.float32)}
+HAS_BARRIER = hasattr(kp, "OpMemoryBarrier")
+# Vulkan flags of Recording.barrier: VK_ACCESS_SHADER_READ/WRITE, TRANSFER_READ/WRITE;
+# VK_PIPELINE_STAGE_COMPUTE_SHADER | TRANSFER
+_SRC_ACCESS = 0x40 | 0x1000
+_DST_ACCESS = 0x20 | 0x40 | 0x800 | 0x1000
+_STAGES = 0x800 | 0x1000
 
 
 class Backend:
@@ -233,20 +249,49 @@ class Recording:
         self._names.append("upload " + ",".join(b.name for b in bufs))
         return self
 
-    def dispatch(self, prog: Program) -> "Recording":
-        for b in prog.reads | prog.writes:
-            if b in self._written:
-                raise SyncHazardError(
-                    f"{prog.name}: {b.name!r} was written by an earlier dispatch with no barrier between")
-        for b in prog.writes:
-            if b in self._used:
-                raise SyncHazardError(
-                    f"{prog.name}: writes {b.name!r} that an earlier dispatch used, with no barrier between")
+    def dispatch(self, prog: Program, barriers: bool = False) -> "Recording":
+        """Record ``prog``'s dispatch. A buffer an earlier dispatch wrote (no download or barrier
+        since), or one it would write that an earlier dispatch used, is a SyncHazardError -- or,
+        with ``barriers``, gets a barrier (:meth:`barrier`) first."""
+        hazards = [b for b in prog.reads | prog.writes if b in self._written] + \
+                  [b for b in prog.writes if b in self._used and b not in self._written]
+        if hazards and barriers:
+            self.barrier(*hazards)
+        else:
+            for b in prog.reads | prog.writes:
+                if b in self._written:
+                    raise SyncHazardError(
+                        f"{prog.name}: {b.name!r} was written by an earlier dispatch with no barrier between")
+            for b in prog.writes:
+                if b in self._used:
+                    raise SyncHazardError(
+                        f"{prog.name}: writes {b.name!r} that an earlier dispatch used, with no barrier between")
         self._written |= prog.writes
         self._used |= prog.reads | prog.writes
         self._ops.append(kp.OpAlgoDispatch(prog._algo))
         self._names.append(prog.name)
         return self
+
+    def barrier(self, *bufs: Buffer) -> "Recording":
+        """A pipeline barrier (module docstring): every earlier dispatch happens before every
+        later command, and the writes to ``bufs`` are visible to them. Needs the patched kp."""
+        if not HAS_BARRIER:
+            raise SyncHazardError("a barrier between two dispatches needs kp built with "
+                                  "scripts/kp-0.9.0-features.patch (kp.OpMemoryBarrier)")
+        bufs = list(dict.fromkeys(bufs))
+        self._ops.append(kp.OpMemoryBarrier([b._t for b in bufs], _SRC_ACCESS, _DST_ACCESS, _STAGES, _STAGES))
+        self._names.append("barrier " + ",".join(b.name for b in bufs))
+        for b in bufs:
+            self._written.discard(b)
+        self._used.clear()
+        return self
+
+    def upload_after(self, *bufs: Buffer) -> "Recording":
+        """:meth:`upload`, with a barrier first where an earlier dispatch used one of ``bufs``."""
+        used = [b for b in bufs if b in self._used or b in self._written]
+        if used:
+            self.barrier(*used)
+        return self.upload(*bufs)
 
     def download(self, *bufs: Buffer) -> "Recording":
         for b in bufs:
@@ -267,6 +312,17 @@ class Recording:
 
     def run(self) -> None:
         self._seq.eval()
+
+    def submit(self) -> None:
+        """Submit without waiting (kp's eval_async); :meth:`wait` waits for it."""
+        self._seq.eval_async()
+
+    def wait(self) -> None:
+        self._seq.eval_await()
+
+    @property
+    def running(self) -> bool:
+        return self._seq is not None and self._seq.is_running()
 
     @property
     def ops(self) -> list:

@@ -10,6 +10,7 @@ from . import persist
 from .errors import CacheFullError
 from .tuning import decode_key_bound, row_bucket
 from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
+from .array import DeviceArray
 
 
 
@@ -66,7 +67,7 @@ class KVCache(CacheBase):
     def attend(self, q: np.ndarray, causal: bool = True, scale: float | None = None, *,
                window: int | None = None, n_sink: int = 0, mask: np.ndarray | None = None,
                softcap: float | None = None, alibi_slopes: np.ndarray | None = None,
-               return_lse: bool = False, rope_q: bool = False):
+               return_lse: bool = False, rope_q: bool = False, out=None, lse=None):
         """Attention of ``s`` query rows, the last ``s`` positions of the cache, over the cache.
 
         q: (num_qo_heads, s, head_dim) -> (num_qo_heads, s, v_head_dim) float32, and with
@@ -78,32 +79,37 @@ class KVCache(CacheBase):
         (scores become softcap * tanh(scores / softcap)), ``alibi_slopes`` (num_qo_heads,)
         (score += slope * (j - p)). ``rope_q``: rotate the queries at their positions with the
         cache's ``rope`` (keys were rotated when appended).
+
+        Device arrays (vkattn.DeviceArray, same shapes): ``q`` is read where it lies; ``out``
+        ((num_qo_heads, s, v_head_dim)) and ``lse`` ((num_qo_heads, s)) are written in place and
+        returned instead of numpy copies. Nothing crosses to the host that is not asked for.
         """
         with self._lock:
             self._check_open()
             q = self._check_q(q, self._length)
             call = self._check_call(q, self._length, causal, scale, window, n_sink, mask, softcap,
-                                    alibi_slopes, return_lse, rope_q)
+                                    alibi_slopes, return_lse, rope_q, out, lse)
             return self._run(q, None, None, call)
 
     def forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = True,
                 scale: float | None = None, *, window: int | None = None, n_sink: int = 0,
                 mask: np.ndarray | None = None, softcap: float | None = None,
-                alibi_slopes: np.ndarray | None = None, return_lse: bool = False, rope_q: bool = False):
+                alibi_slopes: np.ndarray | None = None, return_lse: bool = False, rope_q: bool = False,
+                out=None, lse=None):
         """Append ``k``/``v`` then attend ``q``. Up to ``vkattn.tuning.FUSED_APPEND_MAX_ROWS``
         new rows go in one device submission (the append is fused into the attention dispatch,
         which reads those rows from the input); more are appended in a submission of their own
         first and attended from the cache. Shapes as in :meth:`append` and :meth:`attend` (a mask
         covers the ``length + n`` positions after the append); the ``s`` query rows are the last
         ``s`` positions after the append. All checks run first: on any error the cache is
-        unchanged."""
+        unchanged. q, k, v, ``out`` and ``lse`` may be device arrays, as in :meth:`attend`."""
         with self._lock:
             self._check_open()
             k, v = self._check_kv(k, v)
             n = k.shape[1]
             q = self._check_q(q, self._length + n)
             call = self._check_call(q, self._length + n, causal, scale, window, n_sink, mask, softcap,
-                                    alibi_slopes, return_lse, rope_q)
+                                    alibi_slopes, return_lse, rope_q, out, lse)
             self._check_fits(n)
             return self._run(q, k, v, call)
 
@@ -189,14 +195,17 @@ class KVCache(CacheBase):
 
     # ------------------------------------------------------------------ internals
     def _check_kv(self, k, v):
-        k = check_array("k", k, (self.num_kv_heads, None, self.head_dim), fp16_range=self._f16)
-        v = check_array("v", v, (self.num_kv_heads, None, self.v_head_dim), fp16_range=self._f16)
+        if isinstance(k, DeviceArray) or isinstance(v, DeviceArray):
+            k, v = self._check_device_kv(k, v, None)
+        else:
+            k = check_array("k", k, (self.num_kv_heads, None, self.head_dim), fp16_range=self._f16)
+            v = check_array("v", v, (self.num_kv_heads, None, self.v_head_dim), fp16_range=self._f16)
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"v: expected {k.shape[1]} positions like k, got {v.shape[1]}")
         return k, v
 
     def _check_q(self, q, total: int):
-        q = check_array("q", q, (None, None, self.head_dim))
+        q = self._check_q_array(q, None)
         if q.shape[0] % self.num_kv_heads:
             raise ValueError(f"q: expected num_qo_heads a multiple of num_kv_heads={self.num_kv_heads}, "
                              f"got {q.shape[0]}")
@@ -210,14 +219,15 @@ class KVCache(CacheBase):
                                  f"{self.capacity} ({self.capacity - self._length} free)")
 
     def _check_call(self, q, total, causal, scale, window, n_sink, mask, softcap, alibi_slopes,
-                    return_lse, rope_q) -> dict:
+                    return_lse, rope_q, out=None, lse=None) -> dict:
         hq, s = q.shape[0], q.shape[1]
         variant = check_variant(hq, window, n_sink, softcap, alibi_slopes)
         if mask is not None:
             mask = check_mask(mask, hq, s, total)
+        out, lse = self._check_outputs(out, lse, hq, s)
         return dict(causal=check_bool("causal", causal), scale=check_scale(scale, self.head_dim),
                     variant=variant, mask=mask, return_lse=check_bool("return_lse", return_lse),
-                    rope_q=self._check_rope_q(rope_q))
+                    rope_q=self._check_rope_q(rope_q), out=out, lse=lse)
 
     def _forward_plans(self, hq, s, n_new, flags, words, total) -> tuple:
         """(append plan or None, attention plan) for a call with ``n_new`` new rows and ``total``
@@ -254,8 +264,10 @@ class KVCache(CacheBase):
         seq = SeqCall(past=total - fused, n_new=fused, q_start=0, q_len=s, mask=mask,
                       rope_pos=total - max(s, fused))
         out, lse = plan.run(q, k, v, [seq], call["causal"], call["scale"], variant,
-                            rope=self.rope)
+                            rope=self.rope, out=call["out"], lse=call["lse"])
         self._length += n
+        out = call["out"] if out is None else out
+        lse = call["lse"] if lse is None else lse
         if self.verify:
-            self._verify_rows(out, lse, q, *self.read(), self._length - s, call)
+            self._verify_rows(*self._host(out, lse, q), *self.read(), self._length - s, call)
         return (out, lse) if call["return_lse"] else out

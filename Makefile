@@ -57,7 +57,7 @@ test-subgroup4: setup
 # (0 messages each). They skip, naming why, where the device or glslang has no cooperative
 # matrices; CI runs this on Mesa 26's lavapipe: scripts/distro.sh trixie --mesa backports -- make test-coopmat
 test-coopmat: setup
-	VKATTN_GPUAV_KERNELS=coopmat bash scripts/validation.sh tests/test_coopmat.py tests/test_check.py -k coopmat --durations=5
+	VKATTN_REQUIRE_COOPMAT=1 VKATTN_GPUAV_KERNELS=coopmat bash scripts/validation.sh tests/test_coopmat.py tests/test_check.py -k coopmat --durations=5
 
 # every shader variant, and every module a test run logged (SHADER_LOG=file: the run's
 # VKATTN_SHADER_LOG), compiled by this glslang and glslang 13.1.1, validated by spirv-val 2025.5

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import vkattn
-from conftest import LSE_TOL, Mirror, assert_close, rand_kv, rand_q, variant_args
+from conftest import LSE_TOL, Mirror, assert_close, rand_kv, rand_q, skip_or_fail_coopmat, variant_args
 from vkattn import tuning
 from vkattn._attn import StorageFormat, attn_pipeline
 from vkattn.device import PlanningDevice
@@ -28,9 +28,7 @@ from vkattn.reference import attention, round_to
 @pytest.fixture
 def coopmat(device, monkeypatch):
     """The device, with VKATTN_KERNEL=coopmat; skips where the kernel cannot run, naming why."""
-    problem = device.coopmat_problem()
-    if problem:
-        pytest.skip(f"attn_coopmat.comp cannot run here: {problem}")
+    skip_or_fail_coopmat(device.coopmat_problem())
     monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
     return device
 

@@ -75,15 +75,15 @@ def _case_short(dev, rng, dtype, hkv, group, d, dv, n0, n1):
 def _rising_keys(rng, hkv: int, n: int, d: int, qdir):
     """Keys whose scores against queries near ``qdir`` grow with the position: every key block
     raises the running maximum, so the kernel rescales O and the sums block after block."""
-    k = 0.5 * rng.standard_normal((hkv, n, d)).astype(np.float32)
-    ramp = np.linspace(0.0, 3.0, n, dtype=np.float32)[None, :, None]
-    return k + ramp * qdir[:, None, :]
+    k = 0.5 * rng.standard_normal((hkv, n, d))
+    ramp = np.linspace(0.0, 3.0, n)[None, :, None]
+    return (k + ramp * qdir[:, None, :]).astype(np.float32)
 
 
 def _case_long(dev, rng, dtype, hkv=1, group=3, d=64, rows=7):
     """A chunk of ``rows`` over LONG_KEYS keys with a rising maximum, split >= 3 ways."""
     with KVCache(LONG_KEYS + rows, hkv, d, dtype=dtype, device=dev) as cache:
-        qdir = rng.standard_normal((hkv, d)).astype(np.float32) / np.sqrt(d)
+        qdir = rng.standard_normal((hkv, d)) / np.sqrt(d)
         k = _rising_keys(rng, hkv, LONG_KEYS, d, qdir)
         v = rng.standard_normal((hkv, LONG_KEYS, d)).astype(np.float32)
         cache.append(k, v)

@@ -5,6 +5,8 @@ The bare round trip is the floor any Vulkan call from Python pays here: one reco
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 import vkattn
@@ -47,7 +49,110 @@ def run(shape: Shape, device) -> list:
     t = time_calls(lambda: cache.attend(q), iters, warmup)
     tr = time_calls(lambda: attention(q, k, v), iters, warmup)
     cache.close()
-    return [Row(case=name, kernel="overhead", shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim}",
-                vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr["median_ms"],
-                speedup_vs_numpy=tr["median_ms"] / t["median_ms"], metric="x bare",
-                value=t["median_ms"] / bare["median_ms"], verified=ok, extra={"bare_ms": bare["median_ms"]})]
+    out = [Row(case=name, kernel="overhead", shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim}",
+               vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr["median_ms"],
+               speedup_vs_numpy=tr["median_ms"] / t["median_ms"], metric="x bare",
+               value=t["median_ms"] / bare["median_ms"], verified=ok, extra={"bare_ms": bare["median_ms"]})]
+    if selected("overhead device path"):
+        out += device_path(shape, device)
+        small = Shape(heads=9, kv_heads=3, head_dim=64, v_head_dim=64, dtype=shape.dtype, qlen=shape.qlen,
+                      capacity=None, iters=shape.iters, warmup=shape.warmup)      # SmolLM2-135M's attention
+        out += device_path(small, device)
+    return out
+
+
+def _python_us(fn, iters: int) -> float:
+    """Median microseconds of ``fn`` with every recorded submission replaced by nothing: the host
+    code around the device (vkattn's Python, numpy, kp's bindings up to the submit)."""
+    from vkattn import _kp
+    real = _kp.Recording.run
+    _kp.Recording.run = lambda self: None
+    try:
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    finally:
+        _kp.Recording.run = real
+    return float(np.median(times)) * 1e6
+
+
+def device_path(shape: Shape, device) -> list:
+    """A decode step at length L (VKATTN_PERF_OVERHEAD_CONTEXT, 16) of ``forward`` (one new token)
+    in three ways, each timed in this run beside a bare kp round trip: numpy in and out; device
+    arrays in and out (out=); and a vkattn.Graph of VKATTN_PERF_OVERHEAD_LAYERS (30) such calls,
+    one per cache, replayed (per layer). Rows: wall ms; extra: device ms (timestamps), vkattn's
+    Python per call (us, the submissions stubbed out), the bare round trip."""
+    L = env_int("VKATTN_PERF_OVERHEAD_CONTEXT", 16)
+    layers = env_int("VKATTN_PERF_OVERHEAD_LAYERS", 30)
+    tag = f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim}"
+    iters, warmup = max(shape.iters, 50), max(shape.warmup, 10)
+    rng = np.random.default_rng(5)
+    hq, hkv, d, dv = shape.heads, shape.kv_heads, shape.head_dim, shape.v_head_dim
+    caches = [vkattn.KVCache(L + 2 * (iters + warmup) + 4, hkv, d, dv, dtype=shape.dtype, device=device,
+                             timestamps=True) for _ in range(layers)]
+    k0 = rng.standard_normal((hkv, L, d), dtype=np.float32)
+    v0 = rng.standard_normal((hkv, L, dv), dtype=np.float32)
+    for c in caches:
+        c.append(k0, v0)
+    q = rng.standard_normal((hq, 1, d), dtype=np.float32)
+    k = rng.standard_normal((hkv, 1, d), dtype=np.float32)
+    v = rng.standard_normal((hkv, 1, dv), dtype=np.float32)
+    c0 = caches[0]
+    qd, kd, vd = vkattn.to_device(q, device), vkattn.to_device(k, device), vkattn.to_device(v, device)
+    od = vkattn.empty((hq, 1, dv), device)
+
+    def numpy_call():
+        c0.forward(q, k, v)
+        c0.truncate(L)
+
+    def device_call():
+        c0.forward(qd, kd, vd, out=od)
+        c0.truncate(L)
+
+    ok = check(c0.forward(q, k, v), attention(q, *c0.read()), shape.dtype)
+    c0.truncate(L)
+    bare = bare_round_trip_ms(device, iters, warmup)
+    kr, vr = c0.read()
+    tr = time_calls(lambda: attention(q, kr, vr), iters, warmup)["median_ms"]     # numpy's own attention
+    rows = []
+    for name, fn in (("numpy", numpy_call), ("device arrays", device_call)):
+        t = time_calls(fn, iters, warmup, device_of=c0)
+        py = _python_us(fn, iters)
+        rows.append(Row(case=f"decode forward L={L}, {name}", kernel="overhead", shape=tag,
+                        vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr, speedup_vs_numpy=tr / t["median_ms"],
+                        metric="x bare",
+                        value=(t["median_ms"] - (t["device_ms"] or 0.0)) / bare["median_ms"], verified=ok,
+                        extra={"bare_ms": bare["median_ms"], "device_ms": t["device_ms"], "python_us": py}))
+    qs = [vkattn.to_device(q, device) for _ in caches]
+    ks = [vkattn.to_device(k, device) for _ in caches]
+    vs = [vkattn.to_device(v, device) for _ in caches]
+    outs = [vkattn.empty((hq, 1, dv), device) for _ in caches]
+    graph = vkattn.Graph(device)
+    with graph.capture():
+        for c, a, b, e, o in zip(caches, qs, ks, vs, outs):
+            c.forward(a, b, e, out=o)
+
+    def step():
+        graph.run()
+        for c in caches:
+            c.truncate(L)
+    step()
+    graph.run()                                       # one step checked against the reference
+    gok = check(outs[-1].numpy(), attention(q, *caches[-1].read()), shape.dtype)
+    for c in caches:
+        c.truncate(L)
+    t = time_calls(step, max(iters // 5, 10), max(warmup // 5, 2))
+    rows.append(Row(case=f"decode step of {layers} layers L={L}, one graph submission", kernel="overhead",
+                    shape=tag, vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
+                    speedup_vs_numpy=tr * layers / t["median_ms"], metric="ms per layer",
+                    value=t["median_ms"] / layers, verified=ok and gok,
+                    extra={"bare_ms": bare["median_ms"], "recordings": graph.recordings,
+                           "submissions": graph.submissions}))
+    graph.close()
+    for o in qs + ks + vs + outs + [qd, kd, vd, od]:
+        o.close()
+    for c in caches:
+        c.close()
+    return rows

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import skip_or_fail_coopmat
 
 import vkattn
 from vkattn import check, tuning
@@ -83,9 +84,7 @@ def test_check_refuses_bad_arguments():
 
 
 def test_check_covers_the_coopmat_kernel_when_it_is_forced(device, tmp_path, monkeypatch, capsys):
-    problem = device.coopmat_problem()
-    if problem:
-        pytest.skip(f"attn_coopmat.comp does not run here: {problem}")
+    skip_or_fail_coopmat(device.coopmat_problem())
     monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
     path = tmp_path / "report.json"
     assert check.main(["--quick", "--repeats", "3", "--json", str(path)]) == 0

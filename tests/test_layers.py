@@ -13,7 +13,8 @@ LAYERS = [
     {"compiler", "tuning"},
     {"_kp"},
     {"device"},                         # limits, features, verdicts: builds no cache
-    {"array", "_attn", "paging"},       # device arrays, plans and pipelines, block bookkeeping
+    {"array", "_attn", "paging", "graph"},   # device arrays, plans and pipelines, block bookkeeping,
+                                             # recorded submissions (caches hand them their calls)
     {"_base"},
     {"persist", "cascade"},
     {"cache", "paged"},

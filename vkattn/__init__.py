@@ -16,10 +16,13 @@ from .reference import merge_states
 from .errors import (CacheClosedError, CacheFileCorruptError, CacheFileError, CacheFileMismatchError,
                      CacheFullError, DeviceLimitError, ShaderCompileError, SyncHazardError, VerificationError)
 from .persist import file_info as cache_file_info
+from .array import DeviceArray, empty, to_device, zeros
+from .graph import Graph
 from . import measure        # registers the per-device measurements (the self-test, the speed probe)
 from ._version import __version__
 
 __all__ = ["KVCache", "RoPE", "PagedKVCache", "UnknownSequenceError", "Device", "default_device", "list_devices", "reference", "CacheFullError",
            "CacheClosedError", "DeviceLimitError", "ShaderCompileError", "SyncHazardError",
            "VerificationError", "VulkanUnavailableError", "merge_states", "__version__",
-           "CacheFileError", "CacheFileCorruptError", "CacheFileMismatchError", "cache_file_info"]
+           "CacheFileError", "CacheFileCorruptError", "CacheFileMismatchError", "cache_file_info",
+           "DeviceArray", "empty", "zeros", "to_device", "Graph"]

@@ -219,7 +219,9 @@ class AttnPlan:
         self.out = buf(nrows * c.v_head_dim, np.float32, name="out")
         self.lse = buf(nrows + 1, np.float32, name="lse")   # + attn.comp's subgroup size word
         self.rope_dim = rope_dim
-        self.rope = buf(max(rows, nn, 1) * max(rope_dim, 4), np.float32, name="rope_table")
+        # the plan's own (not shared): host-filled per call, so the calls of several caches
+        # recorded into one submission (vkattn.graph) each keep theirs
+        self.rope = be.buffer(max(rows, nn, 1) * max(rope_dim, 4), np.float32, name="rope_table")
         # split-K partials live on the device only: the kernel merges them itself
         self.part = buf(cfg.splits * nrows * pv4 if split else 1, np.float32, host_visible=False, name="partials")
         self.ml = buf(cfg.splits * nrows * 2 if split else 2, np.float32, host_visible=False, name="max_sum")

@@ -150,6 +150,18 @@ class CacheBase:
             lse = check_device_array("lse", lse, (hq, s), self.device)
         return out, lse
 
+    def _check_graph_call(self, q, k, v, call) -> None:
+        """vkattn.graph's rules for a captured call (ValueError naming the first broken one)."""
+        for name, x in (("q", q), ("k", k), ("v", v), ("out", call["out"])):
+            if (x is not None or name == "out") and not isinstance(x, DeviceArray):
+                raise ValueError(f"{name}: a call captured into a graph takes DeviceArrays for q, k, v and out "
+                                 f"(got {'nothing' if x is None else type(x).__name__} for {name})")
+        if call["return_lse"] and call["lse"] is None:
+            raise ValueError("lse: a captured call with return_lse=True writes lse into a DeviceArray (lse=)")
+        if self.verify:
+            raise ValueError("verify: a captured call cannot be verified on the host (build the cache with "
+                             "verify=False, or run the call outside the graph)")
+
     @staticmethod
     def _host(out, lse, q) -> tuple:
         """numpy copies of whichever of out, lse, q are DeviceArrays (verify mode)."""
@@ -311,8 +323,9 @@ class _SlotWritePlan:
         buf = be.shared_buffer                   # scratch shared on the device (see AttnPlan)
         self.nk = buf(hkv * n * c._dk4 * c._ch * 4, np.float32, name="new_k")
         self.nv = buf(hkv * n * c._dv4 * c._ch * 4, np.float32, name="new_v")
-        self.dst = buf(1 + 2 * hkv * n, np.uint32, name="append_rows")
-        self.rope = buf(n * max(c._rope_dim, 4), np.float32, name="rope_table")
+        # the plan's own (host-filled per call; see AttnPlan.rope)
+        self.dst = be.buffer(1 + 2 * hkv * n, np.uint32, name="append_rows")
+        self.rope = be.buffer(n * max(c._rope_dim, 4), np.float32, name="rope_table")
         pipe = append_pipeline(c.device, c, n)
         self._pipe, self._spirv = pipe, compile_shader(pipe.shader, pipe.defines)
         self.prog = be.program(self._spirv, [c._k, c._v, self.nk, self.nv, self.dst, self.rope, c._ks, c._vs],

@@ -86,6 +86,8 @@ class Backend:
         # that the device's one queue would not serialise anyway.
         self.lock = threading.RLock()
         self._shared = weakref.WeakValueDictionary()    # holders keep them alive, not the registry
+        # a recording submitted without waiting (vkattn.graph): every later run waits for it first
+        self.pending = None
 
     def pipeline_count(self) -> int | None:
         """Distinct pipelines alive on this device (patched kp), None with a plain kp."""
@@ -311,6 +313,9 @@ class Recording:
         return self
 
     def run(self) -> None:
+        pending = self._backend.pending
+        if pending is not None:
+            pending.wait()
         self._seq.eval()
 
     def submit(self) -> None:
@@ -318,7 +323,10 @@ class Recording:
         self._seq.eval_async()
 
     def wait(self) -> None:
-        self._seq.eval_await()
+        if self._seq is not None and self._seq.is_running():
+            self._seq.eval_await()
+        if self._backend.pending is self:
+            self._backend.pending = None
 
     @property
     def running(self) -> bool:
@@ -336,6 +344,8 @@ class Recording:
         return [(n, (b - a) * tick_ns * 1e-6) for n, a, b in zip(self._names, ticks[:-1], ticks[1:])]
 
     def destroy(self) -> None:
+        if self._backend.pending is self:
+            self.wait()
         if self._seq is not None:
             self._seq.destroy()
             self._seq = None

@@ -26,6 +26,7 @@ import numbers
 
 import numpy as np
 
+from .checks import check_shape
 from .device import Device, default_device
 from .errors import CacheClosedError
 
@@ -180,12 +181,7 @@ def check_device_array(name: str, x: DeviceArray, shape: tuple, device: Device, 
     x._check_open()
     if x.device is not device:
         raise ValueError(f"{name}: this DeviceArray lives on {x.device.name!r}, the cache on {device.name!r}")
-    if x.ndim != len(shape):
-        raise ValueError(f"{name}: expected {len(shape)} dims, got shape {x.shape}")
-    for i, (want, got) in enumerate(zip(shape, x.shape)):
-        if (want is None and got < 1) or (want is not None and got != want):
-            fmt = "(" + ", ".join("n" if w is None else str(w) for w in shape) + ")"
-            raise ValueError(f"{name}: expected shape {fmt}, got {x.shape} (axis {i})")
+    check_shape(name, x.shape, shape)
     if width_rule and x.shape[-1] % width_rule:
         raise ValueError(f"{name}: a device array's last dimension must be a multiple of {width_rule} for this "
                          f"cache's storage (the kernels read its rows unpadded); got {x.shape[-1]}. Pass numpy, "

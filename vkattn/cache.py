@@ -188,6 +188,45 @@ class KVCache(CacheBase):
             raise
         self._length = n
 
+    def _capture(self, graph, q, k, v, call):
+        """The call as a graph step: its plans are looked up and their host words filled when the
+        graph is submitted, for the length the cache has then."""
+        self._check_graph_call(q, k, v, call)
+        hq, s = q.shape[0], q.shape[1]
+        n = 0 if k is None else k.shape[1]
+        variant, mask = call["variant"], call["mask"]
+        flags = variant.flags(mask is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
+        words = AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0 if mask is None else mask.size)
+        cache = self
+
+        class Step:
+            def prepare(self):
+                cache._check_open()
+                cache._check_fits(n)
+                total = cache._length + n
+                append, plan = cache._forward_plans(hq, s, n, flags, words, total)
+                work, kk, vv = [], k, v
+                if append is not None:
+                    append.fill_rows(n, np.arange(cache._length, total))
+                    prog, _, up = append.bound(k.buffer, v.buffer)
+                    work.append((prog, up))
+                    kk = vv = None
+                fused = 0 if kk is None else n
+                seq = SeqCall(past=total - fused, n_new=fused, q_start=0, q_len=s, mask=mask,
+                              rope_pos=total - max(s, fused))
+                plan.fill(q, kk, vv, [seq], call["causal"], call["scale"], variant, cache.rope)
+                prog, _, up = plan.bound(q.buffer, None if kk is None else kk.buffer,
+                                         None if vv is None else vv.buffer, call["out"].buffer,
+                                         None if call["lse"] is None else call["lse"].buffer)
+                work.append((prog, up))
+                return work
+
+            def commit(self):
+                cache._length += n
+
+        graph.add_cache_call(self, Step())
+        return (call["out"], call["lse"]) if call["return_lse"] else call["out"]
+
     def __repr__(self) -> str:
         return (f"KVCache(length={self._length}, capacity={self.capacity}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, dtype={self.dtype!r}, "
@@ -248,7 +287,11 @@ class KVCache(CacheBase):
                                            self._rope_dim))
 
     def _run(self, q, k, v, call):
-        """Plan (cached) and run one attend/forward; the length grows only after it succeeded."""
+        """Plan (cached) and run one attend/forward; the length grows only after it succeeded.
+        Inside a graph's capture (vkattn.graph) the call is recorded there instead."""
+        graph = self.device._graph
+        if graph is not None:
+            return self._capture(graph, q, k, v, call)
         hq, s = q.shape[0], q.shape[1]
         n = 0 if k is None else k.shape[1]
         variant, mask = call["variant"], call["mask"]

@@ -20,17 +20,22 @@ def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: boo
         raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name}: expected dtype float32 or float16, got {x.dtype}")
-    if x.ndim != len(shape):
-        raise ValueError(f"{name}: expected {len(shape)} dims {_fmt(shape)}, got shape {x.shape}")
-    for i, (want, got) in enumerate(zip(shape, x.shape)):
-        if (want is None and got < 1) or (want is not None and got != want):
-            raise ValueError(f"{name}: expected shape {_fmt(shape)}, got {x.shape} (axis {i})")
+    check_shape(name, x.shape, shape)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if finite and not np.isfinite(x).all():
         raise ValueError(f"{name}: contains NaN or Inf")
     if fp16_range and x.size and float(np.abs(x).max()) > FP16_MAX:
         raise ValueError(f"{name}: values exceed the float16 range (|x| > {FP16_MAX}) of this float16 cache")
     return x
+
+
+def check_shape(name: str, got: tuple, shape: tuple) -> None:
+    """ValueError unless ``got`` has the dims of ``shape`` (an int: that size; None: any >= 1)."""
+    if len(got) != len(shape):
+        raise ValueError(f"{name}: expected {len(shape)} dims {_fmt(shape)}, got shape {got}")
+    for i, (want, n) in enumerate(zip(shape, got)):
+        if (want is None and n < 1) or (want is not None and n != want):
+            raise ValueError(f"{name}: expected shape {_fmt(shape)}, got {got} (axis {i})")
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> int:

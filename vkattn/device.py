@@ -212,6 +212,7 @@ class Device(_Limits):
 
     _coopmat_test_result = None     # the self-test's verdict: None before it ran, "" passed (or running)
     _coopmat_speed = None           # the speed probe's figures: None before it ran
+    _graph = None                   # the vkattn.Graph capturing this device's cache calls, if any
     _fresh = False                  # measure afresh, not from the disk cache (vkattn.measure.remeasure)
 
     def _measure(self, name: str):

@@ -11,6 +11,7 @@ from .compiler import compile_shader
 from . import persist
 from .device import Device
 from .errors import CacheFullError
+from .array import DeviceArray
 from .paging import BlockPool, UnknownSequenceError
 from .tuning import WORKGROUP, decode_key_bound, kernel_for, own_splits, row_bucket
 
@@ -200,7 +201,7 @@ class PagedKVCache(CacheBase):
                 causal: bool = True, scale: float | None = None, *, window: int | None = None,
                 n_sink: int = 0, mask=None, softcap: float | None = None,
                 alibi_slopes: np.ndarray | None = None, return_lse: bool = False, rope_q: bool = False,
-                token_ids=None):
+                token_ids=None, out=None, lse=None):
         """Append each sequence's new tokens and attend its queries to its whole cache, the whole
         batch at once (batch decode: one token each; chunked prefill: any).
 
@@ -223,14 +224,22 @@ class PagedKVCache(CacheBase):
         new tokens. A sequence that knows the ids of all its earlier positions records them, and
         the full blocks they complete enter the prefix cache (see the class docstring). Cached
         blocks the new tokens take are evicted before anything is written to them.
+
+        Device arrays (vkattn.DeviceArray): q, k and v are read where they lie, ``out``
+        ((num_qo_heads, sum(n_new), v_head_dim)) and ``lse`` ((num_qo_heads, sum(n_new)))
+        written in place and returned (KVCache.attend). A call with device arrays does not take
+        the shared-prefix (cascade) path: its result is the same, computed per sequence. Inside
+        a vkattn.Graph capture the call is recorded (token_ids not taken there).
         """
         with self._lock:
             self._check_open()
             plan, k, v = self._check_new(seq_ids, n_new, k, v, token_ids)
             counts = plan.n_new
             total = sum(counts)
-            q = check_array("q", q, (None, total, self.head_dim))
+            q = self._check_q_array(q, total)
             hq = q.shape[0]
+            out, lse = self._check_outputs(out, lse, hq, total)
+            on_device = any(isinstance(x, DeviceArray) for x in (q, k, v, out, lse))
             if hq % self.num_kv_heads:
                 raise ValueError(f"q: expected num_qo_heads a multiple of num_kv_heads={self.num_kv_heads}, "
                                  f"got {hq}")
@@ -240,17 +249,16 @@ class PagedKVCache(CacheBase):
             return_lse = check_bool("return_lse", return_lse)
             masks = self._check_masks(mask, hq, plan)
             split = self._appends_first(max(counts))   # append all new rows first, attend from the pool
-            seqs, start = [], 0
-            for i, n in enumerate(counts):
-                seqs.append(SeqCall(past=plan.past[i] + (n if split else 0), n_new=0 if split else n,
-                                    q_start=start, q_len=n, new_start=start,
-                                    table=np.asarray(plan.tables[i], np.uint32),
-                                    mask=None if masks is None else masks[i], rope_row=start,
-                                    rope_pos=plan.past[i]))
-                start += n
+            seqs = _seq_calls(plan, masks, split)
             flags = F_PAGED | variant.flags(masks is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
+            if self.device._graph is not None:
+                if token_ids is not None:
+                    raise ValueError("token_ids: a call captured into a graph does not record token ids")
+                return self._capture(plan.seq_ids, list(counts), q, k, v, masks, flags, split, call,
+                                     out, lse, return_lse)
             # a prefix of full blocks several sequences share: attended once for all (vkattn.cascade)
-            groups = cascade.plan_groups(self, plan, hq, variant, masks is not None, call["rope_q"])
+            groups = None if on_device else cascade.plan_groups(self, plan, hq, variant, masks is not None,
+                                                                 call["rope_q"])
             if groups:
                 key, args = self._batch_plan_args(plan, hq, flags, masks, split, cascade.own_from(plan, groups))
                 attn = cascade.cascade_plan(self, plan, hq, key, args, groups, variant.flags(False))
@@ -264,14 +272,62 @@ class PagedKVCache(CacheBase):
                 out, lse = attn.run(q, k, v, seqs, plan, groups, call["causal"], call["scale"], variant,
                                     rope=self.rope)
             else:
-                out, lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant, rope=self.rope)
+                host_out, host_lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant,
+                                              rope=self.rope, out=out, lse=lse)
+                out = out if host_out is None else host_out
+                lse = lse if host_lse is None else host_lse
             plan.commit()
             if self.verify:
+                vout, vlse, vq = self._host(out, lse, q)
                 for sid, s in zip(plan.seq_ids, seqs):
                     rows = slice(s.q_start, s.q_start + s.q_len)
-                    self._verify_rows(out[:, rows], lse[:, rows], q[:, rows], *self.read(sid),
+                    self._verify_rows(vout[:, rows], vlse[:, rows], vq[:, rows], *self.read(sid),
                                       s.past + s.n_new - s.q_len, dict(call, mask=s.mask))
             return (out, lse) if return_lse else out
+
+    def _capture(self, seq_ids, counts, q, k, v, masks, flags, split, call, out, lse, return_lse):
+        """The batch call as a graph step (vkattn.graph): the pool's blocks are planned, its plan
+        looked up and its host words filled when the graph is submitted, for the sequences'
+        lengths then; blocks are taken (and cached ones they reuse evicted) at the submission."""
+        call = dict(call, out=out, lse=lse, return_lse=return_lse)
+        self._check_graph_call(q, k, v, call)
+        hq, variant, cache = q.shape[0], call["variant"], self
+
+        class Step:
+            plan = None
+
+            def prepare(self):
+                cache._check_open()
+                plan = self.plan = cache._plan_new(seq_ids, counts)
+                seqs = _seq_calls(plan, masks, split)
+                attn = cache._batch_plan(plan, hq, flags, masks, split)
+                work, kk, vv = [], k, v
+                if split:
+                    append = cache._append_plan(sum(counts))
+                    positions = np.concatenate([np.arange(p, p + n) for p, n in zip(plan.past, counts)])
+                    slots = np.concatenate([plan.slots(i) for i in range(len(seq_ids))])
+                    append.fill_rows(sum(counts), slots, positions)
+                    prog, _, up = append.bound(k.buffer, v.buffer)
+                    work.append((prog, up))
+                    kk = vv = None
+                attn.fill(q, kk, vv, seqs, call["causal"], call["scale"], variant, cache.rope)
+                prog, _, up = attn.bound(q.buffer, None if kk is None else kk.buffer,
+                                         None if vv is None else vv.buffer, out.buffer,
+                                         None if lse is None else lse.buffer)
+                work.append((prog, up))
+                return work
+
+            def commit(self):
+                self.plan.evict_cached()
+                self.plan.commit()
+
+        self._graph_step_check(seq_ids)
+        self.device._graph.add_cache_call(self, Step())
+        return (out, lse) if return_lse else out
+
+    def _graph_step_check(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self.length(sid)            # UnknownSequenceError now, not at the submission
 
     def plan(self, seq_ids, num_qo_heads: int, n_new=None, rope_q: bool = False) -> None:
         """Build (or fetch) everything :meth:`forward` needs for ``seq_ids`` bringing ``n_new``
@@ -364,8 +420,11 @@ class PagedKVCache(CacheBase):
         ids, shapes, values); nothing changes."""
         plan = self._plan_new(seq_ids, n_new, token_ids)
         total = sum(plan.n_new)
-        k = check_array("k", k, (self.num_kv_heads, total, self.head_dim), fp16_range=self._f16)
-        v = check_array("v", v, (self.num_kv_heads, total, self.v_head_dim), fp16_range=self._f16)
+        if isinstance(k, DeviceArray) or isinstance(v, DeviceArray):
+            k, v = self._check_device_kv(k, v, total)
+        else:
+            k = check_array("k", k, (self.num_kv_heads, total, self.head_dim), fp16_range=self._f16)
+            v = check_array("v", v, (self.num_kv_heads, total, self.v_head_dim), fp16_range=self._f16)
         return plan, k, v
 
     def _plan_new(self, seq_ids, n_new, token_ids=None):
@@ -431,6 +490,20 @@ class PagedKVCache(CacheBase):
         """The device side of a BlockPool copy instruction (the first ``rows`` of ``src`` are
         needed; the whole block is copied)."""
         self._plan(("copy",), lambda: _CopyPlan(self)).run(src, dst)
+
+
+def _seq_calls(plan, masks, split: bool) -> list:
+    """The SeqCall of each sequence of a batch (AppendPlan ``plan``): its rows packed after the
+    previous sequence's; ``split``: its new rows are appended first, so the dispatch carries none."""
+    seqs, start = [], 0
+    for i, n in enumerate(plan.n_new):
+        seqs.append(SeqCall(past=plan.past[i] + (n if split else 0), n_new=0 if split else n,
+                            q_start=start, q_len=n, new_start=start,
+                            table=np.asarray(plan.tables[i], np.uint32),
+                            mask=None if masks is None else masks[i], rope_row=start,
+                            rope_pos=plan.past[i]))
+        start += n
+    return seqs
 
 
 class _CopyPlan:

@@ -1,0 +1,227 @@
+"""The device path (issue 30): DeviceArrays in and out of both caches, bit for bit what the numpy
+path gives; recorded submissions (vkattn.Graph) chaining several caches and the caller's own kp
+dispatches with barriers, replayed at new lengths without recording again. Run under the Khronos
+layer's synchronization validation by make test-validation (0 messages)."""
+import textwrap
+
+import numpy as np
+import pytest
+
+import vkattn
+from vkattn.compiler import compile_shader
+from vkattn.reference import attention
+
+DTYPES = ["float32", "float16", "int8"]
+
+
+def _data(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def test_device_array_round_trip_and_errors(device):
+    x = np.arange(2 * 3 * 5, dtype=np.float32).reshape(2, 3, 5) / 7
+    a = vkattn.to_device(x, device)
+    assert a.shape == (2, 3, 5) and a.dtype == np.float32 and a.nbytes == 120 and a.device is device
+    assert np.array_equal(a.numpy(), x)
+    a.write(x[::-1] * 2)
+    assert np.array_equal(a.numpy(), x[::-1] * 2)
+    assert a.manager is device.backend._mgr and a.tensor.size() >= a.size
+    assert np.array_equal(vkattn.zeros((4,), device).numpy(), np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="expected shape"):
+        a.write(np.zeros((3, 2, 5)))
+    with pytest.raises(TypeError, match="float"):
+        vkattn.to_device(np.arange(4), device)
+    with pytest.raises(ValueError, match="shape"):
+        vkattn.empty((2, 0), device)
+    a.close()
+    with pytest.raises(vkattn.CacheClosedError):
+        a.numpy()
+    a.close()                                            # twice: nothing
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kvcache_device_arrays_equal_the_numpy_path_bit_for_bit(device, rng, dtype):
+    hkv, g, d, dv = 2, 3, 32, 48
+    twin = [vkattn.KVCache(80, hkv, d, dv, dtype=dtype, device=device) for _ in range(2)]
+    steps = [(rng, 9), (rng, 1), (rng, 40), (rng, 1)]      # prefill, decode, appended-first chunk, decode
+    for _, n in steps:
+        q, k, v = _data(rng, hkv * g, n, d), _data(rng, hkv, n, d), _data(rng, hkv, n, dv)
+        want, want_lse = twin[0].forward(q, k, v, return_lse=True)
+        out, lse = vkattn.empty((hkv * g, n, dv), device), vkattn.empty((hkv * g, n), device)
+        got = twin[1].forward(vkattn.to_device(q, device), vkattn.to_device(k, device), vkattn.to_device(v, device),
+                              out=out, lse=lse, return_lse=True)
+        assert got[0] is out and got[1] is lse
+        assert np.array_equal(out.numpy(), want) and np.array_equal(lse.numpy(), want_lse)
+        ks, vs = twin[1].read()
+        np.testing.assert_allclose(out.numpy(), attention(q, ks, vs), atol=2e-5, rtol=2e-4)
+    assert twin[0].length == twin[1].length == 51
+    # attend and append on device arrays; numpy out where out= is not given
+    q = _data(rng, hkv * g, 4, d)
+    assert np.array_equal(twin[1].attend(vkattn.to_device(q, device)), twin[0].attend(q))
+    k, v = _data(rng, hkv, 3, d), _data(rng, hkv, 3, dv)
+    twin[0].append(k, v)
+    twin[1].append(vkattn.to_device(k, device), vkattn.to_device(v, device))
+    for a, b in zip(twin[0].read(), twin[1].read()):
+        assert np.array_equal(a, b)
+
+
+def test_device_array_checks_lose_nothing(device, rng):
+    cache = vkattn.KVCache(16, 1, 24, dtype="float16", device=device)
+    k, v = vkattn.to_device(_data(rng, 1, 2, 24), device), vkattn.to_device(_data(rng, 1, 2, 24), device)
+    with pytest.raises(ValueError, match="multiple of 8"):          # float16 rows: 24 is one
+        vkattn.KVCache(16, 1, 20, dtype="float16", device=device).append(
+            vkattn.empty((1, 2, 20), device), vkattn.empty((1, 2, 20), device))
+    with pytest.raises(ValueError, match="3 query rows but the cache would hold only 2"):
+        cache.forward(vkattn.empty((2, 3, 24), device), k, v)
+    with pytest.raises(ValueError, match="expected shape"):
+        cache.forward(vkattn.empty((2, 2, 23), device), k, v)
+    with pytest.raises(TypeError, match="both numpy arrays or both"):
+        cache.append(k, _data(rng, 1, 2, 24))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        cache.forward(vkattn.empty((2, 2, 24), device), k, v, out=vkattn.empty((2, 2, 23), device))
+    with pytest.raises(TypeError, match="DeviceArray"):
+        cache.forward(_data(rng, 2, 2, 24), _data(rng, 1, 2, 24), _data(rng, 1, 2, 24), out=np.zeros((2, 2, 24)))
+    assert cache.length == 0
+    int8 = vkattn.KVCache(16, 1, 24, dtype="int8", device=device)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        int8.append(k, v)
+    assert int8.length == 0
+
+
+SCALE_SHADER = textwrap.dedent("""\
+    #version 450
+    // the caller's own kernel of the graph tests: y = 0.5 * x + 1 over n floats
+    layout(local_size_x = 64) in;
+    layout(constant_id = 0) const uint N = 1u;
+    layout(std430, binding = 0) readonly buffer X { float x[]; };
+    layout(std430, binding = 1) writeonly buffer Y { float y[]; };
+    void main() {
+        uint i = gl_GlobalInvocationID.x;
+        if (i < N) y[i] = 0.5 * x[i] + 1.0;
+    }
+    """)
+
+
+@pytest.fixture(scope="module")
+def scale_spirv(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shader")
+    (d / "scale.comp").write_text(SCALE_SHADER)
+    return compile_shader("scale", src_dir=d)
+
+
+def _scale(arr_in, arr_out, spirv):
+    n = arr_in.size
+    return arr_in.manager.algorithm([arr_in.tensor, arr_out.tensor], spirv, [-(-n // 64), 1, 1],
+                                    np.array([n], np.uint32), np.zeros(0, np.uint32))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_graph_chains_layers_and_the_callers_dispatches_and_replays(device, rng, dtype, scale_spirv):
+    """Three layers: attention of layer i -> the caller's kernel (0.5 x + 1) -> q of layer i+1, in
+    one submission; replayed over steps; every value equal, bit for bit, to the numpy path run
+    call by call with the same kernel applied on the host in float32."""
+    layers, hkv, g, d = 3, 2, 2, 32
+    hq = hkv * g
+    gpu = [vkattn.KVCache(64, hkv, d, dtype=dtype, device=device) for _ in range(layers)]
+    cpu = [vkattn.KVCache(64, hkv, d, dtype=dtype, device=device) for _ in range(layers)]
+    for a, b in zip(gpu, cpu):
+        k, v = _data(rng, hkv, 7, d), _data(rng, hkv, 7, d)
+        a.append(k, v)
+        b.append(k, v)
+    q = [vkattn.empty((hq, 1, d), device) for _ in range(layers + 1)]
+    out = [vkattn.empty((hq, 1, d), device) for _ in range(layers)]
+    k = [vkattn.empty((hkv, 1, d), device) for _ in range(layers)]
+    v = [vkattn.empty((hkv, 1, d), device) for _ in range(layers)]
+    algos = [_scale(out[i], q[i + 1], scale_spirv) for i in range(layers)]
+    graph = vkattn.Graph(device)
+    with graph.capture():
+        graph.upload(q[0], *k, *v)
+        for i in range(layers):
+            gpu[i].forward(q[i], k[i], v[i], out=out[i])
+            graph.dispatch(algos[i], reads=[out[i]], writes=[q[i + 1]])
+        graph.download(q[layers])
+    for step in range(5):
+        q0 = _data(rng, hq, 1, d)
+        ks = [_data(rng, hkv, 1, d) for _ in range(layers)]
+        vs = [_data(rng, hkv, 1, d) for _ in range(layers)]
+        q[0].host_view()[...] = q0
+        for i in range(layers):
+            k[i].host_view()[...] = ks[i]
+            v[i].host_view()[...] = vs[i]
+        handle = graph.submit()
+        x = q0
+        for i in range(layers):                       # the numpy path, call by call
+            x = (np.float32(0.5) * cpu[i].forward(x, ks[i], vs[i]) + np.float32(1.0)).astype(np.float32)
+        handle.wait()
+        assert np.array_equal(q[layers].host_view(), x), step
+        assert [c.length for c in gpu] == [c.length for c in cpu] == [8 + step] * layers
+    assert graph.submissions == 5 and graph.recordings == 1          # replayed, not recorded again
+    assert sum(op.startswith("barrier") for op in graph.ops) >= 2 * layers - 1
+    graph.close()
+
+
+def test_graph_records_again_when_a_plan_changes_and_refuses_what_breaks_its_rules(device, rng):
+    hkv, d = 1, 16
+    cache = vkattn.KVCache(4200, hkv, d, dtype="float32", device=device)
+    cache.append(_data(rng, hkv, 4090, d), _data(rng, hkv, 4090, d))
+    q, k, v, o = (vkattn.empty(s, device) for s in ((2, 1, d), (hkv, 1, d), (hkv, 1, d), (2, 1, d)))
+    g = vkattn.Graph(device)
+    with g.capture():
+        cache.forward(q, k, v, out=o)
+    for _ in range(8):                                 # 4091 .. 4098: the decode key bound passes 4096
+        g.run()
+    assert cache.length == 4098 and g.recordings == 2 and g.submissions == 8
+    other = vkattn.Graph(device)
+    with other.capture():
+        with pytest.raises(ValueError, match="DeviceArrays for q, k, v and out"):
+            cache.forward(_data(rng, 2, 1, d), k, v, out=o)
+        with pytest.raises(ValueError, match="DeviceArrays for q, k, v and out"):
+            cache.forward(q, k, v)
+        cache.forward(q, k, v, out=o)
+        with pytest.raises(ValueError, match="one call per cache"):
+            cache.forward(q, k, v, out=o)
+        with pytest.raises(ValueError, match="already capturing"):
+            with vkattn.Graph(device).capture():
+                pass
+    full = vkattn.KVCache(2, hkv, d, dtype="float32", device=device)
+    g2 = vkattn.Graph(device)
+    with g2.capture():
+        full.forward(q, k, v, out=o)
+    g2.run()
+    g2.run()
+    with pytest.raises(vkattn.CacheFullError):
+        g2.run()                                       # nothing submitted, nothing changed
+    assert full.length == 2 and g2.submissions == 2
+    with pytest.raises(ValueError, match="inside `with graph.capture"):
+        g2.upload(q)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_paged_batches_on_device_arrays_equal_the_numpy_path_and_replay(device, rng, dtype):
+    hkv, g, d = 2, 2, 32
+    hq = hkv * g
+    pools = [vkattn.PagedKVCache(32, 16, hkv, d, dtype=dtype, device=device) for _ in range(2)]
+    ids = [[p.add_sequence() for _ in range(3)] for p in pools]
+    counts = [5, 40, 1]                                   # a ragged prefill: 40 rows go in first
+    n = sum(counts)
+    q, k, v = _data(rng, hq, n, d), _data(rng, hkv, n, d), _data(rng, hkv, n, d)
+    want = pools[0].forward(ids[0], q, k, v, n_new=counts)
+    out = vkattn.empty((hq, n, d), device)
+    got = pools[1].forward(ids[1], vkattn.to_device(q, device), vkattn.to_device(k, device),
+                           vkattn.to_device(v, device), n_new=counts, out=out)
+    assert got is out and np.array_equal(out.numpy(), want)
+    # batch decode, captured once and replayed: bit for bit the numpy path each step
+    qd, kd, vd, od = (vkattn.empty(s, device) for s in ((hq, 3, d), (hkv, 3, d), (hkv, 3, d), (hq, 3, d)))
+    graph = vkattn.Graph(device)
+    with graph.capture():
+        graph.upload(qd, kd, vd)
+        pools[1].forward(ids[1], qd, kd, vd, out=od)
+        graph.download(od)
+    for step in range(20):                              # sequence 0 crosses into a new block
+        q1, k1, v1 = _data(rng, hq, 3, d), _data(rng, hkv, 3, d), _data(rng, hkv, 3, d)
+        qd.host_view()[...], kd.host_view()[...], vd.host_view()[...] = q1, k1, v1
+        graph.run()
+        assert np.array_equal(od.host_view(), pools[0].forward(ids[0], q1, k1, v1)), step
+    assert [pools[1].length(s) for s in ids[1]] == [25, 60, 21] and graph.recordings == 1
+    for a, b in zip(pools[0].read(ids[0][1]), pools[1].read(ids[1][1])):
+        assert np.array_equal(a, b)

@@ -1,0 +1,216 @@
+"""Recorded submissions: many calls -- several caches' attention, a caller's own kp dispatches --
+in one submission with the barriers each dependency needs, submitted without waiting, replayed.
+
+    g = vkattn.Graph(device)
+    with g.capture():                          # calls are recorded, not run
+        for i, cache in enumerate(caches):     # one call per cache: q, k, v, out are DeviceArrays
+            cache.forward(q[i], k[i], v[i], out=o[i])
+            g.dispatch(my_algorithm, reads=[o[i]], writes=[x[i + 1]])   # the caller's own kp work
+    h = g.submit()                             # one submission, nothing waited for
+    ...                                        # host work meanwhile
+    h.wait()                                   # or g.run(): submit and wait
+    g.run()                                    # replay: the same calls at the caches' new lengths
+
+What a replay costs: each cache call fills its plan's host words (lengths, positions, tables) and
+the recorded command buffer is submitted again; it is recorded again only where a call's plan
+changed (a decode's key bound crosses a power of two, a row count crosses its bucket): a recorded
+decode step of a 30-layer model is one submission per token, as CUDA graphs replay a step.
+
+Ordering: the recording inserts a buffer memory barrier (vkattn._kp.Recording.barrier: kp built
+with scripts/kp-0.9.0-features.patch) before any dispatch that reads or writes what an earlier
+dispatch of the submission wrote, or writes what one read, so the chain is correct on any Vulkan
+device, whatever the driver overlaps. A caller's dispatches say what they read and write
+(``reads=`` / ``writes=``) for that. Host calls on the device wait for a submitted graph first.
+
+Rules (ValueError when broken, at capture; nothing recorded): inside :meth:`Graph.capture`,
+every cache call takes DeviceArrays for q, k, v and ``out`` (and ``lse`` with ``return_lse``),
+no ``verify``, and each cache appears once per graph (its plan's host words hold one call). A
+cache call's new rows count from the cache's length when the graph is submitted; its length
+grows then. A submission that does not fit a cache (CacheFullError) submits nothing and changes
+no cache.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from ._kp import HAS_BARRIER
+from .array import DeviceArray
+from .device import Device, default_device
+from .errors import CacheClosedError, SyncHazardError
+
+
+class _CallerProgram:
+    """A caller's kp.Algorithm as vkattn._kp.Recording.dispatch takes it."""
+
+    def __init__(self, algorithm, reads, writes, name):
+        self._algo = algorithm
+        self.reads = {a.buffer for a in reads}
+        self.writes = {a.buffer for a in writes}
+        self.reads -= self.writes
+        self.name = name
+
+
+class Handle:
+    """A submitted graph: :meth:`wait` blocks until the device finished it."""
+
+    def __init__(self, graph: "Graph", rec):
+        self._graph, self._rec, self._done = graph, rec, False
+
+    def wait(self) -> None:
+        if not self._done:
+            with self._graph.device.backend.lock:
+                self._rec.wait()
+                self._done = True
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+class Graph:
+    """A recorded submission on ``device`` (default: vkattn.default_device()); module docstring."""
+
+    def __init__(self, device: Device | None = None):
+        if device is not None and not isinstance(device, Device):
+            raise TypeError(f"device: expected a vkattn.Device or None, got {type(device).__name__}")
+        if not HAS_BARRIER:
+            raise SyncHazardError("vkattn.Graph needs kp built with scripts/kp-0.9.0-features.patch "
+                                  "(kp.OpMemoryBarrier): make setup builds it")
+        self.device = device or default_device()
+        self._items = []            # ("cache", step) | ("dispatch", program) | ("upload"/"download", buffer)
+        self._caches = set()
+        self._rec = None
+        self._progs = None
+        self._handle = None
+        self.recordings = 0         # how often the command buffer was recorded (replays reuse it)
+        self.submissions = 0
+        self._capturing = False
+
+    # ------------------------------------------------------------------ capture
+    @contextlib.contextmanager
+    def capture(self):
+        """Calls of the device's caches inside are recorded into this graph instead of run
+        (appended to what it holds)."""
+        be = self.device.backend
+        with be.lock:
+            if getattr(self.device, "_graph", None) is not None:
+                raise ValueError("a graph is already capturing on this device")
+            self.device._graph = self
+            self._capturing = True
+        try:
+            yield self
+        finally:
+            with be.lock:
+                self.device._graph = None
+                self._capturing = False
+                self._rec, self._progs = self._destroy_rec(), None
+
+    def add_cache_call(self, cache, step) -> None:
+        """A cache's call (vkattn.cache / vkattn.paged): ``step`` has prepare() -> [(program,
+        uploads)] and commit()."""
+        if cache in self._caches:
+            raise ValueError(f"a graph holds one call per cache: this {type(cache).__name__} has one already "
+                             f"(record the next step in the next graph, or replay this one)")
+        self._caches.add(cache)
+        self._items.append(("cache", step))
+
+    def dispatch(self, algorithm, reads=(), writes=(), name: str = "caller") -> None:
+        """The caller's kp.Algorithm (built on this device's kp.Manager over DeviceArray
+        tensors), dispatched at this point of the graph; ``reads`` / ``writes``: the DeviceArrays
+        it reads and writes (the barriers follow from them)."""
+        self._check_capture()
+        arrays = list(reads) + list(writes)
+        for a in arrays:
+            if not isinstance(a, DeviceArray) or a.device is not self.device:
+                raise ValueError(f"dispatch: reads and writes must be DeviceArrays on {self.device.name!r}")
+        self._items.append(("dispatch", _CallerProgram(algorithm, reads, writes, name)))
+
+    def upload(self, *arrays: DeviceArray) -> None:
+        """Copy each array's host staging copy (DeviceArray.host_view) to the device at this
+        point of the graph, as it is when the graph is submitted."""
+        self._check_capture()
+        for a in arrays:
+            self._items.append(("upload", a.buffer))
+
+    def download(self, *arrays: DeviceArray) -> None:
+        """Copy each array to its host staging copy at this point (read it with host_view()
+        after the wait)."""
+        self._check_capture()
+        for a in arrays:
+            self._items.append(("download", a.buffer))
+
+    def _check_capture(self) -> None:
+        if not self._capturing:
+            raise ValueError("record into a graph inside `with graph.capture():`")
+
+    # ------------------------------------------------------------------ submit
+    def submit(self) -> Handle:
+        """Prepare every cache call for the caches' current lengths, record the command buffer
+        if a plan changed (or on the first submission), submit it and return at once."""
+        be = self.device.backend
+        with be.lock:
+            if self.device.closed:
+                raise CacheClosedError(f"the device {self.device.name!r} is closed")
+            if self._handle is not None and not self._handle.done:
+                self._handle.wait()
+            if be.pending is not None:
+                be.pending.wait()
+            work = []
+            for kind, item in self._items:
+                work.append(item.prepare() if kind == "cache" else item)
+            progs = [tuple(p for p, _ in w) if kind == "cache" else w for (kind, _), w in zip(self._items, work)]
+            if self._rec is None or progs != self._progs:
+                self._destroy_rec()
+                rec = be.recording()
+                for (kind, _), w in zip(self._items, work):
+                    if kind == "cache":
+                        for prog, up in w:
+                            if up:
+                                rec.upload_after(*up)
+                            rec.dispatch(prog, barriers=True)
+                    elif kind == "dispatch":
+                        rec.dispatch(w, barriers=True)
+                    elif kind == "upload":
+                        rec.upload_after(w)
+                    else:
+                        rec.download(w)
+                self._rec, self._progs = rec.build(), progs
+                self.recordings += 1
+            self._rec.submit()
+            be.pending = self._rec
+            for kind, item in self._items:
+                if kind == "cache":
+                    item.commit()
+            self.submissions += 1
+            self._handle = Handle(self, self._rec)
+            return self._handle
+
+    def run(self) -> None:
+        """submit() and wait."""
+        self.submit().wait()
+
+    @property
+    def ops(self) -> list:
+        """The recorded commands of the last recording, in order (uploads, dispatches, barriers,
+        downloads)."""
+        return self._rec.ops if self._rec is not None else []
+
+    def _destroy_rec(self):
+        if self._rec is not None:
+            if self._handle is not None and not self._handle.done:
+                self._handle.wait()
+            self._rec.destroy()
+        self._rec = None
+        return None
+
+    def close(self) -> None:
+        """Wait for a pending submission and free the recording."""
+        with self.device.backend.lock:
+            self._destroy_rec()
+            self._items, self._caches = [], set()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

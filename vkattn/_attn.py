@@ -375,11 +375,40 @@ class AttnPlan:
         """Rows per head of a (heads, rows, dim) numpy array or DeviceArray."""
         return x.shape[1]
 
+    _simple = None                  # (rows, new rows, scale) whose whole aux block fill_simple left
+
+    def fill_simple(self, q, k, v, past: int, scale: float) -> None:
+        """fill() of the most common call -- one sequence of ``past`` cached keys, q (hq, s, d)
+        and new rows k, v as C-contiguous float32 numpy arrays, causal, no variant, mask or
+        rotation: the aux block of the last such call of the same counts is kept, and only the
+        four words that follow the length are written (vkattn.cache's fast path)."""
+        c = self.c
+        s, n = q.shape[1], k.shape[1]
+        wk, wv = c._dk4 * c._ch * 4, c._dv4 * c._ch * 4
+        for buf, x, width in ((self.q, q, wk), (self.nk, k, wk), (self.nv, v, wv)):
+            if x.shape[2] == width:
+                buf.view()[:x.size] = x.reshape(-1)
+            else:
+                put_rows(buf, x, width)
+        if self._simple != (s, n, scale):
+            seq = SeqCall(past=past, n_new=n, q_start=0, q_len=s, rope_pos=past + n - max(s, n))
+            self.fill(q, k, v, [seq], True, scale, Variant())
+            self._simple = (s, n, scale)
+            return
+        kstart, chunk = split_keys(past + n, s, None, self.cfg.splits, 0)
+        aux = self.aux.view()
+        at = HEADER                      # the one sequence record: past, n_new, .., chunk, bt, kstart
+        aux[at] = past
+        aux[at + 4] = chunk
+        aux[at + 6] = kstart
+        aux[at + 10] = past + n - max(s, n)
+
     def fill(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant,
              rope: RoPE | None = None) -> int:
         """Write a call's inputs into the host copies of q, nk/nv, aux and the rotary table (what
         ``inputs`` uploads); returns its rows per head."""
         c, cfg = self.c, self.cfg
+        self._simple = None
         rows, nn = self._rows(q), (0 if k is None else self._rows(k))   # this call's counts (<= the plan's)
         if isinstance(q, np.ndarray):
             put_rows(self.q, q, c._dk4 * c._ch * 4)

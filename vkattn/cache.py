@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checks import check_array, check_bool, check_int, check_scale
+from .checks import check_array, check_bool, check_int, check_scale, plainly_finite
 from ._base import CacheBase
 from .device import Device
 from . import persist
 from .errors import CacheFullError
-from .tuning import decode_key_bound, row_bucket
+from .tuning import FUSED_APPEND_MAX_ROWS, decode_key_bound, row_bucket
 from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
 from .array import DeviceArray
 
@@ -37,6 +37,7 @@ class KVCache(CacheBase):
         self._block_stride = self.num_kv_heads * self.capacity
         self._allocate(self.capacity, "capacity", 1, "positions")
         self._length = 0
+        self._scale = check_scale(None, self.head_dim)     # the default scale, for the fast path
 
     # ------------------------------------------------------------------ properties
     @property
@@ -103,6 +104,12 @@ class KVCache(CacheBase):
         covers the ``length + n`` positions after the append); the ``s`` query rows are the last
         ``s`` positions after the append. All checks run first: on any error the cache is
         unchanged. q, k, v, ``out`` and ``lse`` may be device arrays, as in :meth:`attend`."""
+        if (causal is True and (scale is None or type(scale) is float) and window is None and type(n_sink) is int
+                and n_sink == 0 and mask is None and softcap is None and alibi_slopes is None
+                and return_lse is False and rope_q is False and out is None and lse is None):
+            fast = self._fast_forward(q, k, v, scale)
+            if fast is not None:
+                return fast
         with self._lock:
             self._check_open()
             k, v = self._check_kv(k, v)
@@ -187,6 +194,48 @@ class KVCache(CacheBase):
             self._length = 0        # a device failure part-way: the old contents are gone
             raise
         self._length = n
+
+    def _fast_forward(self, q, k, v, scale=None):
+        """forward() of the common call -- numpy float32 C-contiguous q, k, v, causal, no variant,
+        a fused append (at most FUSED_APPEND_MAX_ROWS new rows), nothing asked but the output --
+        with the same checks in fewer steps: shapes compared as tuples, values by one dot product
+        each (checks.plainly_finite), the plan's aux words patched (AttnPlan.fill_simple). None
+        where any of that does not hold: the caller takes the general path, whose checks raise
+        the precise error."""
+        if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
+            return None
+        if q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32 or q.ndim != 3 \
+                or k.ndim != 3 or v.ndim != 3:
+            return None
+        if not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
+            return None
+        hkv, n = self.num_kv_heads, k.shape[1]
+        hq, s = q.shape[0], q.shape[1]
+        if k.shape != (hkv, n, self.head_dim) or v.shape != (hkv, n, self.v_head_dim) or n < 1 \
+                or q.shape[2] != self.head_dim or hq % hkv or s < 1:
+            return None
+        if self.verify or self.rope is not None or n > FUSED_APPEND_MAX_ROWS:
+            return None
+        if scale is None:
+            scale = self._scale
+        elif not 0.0 < scale < float("inf"):
+            return None
+        if not (plainly_finite(q) and plainly_finite(k, self._f16) and plainly_finite(v, self._f16)):
+            return None
+        with self._lock:
+            total = self._length + n
+            if self._closed or self.device.closed or self.device._graph is not None or s > total \
+                    or total > self.capacity or self._appends_first(n, s):
+                return None
+            plan = self._attn_plan(hq, s, n, 0, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0), total)
+            if plan._check_width:
+                return None
+            plan.fill_simple(q, k, v, self._length, scale)
+            plan.rec.run()
+            self._last_rec = plan.rec
+            self._length = total
+            dv = self.v_head_dim
+            return plan.out.view()[:hq * s * dv].reshape(hq, s, dv).copy()
 
     def _capture(self, graph, q, k, v, call):
         """The call as a graph step: its plans are looked up and their host words filled when the

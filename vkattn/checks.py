@@ -29,6 +29,20 @@ def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: boo
     return x
 
 
+FP16_SSQ_BOUND = FP16_MAX * FP16_MAX * 0.99      # sdot's rounding stays well inside 1%
+
+
+def plainly_finite(x: np.ndarray, fp16_range: bool = False) -> bool:
+    """A one-pass sufficient test (one BLAS dot, no temporary array) that a C-contiguous float32
+    array is finite and, with ``fp16_range``, within float16's range: its sum of squares is finite
+    (NaN and Inf propagate; so does an overflow of huge finite values) and, for the range, at most
+    FP16_MAX^2 (each square is at most the sum). False means "not shown": the exact checks of
+    check_array decide then."""
+    flat = x.reshape(-1)
+    ssq = float(np.dot(flat, flat))
+    return ssq <= FP16_SSQ_BOUND if fp16_range else ssq < float("inf")
+
+
 def check_shape(name: str, got: tuple, shape: tuple) -> None:
     """ValueError unless ``got`` has the dims of ``shape`` (an int: that size; None: any >= 1)."""
     if len(got) != len(shape):

@@ -1,0 +1,59 @@
+"""KVCache.forward's fast path (the common call: numpy float32 in, causal, no variant, a fused
+append): bit for bit the general path's result, the same errors (it hands anything unusual to the
+general path, whose checks raise), the aux words patched rather than rebuilt."""
+import numpy as np
+import pytest
+
+import vkattn
+from vkattn import _attn
+
+
+def _call(rng, hq, hkv, s, n, d):
+    return (rng.standard_normal((hq, s, d)).astype(np.float32), rng.standard_normal((hkv, n, d)).astype(np.float32),
+            rng.standard_normal((hkv, n, d)).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_fast_path_equals_the_general_path(device, rng, dtype, monkeypatch):
+    fast, general = (vkattn.KVCache(96, 2, 40, dtype=dtype, device=device) for _ in range(2))
+    fills = []
+    real = _attn.AttnPlan.fill
+    monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))
+    shapes = [(6, 6), (1, 1), (1, 1), (1, 1), (3, 5), (1, 1), (2, 2), (1, 1)]
+    for s, n in shapes:
+        q, k, v = _call(rng, 4, 2, s, n, 40)
+        scale = 0.3 if s == 2 else None
+        got = fast.forward(q, k, v, scale=scale)
+        want, _ = general.forward(q, k, v, scale=scale, return_lse=True)      # return_lse: the general path
+        assert got.dtype == np.float32 and np.array_equal(got, want), (s, n)
+    assert fast.length == general.length == sum(n for _, n in shapes)
+    for a, b in zip(fast.read(), general.read()):
+        assert np.array_equal(a, b)
+    # the general path filled its aux every call; the fast one only when the counts changed
+    assert len(fills) < 2 * len(shapes) - 2
+
+
+def test_fast_path_keeps_every_check(device, rng):
+    cache = vkattn.KVCache(8, 1, 16, dtype="float16", device=device)
+    q, k, v = _call(rng, 2, 1, 1, 1, 16)
+    for bad, match in ((np.full_like(k, np.nan), "NaN or Inf"), (np.full_like(k, 7e4), "float16 range")):
+        with pytest.raises(ValueError, match=match):
+            cache.forward(q, bad, v)
+        with pytest.raises(ValueError, match=match):
+            cache.forward(q, k, bad)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        cache.forward(np.full_like(q, np.inf), k, v)
+    with pytest.raises(ValueError, match="scale"):
+        cache.forward(q, k, v, scale=-1.0)
+    with pytest.raises(ValueError, match="query rows"):
+        cache.forward(*_call(rng, 2, 1, 3, 1, 16))
+    assert cache.length == 0
+    for _ in range(8):
+        cache.forward(q, k, v)
+    with pytest.raises(vkattn.CacheFullError):
+        cache.forward(q, k, v)
+    assert cache.length == 8
+    big = vkattn.KVCache(4, 1, 16, dtype="float32", device=device)
+    huge = np.full_like(k, 1e25)                    # finite: its squares overflow, the exact check passes
+    out = big.forward(q, huge, v)
+    assert np.isfinite(out).all() and big.length == 1

@@ -381,11 +381,14 @@ class AttnPlan:
         """fill() of the most common call -- one sequence of ``past`` cached keys, q (hq, s, d)
         and new rows k, v as C-contiguous float32 numpy arrays, causal, no variant, mask or
         rotation: the aux block of the last such call of the same counts is kept, and only the
-        four words that follow the length are written (vkattn.cache's fast path)."""
+        four words that follow the length are written (vkattn.cache's fast path; a graph's
+        replay, whose q, k, v are DeviceArrays)."""
         c = self.c
         s, n = q.shape[1], k.shape[1]
         wk, wv = c._dk4 * c._ch * 4, c._dv4 * c._ch * 4
         for buf, x, width in ((self.q, q, wk), (self.nk, k, wk), (self.nv, v, wv)):
+            if isinstance(x, DeviceArray):
+                continue                 # read where it lies (a graph step: AttnPlan.bound)
             if x.shape[2] == width:
                 buf.view()[:x.size] = x.reshape(-1)
             else:

@@ -247,6 +247,7 @@ class KVCache(CacheBase):
         flags = variant.flags(mask is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
         words = AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0 if mask is None else mask.size)
         cache = self
+        simple = call["causal"] and flags == 0       # no variant, mask or rotation: fill_simple
 
         class Step:
             def prepare(self):
@@ -261,9 +262,12 @@ class KVCache(CacheBase):
                     work.append((prog, up))
                     kk = vv = None
                 fused = 0 if kk is None else n
-                seq = SeqCall(past=total - fused, n_new=fused, q_start=0, q_len=s, mask=mask,
-                              rope_pos=total - max(s, fused))
-                plan.fill(q, kk, vv, [seq], call["causal"], call["scale"], variant, cache.rope)
+                if simple and fused:
+                    plan.fill_simple(q, kk, vv, cache._length, call["scale"])
+                else:
+                    seq = SeqCall(past=total - fused, n_new=fused, q_start=0, q_len=s, mask=mask,
+                                  rope_pos=total - max(s, fused))
+                    plan.fill(q, kk, vv, [seq], call["causal"], call["scale"], variant, cache.rope)
                 prog, _, up = plan.bound(q.buffer, None if kk is None else kk.buffer,
                                          None if vv is None else vv.buffer, call["out"].buffer,
                                          None if call["lse"] is None else call["lse"].buffer)

@@ -248,6 +248,7 @@ class AttnPlan:
         self.attn = be.program(self._spirv, bindings, pipe.groups, pipe.spec, writes=self._writes,
                                name=pipe.shader, subgroup=pin)
         self.rec = be.recording().upload(*inputs).dispatch(self.attn).download(self.out, self.lse).build(c.timestamps)
+        self._rec_out = None            # the same without lse's download (out_only)
         self._header = np.zeros(HEADER, np.uint32)
         self._tiles = {}
         self._binds = OrderedDict()     # device arrays in place of the plan's own buffers: see bound()
@@ -265,6 +266,15 @@ class AttnPlan:
     @staticmethod
     def aux_need(nseq: int, tiles: int, hq: int, table_words: int, mask_words: int) -> int:
         return HEADER + SEQ_WORDS * nseq + 2 * tiles + hq + table_words + mask_words
+
+    def out_only(self):
+        """The plan's recording that copies back only out (a call that did not ask for lse, on a
+        plan that reads no subgroup width back); built on first use."""
+        if self._rec_out is None:
+            c = self.c
+            self._rec_out = c.device.backend.recording().upload(*self.inputs).dispatch(self.attn) \
+                .download(self.out).build(c.timestamps)
+        return self._rec_out
 
     def bound(self, q=None, nk=None, nv=None, out=None, lse=None) -> tuple:
         """(program, recording) of this plan with the given buffers (vkattn._kp.Buffer of device
@@ -470,7 +480,7 @@ class AttnPlan:
     def destroy(self) -> None:
         for key in list(self._binds):
             self._drop_bind(key)
-        destroy(self.rec, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,
+        destroy(self.rec, self._rec_out, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,
                 self.ml, self.rope)
 
 

@@ -231,8 +231,9 @@ class KVCache(CacheBase):
             if plan._check_width:
                 return None
             plan.fill_simple(q, k, v, self._length, scale)
-            plan.rec.run()
-            self._last_rec = plan.rec
+            rec = plan.out_only()
+            rec.run()
+            self._last_rec = rec
             self._length = total
             dv = self.v_head_dim
             return plan.out.view()[:hq * s * dv].reshape(hq, s, dv).copy()

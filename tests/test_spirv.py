@@ -65,6 +65,10 @@ def test_every_built_module_is_logged_for_the_audit(monkeypatch, tmp_path):
     assert ("copy_rows", {}) in got and ("append", {"KV_F16": 1, "KV_I8": 0}) in got
     listed = {spirv_audit._key(n, d) for n, d in spirv_audit.planned_variants()}
     assert all(spirv_audit._key(n, d) in listed for n, d in got)
+    # a caller's own shader, compiled from its own folder, is not the package's: not logged
+    (tmp_path / "mine.comp").write_text("#version 450\nlayout(local_size_x = 1) in;\nvoid main() {}\n")
+    compiler.compile_shader("mine", src_dir=tmp_path)
+    assert "mine" not in {n for n, _ in spirv_audit.read_log(log)}
 
 
 def test_validation_switch_rejects_what_spirv_val_rejects(monkeypatch, tmp_path):

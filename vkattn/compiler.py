@@ -120,6 +120,7 @@ def cache_dir() -> Path:
 def compile_shader(name: str, defines: dict | None = None, src_dir=None) -> bytes:
     """SPIR-V for ``<src_dir>/<name>.comp`` (default: the package's shaders) with ``-D`` defines."""
     defines = dict(sorted((defines or {}).items()))
+    own = src_dir is None or Path(src_dir).resolve() == shader_dir_path().resolve()
     src_dir = shader_dir() if src_dir is None else Path(src_dir)
     source = src_dir.joinpath(f"{name}.comp")
     if not source.is_file():
@@ -149,20 +150,26 @@ def compile_shader(name: str, defines: dict | None = None, src_dir=None) -> byte
             os.replace(tmp, cached)
         except OSError:
             pass  # a read-only home still works, just without the disk cache
-    _audit(name, defines, spirv)
+    _audit(name, defines, spirv, logged=own)
     _memo[key] = spirv
     return spirv
 
 
-def _audit(name: str, defines: dict, spirv: bytes) -> None:
-    """The checks of the module docstring, once per module and process."""
+def shader_dir_path():
+    """shader_dir() as a comparable path."""
+    return Path(str(shader_dir()))
+
+
+def _audit(name: str, defines: dict, spirv: bytes, logged: bool = True) -> None:
+    """The checks of the module docstring, once per module and process; ``logged``: the module is
+    one of the package's shaders (a caller's own, compiled from another folder, is not logged)."""
     if matrix_uses(spirv):
         bad = matrix_problem(spirv)
         if bad:
             raise ShaderCompileError(f"shader {name!r} (defines {defines}), compiled by "
                                      f"{compiler_version().splitlines()[0]}: {bad}")
     log_path = os.environ.get("VKATTN_SHADER_LOG")
-    if log_path:
+    if log_path and logged:
         try:
             with open(log_path, "a") as f:
                 f.write(f"{name}\t{json.dumps(defines, sort_keys=True)}\n")

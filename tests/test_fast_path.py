@@ -47,6 +47,8 @@ def test_fast_path_keeps_every_check(device, rng):
         cache.forward(q, k, v, scale=-1.0)
     with pytest.raises(ValueError, match="query rows"):
         cache.forward(*_call(rng, 2, 1, 3, 1, 16))
+    with pytest.raises(ValueError, match="q: expected shape"):
+        cache.forward(np.zeros((0, 1, 16), np.float32), k, v)      # no query head
     assert cache.length == 0
     for _ in range(8):
         cache.forward(q, k, v)

@@ -212,7 +212,7 @@ class KVCache(CacheBase):
         hkv, n = self.num_kv_heads, k.shape[1]
         hq, s = q.shape[0], q.shape[1]
         if k.shape != (hkv, n, self.head_dim) or v.shape != (hkv, n, self.v_head_dim) or n < 1 \
-                or q.shape[2] != self.head_dim or hq % hkv or s < 1:
+                or q.shape[2] != self.head_dim or hq < 1 or hq % hkv or s < 1:
             return None
         if self.verify or self.rope is not None or n > FUSED_APPEND_MAX_ROWS:
             return None

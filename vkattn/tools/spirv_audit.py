@@ -6,8 +6,9 @@
 A variant is a shader and its preprocessor defines (the tile sizes, head dims and subgroup widths
 are specialisation constants of the same module): :func:`planned_variants` lists them all, from
 the storage formats and kernels the planners choose between. ``--log`` adds what a test run built
-(``VKATTN_SHADER_LOG``, vkattn.compiler) and fails if that run built a variant missing from the
-list. A compiler that cannot build cooperative matrices (glslang before 13.1) skips
+(``VKATTN_SHADER_LOG``, vkattn.compiler): every module the run built is compiled and validated
+too, and the ones beyond the list (the tests' and the GPU report's own variants: numerics
+probes, partial defines) are named. A compiler that cannot build cooperative matrices (glslang before 13.1) skips
 attn_coopmat.comp, saying so. Each module is also checked by vkattn.spirv (the matrix uses) and,
 with ``--spirv-val``, for ``--target-env vulkan1.1`` and ``vulkan1.3``. Exit status 1 on any
 failure.
@@ -135,11 +136,11 @@ def main(argv=None) -> int:
     print(f"spirv_audit: {n_ok} valid, {len(res['failures'])} failed, {n_skip} skipped "
           f"(spirv-val: {res['spirv_val'] or 'not run'})")
     for u in res["unlisted"]:
-        print(f"spirv_audit: the test run built {u}, which planned_variants() does not list")
+        print(f"spirv_audit: also audited, built by the test run beyond planned_variants(): {u}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(res, indent=1))
-    return 1 if res["failures"] or res["unlisted"] else 0
+    return 1 if res["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 #          out-of-bounds read that must give VUID-vkCmdDispatch-None-02706): every kernel stays
 #          inside its buffers. GPU-AV instruments every buffer access, so lavapipe compiles slowly
 #          there: this pass runs a sweep chosen for it, not the whole suite; one pytest process per
-#          kernel of VKATTN_GPUAV_KERNELS (default "lane;tile;coopmat"; the coopmat cases skip where
+#          kernel of VKATTN_GPUAV_KERNELS (pytest -k expressions separated by ';', one process each;
+#          default: the lane kernel's cases in two halves, tile, coopmat; the coopmat cases skip where
 #          the device has no cooperative matrices).
 # VKATTN_VALIDATION=sync or =gpuav runs one pass (default: both). Arguments go to the sync pass's
 # pytest (e.g. a test selection).
@@ -122,7 +123,7 @@ khronos_validation.syncval_shader_accesses_heuristic = true"
       # the whole suite (no arguments) in two processes at once, one per core: the lane kernel's
       # tests and the rest (VKATTN_SYNC_SHARDS: pytest -k expressions separated by ';')
       shards=""
-      [ $# -gt 0 ] || shards=${VKATTN_SYNC_SHARDS-lane;not lane}
+      [ $# -gt 0 ] || shards=${VKATTN_SYNC_SHARDS-lane or cascade or persist or prefix or hf;not (lane or cascade or persist or prefix or hf)}
       run_pass sync tests/sync_probe.py SYNC-HAZARD-READ-AFTER-WRITE "$shards" "$@" || rc=1 ;;
     gpuav)
       # enables + gpuav_buffer_oob: Debian 12's layer; gpuav_enable + descriptor checks: Debian 13's,
@@ -133,7 +134,7 @@ khronos_validation.gpuav_enable = true
 khronos_validation.gpuav_shader_instrumentation = true
 khronos_validation.gpuav_descriptor_checks = true"
       run_pass gpuav tests/gpuav_probe.py 'VUID-vkCmdDispatch-None-02706|VUID-vkCmdDispatch-storageBuffers-06936' \
-        "${VKATTN_GPUAV_KERNELS:-lane;tile;coopmat}" \
+        "${VKATTN_GPUAV_KERNELS:-lane and (int8 or mask);lane and not (int8 or mask);tile;coopmat}" \
         tests/test_bounds.py --durations=5 || rc=1 ;;
     *) echo "validation: unknown pass '$pass' in VKATTN_VALIDATION (sync, gpuav)" >&2; exit 2 ;;
   esac

@@ -329,10 +329,6 @@ class Recording:
             self._backend.pending = None
 
     @property
-    def running(self) -> bool:
-        return self._seq is not None and self._seq.is_running()
-
-    @property
     def ops(self) -> list:
         """The recorded ops in order: "upload <buffers>", the dispatched programs' names,
         "download <buffers>"."""

@@ -168,10 +168,6 @@ def to_device(x, device: Device | None = None) -> DeviceArray:
     return DeviceArray(x.shape, device).write(x)
 
 
-def is_device_array(x) -> bool:
-    return isinstance(x, DeviceArray)
-
-
 def check_device_array(name: str, x: DeviceArray, shape: tuple, device: Device, width_rule: int = 0) -> DeviceArray:
     """Validate a device array argument: open, on ``device``, of ``shape`` (an int or None a
     size >= 1 per axis); ``width_rule``: its last axis must be a multiple of this many floats

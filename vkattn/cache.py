@@ -238,24 +238,36 @@ class KVCache(CacheBase):
             dv = self.v_head_dim
             return plan.out.view()[:hq * s * dv].reshape(hq, s, dv).copy()
 
+    def _call_flags(self, call) -> int:
+        return call["variant"].flags(call["mask"] is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
+
+    def _call_plans(self, q, n: int, call) -> tuple:
+        """(append plan or None, attention plan) of a call of q with ``n`` new rows at the
+        current length; the aux sized for the row bucket (lengths that share a plan share it)."""
+        hq, s, mask = q.shape[0], q.shape[1], call["mask"]
+        words = AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0 if mask is None else mask.size)
+        return self._forward_plans(hq, s, n, self._call_flags(call), words, self._length + n)
+
+    @staticmethod
+    def _seq_call(s: int, fused: int, total: int, mask) -> SeqCall:
+        """The one sequence of a call: ``fused`` new rows carried by the dispatch, ``total`` keys."""
+        return SeqCall(past=total - fused, n_new=fused, q_start=0, q_len=s, mask=mask,
+                       rope_pos=total - max(s, fused))
+
     def _capture(self, graph, q, k, v, call):
         """The call as a graph step: its plans are looked up and their host words filled when the
         graph is submitted, for the length the cache has then."""
         self._check_graph_call(q, k, v, call)
-        hq, s = q.shape[0], q.shape[1]
-        n = 0 if k is None else k.shape[1]
-        variant, mask = call["variant"], call["mask"]
-        flags = variant.flags(mask is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
-        words = AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0 if mask is None else mask.size)
+        s, n = q.shape[1], 0 if k is None else k.shape[1]
         cache = self
-        simple = call["causal"] and flags == 0       # no variant, mask or rotation: fill_simple
+        simple = call["causal"] and self._call_flags(call) == 0   # no variant, mask or rotation: fill_simple
 
         class Step:
             def prepare(self):
                 cache._check_open()
                 cache._check_fits(n)
                 total = cache._length + n
-                append, plan = cache._forward_plans(hq, s, n, flags, words, total)
+                append, plan = cache._call_plans(q, n, call)
                 work, kk, vv = [], k, v
                 if append is not None:
                     append.fill_rows(n, np.arange(cache._length, total))
@@ -266,9 +278,8 @@ class KVCache(CacheBase):
                 if simple and fused:
                     plan.fill_simple(q, kk, vv, cache._length, call["scale"])
                 else:
-                    seq = SeqCall(past=total - fused, n_new=fused, q_start=0, q_len=s, mask=mask,
-                                  rope_pos=total - max(s, fused))
-                    plan.fill(q, kk, vv, [seq], call["causal"], call["scale"], variant, cache.rope)
+                    plan.fill(q, kk, vv, [cache._seq_call(s, fused, total, call["mask"])], call["causal"],
+                              call["scale"], call["variant"], cache.rope)
                 prog, _, up = plan.bound(q.buffer, None if kk is None else kk.buffer,
                                          None if vv is None else vv.buffer, call["out"].buffer,
                                          None if call["lse"] is None else call["lse"].buffer)
@@ -346,21 +357,14 @@ class KVCache(CacheBase):
         graph = self.device._graph
         if graph is not None:
             return self._capture(graph, q, k, v, call)
-        hq, s = q.shape[0], q.shape[1]
-        n = 0 if k is None else k.shape[1]
-        variant, mask = call["variant"], call["mask"]
-        flags = variant.flags(mask is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
-        # sized for the row bucket: lengths that share a plan share its aux bucket too
-        words = AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0 if mask is None else mask.size)
+        s, n = q.shape[1], 0 if k is None else k.shape[1]
         total = self._length + n
-        append, plan = self._forward_plans(hq, s, n, flags, words, total)   # both built before either runs
+        append, plan = self._call_plans(q, n, call)    # both built before either runs
         if append is not None:                  # the new rows go in first, in their own submission
             append.run(k, v, np.arange(self._length, total))
             k = v = None
-        fused = 0 if k is None else n
-        seq = SeqCall(past=total - fused, n_new=fused, q_start=0, q_len=s, mask=mask,
-                      rope_pos=total - max(s, fused))
-        out, lse = plan.run(q, k, v, [seq], call["causal"], call["scale"], variant,
+        seq = self._seq_call(s, 0 if k is None else n, total, call["mask"])
+        out, lse = plan.run(q, k, v, [seq], call["causal"], call["scale"], call["variant"],
                             rope=self.rope, out=call["out"], lse=call["lse"])
         self._length += n
         out = call["out"] if out is None else out

@@ -120,7 +120,7 @@ def cache_dir() -> Path:
 def compile_shader(name: str, defines: dict | None = None, src_dir=None) -> bytes:
     """SPIR-V for ``<src_dir>/<name>.comp`` (default: the package's shaders) with ``-D`` defines."""
     defines = dict(sorted((defines or {}).items()))
-    own = src_dir is None or Path(src_dir).resolve() == shader_dir_path().resolve()
+    own = src_dir is None or Path(src_dir).resolve() == Path(str(shader_dir())).resolve()
     src_dir = shader_dir() if src_dir is None else Path(src_dir)
     source = src_dir.joinpath(f"{name}.comp")
     if not source.is_file():
@@ -153,11 +153,6 @@ def compile_shader(name: str, defines: dict | None = None, src_dir=None) -> byte
     _audit(name, defines, spirv, logged=own)
     _memo[key] = spirv
     return spirv
-
-
-def shader_dir_path():
-    """shader_dir() as a comparable path."""
-    return Path(str(shader_dir()))
 
 
 def _audit(name: str, defines: dict, spirv: bytes, logged: bool = True) -> None:

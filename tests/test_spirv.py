@@ -69,6 +69,17 @@ def test_every_built_module_is_logged_for_the_audit(monkeypatch, tmp_path):
     (tmp_path / "mine.comp").write_text("#version 450\nlayout(local_size_x = 1) in;\nvoid main() {}\n")
     compiler.compile_shader("mine", src_dir=tmp_path)
     assert "mine" not in {n for n, _ in spirv_audit.read_log(log)}
+    # nor is a copy of the package's tree that a test points shader_dir() at (a test of the GPU
+    # report compiled a study kernel as "attn_coopmat" {} there; the audit then built the package's
+    # attn_coopmat with no defines and failed CI)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "copy_rows.comp").write_text((tmp_path / "mine.comp").read_text())
+    monkeypatch.setattr(compiler, "shader_dir", lambda: copy)
+    compiler._memo.clear()
+    compiler.compile_shader("copy_rows", {"EDITED": 1})
+    assert ("copy_rows", {"EDITED": 1}) not in spirv_audit.read_log(log)
+    compiler._memo.clear()
 
 
 def test_validation_switch_rejects_what_spirv_val_rejects(monkeypatch, tmp_path):

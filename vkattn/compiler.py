@@ -45,6 +45,12 @@ def shader_dir():
     (pyproject maps vkattn.shaders to it). Not the package data first: an editable install maps
     vkattn.shaders to *its* checkout, so a second checkout or worktree imported from its own root
     (its vkattn first on sys.path) would otherwise compile the installed checkout's shaders."""
+    return _package_shaders()
+
+
+def _package_shaders():
+    """shader_dir()'s answer, which a test that points shader_dir() at a folder of its own cannot
+    change: VKATTN_SHADER_LOG logs the modules built from this folder only."""
     here = Path(__file__).resolve().parent
     checkout = here.parent / "shaders"
     if not (here / "shaders").is_dir() and (checkout / "__init__.py").is_file() \
@@ -120,7 +126,7 @@ def cache_dir() -> Path:
 def compile_shader(name: str, defines: dict | None = None, src_dir=None) -> bytes:
     """SPIR-V for ``<src_dir>/<name>.comp`` (default: the package's shaders) with ``-D`` defines."""
     defines = dict(sorted((defines or {}).items()))
-    own = src_dir is None or Path(src_dir).resolve() == Path(str(shader_dir())).resolve()
+    own = Path(str(src_dir if src_dir is not None else shader_dir())).resolve() == Path(str(_package_shaders())).resolve()
     src_dir = shader_dir() if src_dir is None else Path(src_dir)
     source = src_dir.joinpath(f"{name}.comp")
     if not source.is_file():

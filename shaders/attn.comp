@@ -524,6 +524,9 @@ void main() {
     }
     barrier();                                                                // C2
     if (s_last != gl_NumWorkGroups.x - 1u) return;
+    // the last one back to zero: the counters are 0 before and after every dispatch, so a
+    // recording replays with no upload of them (host memory the device uses directly, graphs)
+    if (t == 0u) atomicExchange(auxc[aux[17] + hh * gl_NumWorkGroups.y + y], 0u);
     memoryBarrierBuffer();                                                    // F4
     [[unroll]] for (uint r = 0u; r < RPT; ++r) {
         const uint qv = rg * RPT + r;

@@ -381,6 +381,9 @@ void main() {
     }
     subgroupBarrier();                                                        // C2
     if (subgroupShuffle(done, 0u) != gl_NumWorkGroups.x - 1u) return;
+    // the last one back to zero: the counters are 0 before and after every dispatch, so a
+    // recording replays with no upload of them (host memory the device uses directly, graphs)
+    if (lane == 0u) atomicExchange(auxc[aux[17] + h * gl_NumWorkGroups.y + y], 0u);
     memoryBarrierBuffer();                                                    // F4
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
         const uint r = qt * BQ + qv % BQ;

@@ -59,3 +59,36 @@ def test_fast_path_keeps_every_check(device, rng):
     huge = np.full_like(k, 1e25)                    # finite: its squares overflow, the exact check passes
     out = big.forward(q, huge, v)
     assert np.isfinite(out).all() and big.length == 1
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_device_array_fast_path_equals_the_general_path(device, rng, dtype, monkeypatch):
+    """forward(q, k, v, out=) on DeviceArrays takes the fast path (no fill of the whole aux block
+    after the first call of a shape) and gives the numpy path's bits; an out of the wrong shape
+    still raises the general path's error, with nothing written."""
+    fast, numpy_twin = (vkattn.KVCache(64, 2, 32, dtype=dtype, device=device) for _ in range(2))
+    fills = []
+    real = _attn.AttnPlan.fill
+    monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))
+    for s, n in [(5, 5), (1, 1), (1, 1), (1, 1), (3, 3), (1, 1)]:
+        q, k, v = _call(rng, 6, 2, s, n, 32)
+        out = vkattn.empty((6, s, 32), device)
+        got = fast.forward(*(vkattn.to_device(x, device) for x in (q, k, v)), out=out)
+        assert got is out and np.array_equal(out.numpy(), numpy_twin.forward(q, k, v))
+    assert len(fills) <= 2 * 3          # twice per shape at most (numpy twin and device path)
+    dq, dk, dv = (vkattn.to_device(x, device) for x in _call(rng, 6, 2, 1, 1, 32))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        fast.forward(dq, dk, dv, out=vkattn.empty((6, 2, 32), device))
+    assert fast.length == numpy_twin.length == 12
+
+
+def test_fast_path_survives_plan_eviction(device, rng):
+    """More call shapes than a cache keeps plans for (the LRU destroys the oldest): the fast
+    path's memo of plans drops them too, and every result stays the reference's."""
+    cache = vkattn.KVCache(200, 1, 16, dtype="float32", device=device)
+    for step in range(3 * (vkattn._base.MAX_PLANS + 2)):
+        hq = 1 + step % (vkattn._base.MAX_PLANS + 2)        # a new query-head count: a new plan
+        q, k, v = _call(rng, hq, 1, 1, 1, 16)
+        got = cache.forward(q, k, v)
+        ks, vs = cache.read()
+        np.testing.assert_allclose(got, vkattn.reference.attention(q, ks, vs), atol=2e-6, rtol=2e-5)

@@ -106,6 +106,7 @@ class CacheBase:
             for plan in self._plans.values():
                 plan.destroy()
             self._plans.clear()
+            self._fast_plans = None
             destroy(self._k, self._v, self._ks, self._vs)
             self._closed = True
 
@@ -238,6 +239,10 @@ class CacheBase:
         b = row_bucket(n)
         return self._plan(("append", b), lambda: _SlotWritePlan(self, b))
 
+    # vkattn.cache's fast path: (hq, s, n, key bound) -> (plan key, plan) or None where the call
+    # takes the general path; dropped whenever a plan is destroyed
+    _fast_plans = None
+
     def _plan(self, key, make):
         """The plan for ``key`` from a small LRU, built by ``make()`` on a miss."""
         plan = self._plans.get(key)
@@ -246,6 +251,7 @@ class CacheBase:
             self._plans[key] = plan
             while len(self._plans) > MAX_PLANS:
                 self._plans.popitem(last=False)[1].destroy()
+                self._fast_plans = None         # it may hold the plan just destroyed
         else:
             self._plans.move_to_end(key)
         return plan

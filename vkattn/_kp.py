@@ -26,6 +26,18 @@ raises :class:`SyncHazardError`, so every recorded sequence is race-free by cons
 Vulkan device, not only on lavapipe (which serialises everything). Separate evaluations are
 ordered by kp's fence wait plus the next submission.
 
+Host memory. Where the device's host-visible memory is its own (``direct``: lavapipe, integrated
+GPUs -- the first host-visible, host-coherent memory type kp would pick is device-local), host-
+visible buffers are kp "host" tensors: the numpy view is the memory the shaders read and write, so
+an upload records nothing (the host's writes before the submission are visible to it) and a
+download records only a barrier from the shaders' writes to the host's reads. A downloaded direct
+buffer must then not be written again later in the same recording (the host would read the later
+value, not the one at the download): SyncHazardError. Elsewhere (discrete GPUs) they are kp
+"device" tensors with a staging copy, copied by uploads and downloads as recorded.
+``VKATTN_HOST_MEMORY=staging`` forces the staging copies anywhere (CI runs the parity tests so, to
+keep that path tested on lavapipe), ``direct`` forces host tensors (a discrete GPU's shaders then
+read system memory over the bus: for tests only).
+
 Barriers (kp built with scripts/kp-0.9.0-features.patch, which exposes kp.OpMemoryBarrier):
 :meth:`Recording.barrier` records a buffer memory barrier from shader and transfer writes to
 shader and transfer reads and writes on the given buffers, at the compute and transfer stages;
@@ -38,6 +50,7 @@ False and such recordings are refused (SyncHazardError) as before.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import weakref
@@ -62,13 +75,29 @@ HAS_BARRIER = hasattr(kp, "OpMemoryBarrier")
 _SRC_ACCESS = 0x40 | 0x1000
 _DST_ACCESS = 0x20 | 0x40 | 0x800 | 0x1000
 _STAGES = 0x800 | 0x1000
+# a direct buffer's download: shader and transfer writes -> the host's reads (VK_ACCESS_HOST_READ,
+# VK_PIPELINE_STAGE_HOST) as well as every later command (as any barrier)
+_HOST_READ, _HOST_STAGE = 0x2000, 0x4000
+HOST_MEMORY_MODES = ("auto", "staging", "direct")
+
+
+def host_memory_mode(local: bool) -> bool:
+    """Whether host-visible buffers are direct (module docstring) on a device whose first
+    host-coherent memory type is device-local (``local``), after ``VKATTN_HOST_MEMORY``."""
+    mode = os.environ.get("VKATTN_HOST_MEMORY", "auto").strip().lower() or "auto"
+    if mode not in HOST_MEMORY_MODES:
+        raise ValueError(f"VKATTN_HOST_MEMORY={mode!r}: expected one of {', '.join(HOST_MEMORY_MODES)}")
+    if not HAS_BARRIER:         # a direct download is a barrier to the host: the patched kp only
+        return False
+    return mode == "direct" or (mode == "auto" and local)
 
 
 class Backend:
     """One ``kp.Manager`` on one physical device."""
 
-    def __init__(self, index: int, device_key: str = "", software: bool = False):
+    def __init__(self, index: int, device_key: str = "", software: bool = False, direct: bool = False):
         self.index = index
+        self.direct = bool(direct)      # host-visible buffers are kp host tensors (module docstring)
         self.device_key = device_key or f"device {index}"
         self.software = software
         self._mgr = kp.Manager(index)
@@ -84,10 +113,15 @@ class Backend:
         # scratch buffers of shared_buffer (inputs written, dispatched, outputs copied out, all
         # inside one locked call). kp's evaluations are synchronous, so little is serialised
         # that the device's one queue would not serialise anyway.
-        self.lock = threading.RLock()
+        self.lock = DeviceLock(self)
         self._shared = weakref.WeakValueDictionary()    # holders keep them alive, not the registry
         # a recording submitted without waiting (vkattn.graph): every later run waits for it first
         self.pending = None
+
+    def wait_pending(self) -> None:
+        """Wait for a recording submitted without waiting (call under :attr:`lock`)."""
+        if self.pending is not None:
+            self.pending.wait()
 
     def pipeline_count(self) -> int | None:
         """Distinct pipelines alive on this device (patched kp), None with a plain kp."""
@@ -125,12 +159,40 @@ class Backend:
             self._mgr = None
 
 
+class DeviceLock:
+    """A backend's lock (re-entrant): whoever takes it waits first for a recording submitted
+    without waiting (:attr:`Backend.pending`, vkattn.graph), so no host call writes memory that
+    a running submission reads or reads what it has not written yet -- with direct host memory
+    the host's numpy views are the device's memory itself."""
+
+    __slots__ = ("_lock", "_backend")
+
+    def __init__(self, backend: "Backend"):
+        self._lock, self._backend = threading.RLock(), backend
+
+    def __enter__(self):
+        self._lock.acquire()
+        rec = self._backend.pending
+        if rec is not None:
+            try:
+                rec.wait()
+            except BaseException:
+                self._lock.release()
+                raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
 class Buffer:
     """A device buffer of ``size`` elements (uint32 or float32).
 
     ``host_visible`` buffers (kp "device" tensors) carry a staging copy: :meth:`view` is a numpy
-    view of it, :meth:`Recording.upload` copies it to the device, :meth:`Recording.download` back.
-    Others (kp "storage" tensors) live on the device only and cost no host memory.
+    view of it, :meth:`Recording.upload` copies it to the device, :meth:`Recording.download` back;
+    on a ``direct`` backend they are kp "host" tensors and :meth:`view` is the memory itself
+    (module docstring). Others (kp "storage" tensors) live on the device only and cost no host
+    memory.
     """
 
     def __init__(self, backend: Backend, size: int, dtype, host_visible: bool, name: str):
@@ -141,9 +203,11 @@ class Buffer:
         self.dtype = dtype
         self.nbytes = self.size * 4
         self.host_visible = host_visible
+        self.direct = host_visible and backend.direct
         self.name = name
         self._backend, self._shared_key, self._holders = backend, None, 0
-        kind = kp.TensorTypes.device if host_visible else kp.TensorTypes.storage
+        kind = kp.TensorTypes.storage if not host_visible else \
+            kp.TensorTypes.host if self.direct else kp.TensorTypes.device
         self._t = backend._mgr.tensor_t(np.zeros(self.size, dtype), tensor_type=kind)
         self._view = self._t.data() if host_visible else None
 
@@ -241,14 +305,20 @@ class Recording:
         self._names = []
         self._written = set()   # written by a dispatch, not downloaded since
         self._used = set()      # touched by a dispatch, no download (of any buffer) since
+        self._fetched = set()   # direct buffers downloaded (the host reads their final value)
         self._seq = None
 
     def upload(self, *bufs: Buffer) -> "Recording":
         for b in bufs:
             if b in self._used or b in self._written:
                 raise SyncHazardError(f"upload of {b.name!r} after a dispatch used it in the same recording")
-        self._ops.append(kp.OpTensorSyncDevice([b._t for b in bufs]))
-        self._names.append("upload " + ",".join(b.name for b in bufs))
+            if b in self._fetched:
+                raise SyncHazardError(f"upload of {b.name!r} after its download in the same recording "
+                                      f"(direct host memory: the host would read the upload)")
+        copied = [b for b in bufs if not b.direct]      # a direct buffer's host writes need no copy
+        if copied:
+            self._ops.append(kp.OpTensorSyncDevice([b._t for b in copied]))
+            self._names.append("upload " + ",".join(b.name for b in copied))
         return self
 
     def dispatch(self, prog: Program, barriers: bool = False) -> "Recording":
@@ -268,6 +338,10 @@ class Recording:
                 if b in self._used:
                     raise SyncHazardError(
                         f"{prog.name}: writes {b.name!r} that an earlier dispatch used, with no barrier between")
+        for b in prog.writes:
+            if b in self._fetched:
+                raise SyncHazardError(f"{prog.name}: writes {b.name!r} after its download in the same recording "
+                                      f"(direct host memory: the host would read this write, not the downloaded value)")
         self._written |= prog.writes
         self._used |= prog.reads | prog.writes
         self._ops.append(kp.OpAlgoDispatch(prog._algo))
@@ -301,8 +375,16 @@ class Recording:
                 raise RuntimeError(f"download of device-only buffer {b.name!r}")
             self._written.discard(b)
         self._used.clear()      # every earlier dispatch now happens-before every later op
-        self._ops.append(kp.OpTensorSyncLocal([b._t for b in bufs]))
-        self._names.append("download " + ",".join(b.name for b in bufs))
+        copied = [b for b in bufs if not b.direct]
+        direct = [b for b in bufs if b.direct]
+        if copied:
+            self._ops.append(kp.OpTensorSyncLocal([b._t for b in copied]))
+            self._names.append("download " + ",".join(b.name for b in copied))
+        if direct:      # no copy: the writes made visible to the host (and ordered before what follows)
+            self._ops.append(kp.OpMemoryBarrier([b._t for b in direct], _SRC_ACCESS, _DST_ACCESS | _HOST_READ,
+                                                _STAGES, _STAGES | _HOST_STAGE))
+            self._names.append("host barrier " + ",".join(b.name for b in direct))
+            self._fetched.update(direct)
         return self
 
     def build(self, timestamps: bool = False) -> "Recording":

@@ -83,6 +83,7 @@ _COMPONENT_TYPES = {0: "f16", 1: "f32", 2: "f64", 3: "s8", 4: "s16", 5: "s32", 6
                     9: "u32", 10: "u64", 1000141000: "bf16", 1000491002: "e4m3", 1000491003: "e5m2"}
 _SCOPES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queuefamily"}
 _MEMORY_HEAP_DEVICE_LOCAL_BIT = 0x1
+_MEMORY_PROPERTY_DEVICE_LOCAL, _MEMORY_PROPERTY_HOST_VISIBLE, _MEMORY_PROPERTY_HOST_COHERENT = 0x1, 0x2, 0x4
 _MAX_PHYSICAL_DEVICE_NAME_SIZE = 256
 _UUID_SIZE = 16
 _MAX_MEMORY_TYPES = 32
@@ -443,6 +444,9 @@ class DeviceInfo:
     timestamp_period: float
     timestamp_compute_and_graphics: bool
     device_local_bytes: int
+    # the first HOST_VISIBLE | HOST_COHERENT memory type (the one kp's host tensors get) is also
+    # DEVICE_LOCAL: lavapipe, integrated GPUs (vkattn._kp: no staging copies there)
+    host_memory_local: bool = False
     driver_name: str = ""       # VkPhysicalDeviceDriverProperties (Vulkan 1.2 devices)
     driver_info: str = ""
     # VK_EXT_subgroup_size_control / Vulkan 1.3 (0 / False where the device has neither)
@@ -721,6 +725,16 @@ def _query_raw() -> list[_RawProperties]:
         lib.vkDestroyInstance(instance, None)
 
 
+def _host_memory_local(memory) -> bool:
+    """DeviceInfo.host_memory_local from VkPhysicalDeviceMemoryProperties (kp takes the first
+    memory type whose flags include the ones it asks for)."""
+    want = _MEMORY_PROPERTY_HOST_VISIBLE | _MEMORY_PROPERTY_HOST_COHERENT
+    for t in memory.memoryTypes[: memory.memoryTypeCount]:
+        if t.propertyFlags & want == want:
+            return bool(t.propertyFlags & _MEMORY_PROPERTY_DEVICE_LOCAL)
+    return False
+
+
 def _device_info(index: int, raw: _RawProperties) -> DeviceInfo:
     props = raw.properties
     limits = props.limits
@@ -745,6 +759,7 @@ def _device_info(index: int, raw: _RawProperties) -> DeviceInfo:
         timestamp_period=float(limits.timestampPeriod),
         timestamp_compute_and_graphics=bool(limits.timestampComputeAndGraphics),
         device_local_bytes=sum(h.size for h in heaps if h.flags & _MEMORY_HEAP_DEVICE_LOCAL_BIT),
+        host_memory_local=_host_memory_local(raw.memory),
         driver_name=raw.driver.driverName.decode("utf-8", errors="replace"),
         driver_info=raw.driver.driverInfo.decode("utf-8", errors="replace"),
         min_subgroup_size=raw.size_control.minSubgroupSize,

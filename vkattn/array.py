@@ -17,8 +17,11 @@ v device array of a cache must have a last dimension the kernels read unpadded: 
 v_head_dim) a multiple of 4 for float32, 8 for float16 and 16 for int8 storage (every common LLM
 head dim: 64, 80, 96, 128, 256); the check names the rule otherwise.
 
-Memory: kp's "device" tensors -- device-local memory plus a host staging copy, which
-:meth:`DeviceArray.numpy` and :meth:`DeviceArray.write` go through (one submission each).
+Memory: where the device's host-visible memory is device-local (lavapipe, integrated GPUs), kp
+"host" tensors: :meth:`DeviceArray.numpy` and :meth:`DeviceArray.write` copy from and into the
+memory itself, with no submission. Elsewhere kp's "device" tensors -- device-local memory plus a
+host staging copy, which they go through (one submission each). vkattn._kp says which, and
+``VKATTN_HOST_MEMORY`` overrides it.
 """
 from __future__ import annotations
 
@@ -96,7 +99,10 @@ class DeviceArray:
         be = self.device.backend
         with be.lock:
             self._check_open()
+            be.wait_pending()       # a submitted graph may read this memory (or its staging copy)
             self._buf.view()[:self.size] = x.reshape(-1)
+            if self._buf.direct:    # the memory itself: nothing to copy
+                return self
             if self._up is None:
                 self._up = be.recording().upload(self._buf).build()
             self._up.run()
@@ -107,15 +113,20 @@ class DeviceArray:
         be = self.device.backend
         with be.lock:
             self._check_open()
+            if self._buf.direct:    # the memory itself, once the device is done with it
+                be.wait_pending()
+                return self._buf.view()[:self.size].reshape(self.shape).copy()
             if self._down is None:
                 self._down = be.recording().download(self._buf).build()
             self._down.run()
             return self._buf.view()[:self.size].reshape(self.shape).copy()
 
     def host_view(self) -> np.ndarray:
-        """The staging copy as a numpy view of ``shape`` (no transfer): what the last
-        :meth:`numpy` read or what the next upload of this array sends. For code that fills
-        many arrays and uploads them in one recorded submission (vkattn.graph)."""
+        """The host side as a numpy view of ``shape`` (no transfer): the staging copy -- what
+        the last :meth:`numpy` or graph download read, what the next upload sends -- or, on direct
+        host memory, the memory itself (uploads and downloads then copy nothing). For code that
+        fills many arrays and uploads them in one recorded submission (vkattn.graph): write it
+        only while no submitted graph runs (after ``Handle.wait()``)."""
         self._check_open()
         return self._buf.view()[:self.size].reshape(self.shape)
 

@@ -106,8 +106,8 @@ class KVCache(CacheBase):
         unchanged. q, k, v, ``out`` and ``lse`` may be device arrays, as in :meth:`attend`."""
         if (causal is True and (scale is None or type(scale) is float) and window is None and type(n_sink) is int
                 and n_sink == 0 and mask is None and softcap is None and alibi_slopes is None
-                and return_lse is False and rope_q is False and out is None and lse is None):
-            fast = self._fast_forward(q, k, v, scale)
+                and return_lse is False and rope_q is False and lse is None):
+            fast = self._fast_forward(q, k, v, scale, out)
             if fast is not None:
                 return fast
         with self._lock:
@@ -195,24 +195,35 @@ class KVCache(CacheBase):
             raise
         self._length = n
 
-    def _fast_forward(self, q, k, v, scale=None):
-        """forward() of the common call -- numpy float32 C-contiguous q, k, v, causal, no variant,
-        a fused append (at most FUSED_APPEND_MAX_ROWS new rows), nothing asked but the output --
-        with the same checks in fewer steps: shapes compared as tuples, values by one dot product
-        each (checks.plainly_finite), the plan's aux words patched (AttnPlan.fill_simple). None
-        where any of that does not hold: the caller takes the general path, whose checks raise
-        the precise error."""
-        if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
-            return None
-        if q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32 or q.ndim != 3 \
-                or k.ndim != 3 or v.ndim != 3:
-            return None
-        if not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
-            return None
+    def _fast_forward(self, q, k, v, scale=None, out=None):
+        """forward() of the common call -- numpy float32 C-contiguous q, k, v (or DeviceArrays of
+        this device with ``out`` one too), causal, no variant, a fused append (at most
+        FUSED_APPEND_MAX_ROWS new rows), nothing asked but the output -- with the same checks in
+        fewer steps: shapes compared as tuples, numpy values by one dot product each
+        (checks.plainly_finite), the plan's aux words patched (AttnPlan.fill_simple). None where
+        any of that does not hold: the caller takes the general path, whose checks raise the
+        precise error."""
+        if out is None:
+            if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
+                return None
+            if q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32 or q.ndim != 3 \
+                    or k.ndim != 3 or v.ndim != 3:
+                return None
+            if not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
+                return None
+        else:       # device arrays: open, on this device, rows the kernels read unpadded
+            dev = self.device
+            for a in (q, k, v, out):
+                if type(a) is not DeviceArray or a.device is not dev or a._buf is None or len(a.shape) != 3:
+                    return None
+            if (self.head_dim | self.v_head_dim) % (4 * self._ch):
+                return None
         hkv, n = self.num_kv_heads, k.shape[1]
         hq, s = q.shape[0], q.shape[1]
         if k.shape != (hkv, n, self.head_dim) or v.shape != (hkv, n, self.v_head_dim) or n < 1 \
                 or q.shape[2] != self.head_dim or hq < 1 or hq % hkv or s < 1:
+            return None
+        if out is not None and out.shape != (hq, s, self.v_head_dim):
             return None
         if self.verify or self.rope is not None or n > FUSED_APPEND_MAX_ROWS:
             return None
@@ -220,21 +231,40 @@ class KVCache(CacheBase):
             scale = self._scale
         elif not 0.0 < scale < float("inf"):
             return None
-        if not (plainly_finite(q) and plainly_finite(k, self._f16) and plainly_finite(v, self._f16)):
+        if out is None and not (plainly_finite(q) and plainly_finite(k, self._f16) and plainly_finite(v, self._f16)):
             return None
         with self._lock:
             total = self._length + n
             if self._closed or self.device.closed or self.device._graph is not None or s > total \
-                    or total > self.capacity or self._appends_first(n, s):
+                    or total > self.capacity:
                 return None
-            plan = self._attn_plan(hq, s, n, 0, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0), total)
-            if plan._check_width:
+            # the plan of (hq, s, n) at this key bound (_attn_plan's), memoised with what decides
+            # the path: its plan key (touched in the LRU), or None (appended first, or the output
+            # width checked after the run: the general path)
+            bound = self.capacity if s != 1 else decode_key_bound(total, self.capacity)
+            memo = self._fast_plans
+            if memo is None:
+                memo = self._fast_plans = {}
+            hit = memo.get((hq, s, n, bound), 0)
+            if hit == 0:
+                hit = None
+                if not self._appends_first(n, s):
+                    plan = self._attn_plan(hq, s, n, 0, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0), total)
+                    if not plan._check_width:
+                        hit = (next(k for k, p in reversed(self._plans.items()) if p is plan), plan)
+                memo = self._fast_plans = self._fast_plans or {}     # a plan built may have evicted some
+                memo[(hq, s, n, bound)] = hit
+            if hit is None:
                 return None
+            key, plan = hit
+            self._plans.move_to_end(key)
             plan.fill_simple(q, k, v, self._length, scale)
-            rec = plan.out_only()
+            rec = plan.out_only() if out is None else plan.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
             rec.run()
             self._last_rec = rec
             self._length = total
+            if out is not None:
+                return out
             dv = self.v_head_dim
             return plan.out.view()[:hq * s * dv].reshape(hq, s, dv).copy()
 

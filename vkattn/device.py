@@ -200,7 +200,8 @@ class Device(_Limits):
         self.info: DeviceInfo = devices[index]
         self.index = index
         self.key = f"{self.info.name} | {self.info.driver_name} {self.info.driver_info} {self.info.driver_version}"
-        self._backend = _kp.Backend(index, self.key, self.info.is_software)
+        self._backend = _kp.Backend(index, self.key, self.info.is_software,
+                                    direct=_kp.host_memory_mode(self.info.host_memory_local))
         self._lane_subgroup = None
         self._tile_cluster = None
 

@@ -58,6 +58,7 @@ def test_the_compiler_refuses_a_module_with_a_dropped_use(monkeypatch, tmp_path)
 def test_every_built_module_is_logged_for_the_audit(monkeypatch, tmp_path):
     log = tmp_path / "shaders.log"
     monkeypatch.setenv("VKATTN_SHADER_LOG", str(log))
+    monkeypatch.setenv("VKATTN_CACHE_DIR", str(tmp_path / "cache"))     # the test's own modules stay here
     compiler._memo.clear()
     compiler.compile_shader("copy_rows")
     compiler.compile_shader("append", {"KV_F16": 1, "KV_I8": 0})

@@ -2,8 +2,9 @@
 capacity; and the decode step of a model (``forward``: store the token's K/V row at position L-1,
 then attend all L, one submission; the cache is rolled back by one position before each call).
 Reports effective K/V bandwidth (K/V bytes of the live length read per call / time). For the
-longest context the same two calls also run on an int8 cache (unless the shape's dtype is int8),
-so float16 and int8 decode are compared in one run."""
+longest context the same two calls also run on the other formats the shape's is compared with
+(COMPARE: int8, and for a 16-bit format the other one), so float16, bfloat16 and int8 decode are
+compared in one run, on the same data."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,8 @@ from vkattn.reference import attention, round_to
 from .common import PerfConfigError, Row, Shape, check, env_int_list, selected, time_calls, torch_case
 
 DEFAULT_CONTEXT = [512, 4096]
+# the formats a shape's dtype is compared with at the longest context, in this order
+COMPARE = {"float32": ("int8",), "float16": ("bfloat16", "int8"), "bfloat16": ("float16", "int8"), "int8": ()}
 
 
 def capacities(shape: Shape, L: int) -> list:
@@ -39,10 +42,10 @@ def run(shape: Shape, device) -> list:
         for cap in capacities(shape, L):
             rows += _case(shape, device, rng, f"decode L={L} cap={cap}", L, cap, step=False)
         rows += _case(shape, device, rng, f"decode step L={L} (forward 1 token)", L, L, step=True)
-    if shape.dtype != "int8" and contexts:
-        L, i8 = max(contexts), dataclasses.replace(shape, dtype="int8")
-        rows += _case(i8, device, rng, f"decode L={L} cap={L} int8", L, L, step=False)
-        rows += _case(i8, device, rng, f"decode step L={L} int8", L, L, step=True)
+    for other in COMPARE[shape.dtype] if contexts else ():
+        L, alt = max(contexts), dataclasses.replace(shape, dtype=other)
+        rows += _case(alt, device, rng, f"decode L={L} cap={L} {other}", L, L, step=False)
+        rows += _case(alt, device, rng, f"decode step L={L} {other}", L, L, step=True)
     return rows
 
 

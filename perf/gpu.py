@@ -257,14 +257,14 @@ def plan_call(dev, call: Call) -> Planned:
         nseq = len(lens)
         total = nseq
         seqs = [(p, 1, 1) for p in lens]            # (past, n_new, q_len)
-        split = appends_first(dev, 1, 1, f._ch)
+        split = appends_first(dev, 1, 1, f._ch, f._matrices)
         flags |= F_PAGED
         tables = sum(-(-(p + 1) // BLOCK) for p in lens)
         key_bound = call.capacity
         decode = True
     else:
         nseq, total, tables = 1, call.s, 0
-        split = bool(call.n_new) and appends_first(dev, call.n_new, call.s, f._ch)
+        split = bool(call.n_new) and appends_first(dev, call.n_new, call.s, f._ch, f._matrices)
         seqs = [(call.past + (call.n_new if split else 0), 0 if split else call.n_new, call.s)]
         key_bound = call.capacity
         decode = call.s == 1

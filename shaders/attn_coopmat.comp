@@ -73,6 +73,11 @@
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #include "common.glsl"
+#if KV_BF16
+// bfloat16's exponent range does not fit in float16 matrices: such caches never come here
+// (vkattn.formats: matrices=False; tuning.coopmat_config falls back to attn.comp / attn_lane.comp)
+#error "attn_coopmat.comp takes float16 and int8 storage only"
+#endif
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint G = 1u;       // q heads per kv head

@@ -1,6 +1,6 @@
 // common.glsl -- storage helpers shared by every vkattn kernel.
 //
-// Cache layout (both K and V, both dtypes):
+// Cache layout (both K and V, every format):
 //   cache[h, j, :] for h in [0, HKV), j in [0, CAP) is row (h * CAP + j) of a flat array of
 //   uvec4 words.  A row holds one head's vector for one position, padded with zeros to a whole
 //   number of uvec4 (16 bytes): DK4 uvec4 per K row, DV4 per V row.  Positions of one head are
@@ -9,7 +9,11 @@
 //   KV_I8 = 1: a uvec4 holds 16 int8 (low byte first) and every row has a float32 scale in a
 //              separate buffer (symmetric, per position and head: value = int8 * scale).
 //   KV_F16 = 1: a uvec4 holds 8 halves (two per uint, low half first), numpy's float16 bits.
-//   KV_F16 = 0: a uvec4 holds 4 float32 bit patterns.
+//   KV_BF16 = 1: a uvec4 holds 8 bfloat16 (two per uint, low first): the top 16 bits of float32,
+//              rounded as vkattn.reference.bfloat16_bits (float_to_bf16).
+//   otherwise: a uvec4 holds 4 float32 bit patterns.
+// One format define is 1 (vkattn.formats.FORMATS lists them); a format sets CH below and its
+// load (unpack_chunk) and store (pack_chunk), and the kernels follow from those.
 //
 // Host-side float32 rows (new K/V, queries) are padded to the same width: CH vec4 per uvec4.
 #ifndef KV_F16
@@ -17,6 +21,12 @@
 #endif
 #ifndef KV_I8
 #define KV_I8 0
+#endif
+#ifndef KV_BF16
+#define KV_BF16 0
+#endif
+#if KV_BF16 && (KV_F16 || KV_I8)
+#error "KV_BF16 excludes KV_F16 and KV_I8"
 #endif
 #ifndef HALF_NATIVE
 #define HALF_NATIVE 0   // 1: unpackHalf2x16 (GPUs convert halves in one instruction, or fold the
@@ -27,7 +37,7 @@
 
 #if KV_I8
 #define CH 4u
-#elif KV_F16
+#elif KV_F16 || KV_BF16
 #define CH 2u
 #else
 #define CH 1u
@@ -72,6 +82,22 @@ uvec4 float_to_halves(vec4 x) {
 }
 #endif
 
+#if KV_BF16
+// float32 -> bfloat16 bits (the low 16 bits of each component), round to nearest, ties to even,
+// on the float32 bits alone (vkattn.reference.bfloat16_bits): the 16 dropped bits plus 0x7fff
+// plus the lowest kept bit carry into the kept half exactly when they pass half, or equal it
+// with an odd kept half; a carry runs into the exponent and, past 0x7f7f8000, to Inf (0x7f80).
+// No float operation touches x, so neither the driver's rounding nor its denormal mode enters:
+// float32 denormals round to bfloat16 denormals (Vulkan keeps denormals through OpLoad,
+// OpBitcast and OpSelect). NaN (rejected at the door; a device array may hold one) stays a quiet
+// NaN with its sign -- the rounding alone would make a NaN with a small payload Inf.
+uvec4 float_to_bf16(vec4 x) {
+    const uvec4 f = floatBitsToUint(x);
+    const uvec4 r = (f + 0x7fffu + bitfieldExtract(f, 16, 1)) >> 16;
+    return mix(r, (f >> 16) | 0x40u, greaterThan(f & 0x7fffffffu, uvec4(0x7f800000u)));
+}
+#endif
+
 // four int8 (low byte first) <-> a float vec4 of integers -127 .. 127
 vec4 unpack_i8x4(uint w) { return vec4((ivec4(w) << ivec4(24, 16, 8, 0)) >> 24); }
 
@@ -84,6 +110,10 @@ uint pack_i8x4(vec4 x) {
 void unpack_chunk(uvec4 w, out vec4 x[CH]) {
 #if KV_I8
     for (uint e = 0u; e < 4u; ++e) x[e] = unpack_i8x4(w[e]);
+#elif KV_BF16
+    // bfloat16 -> float32: the bits moved into the top half (exact; no float operation)
+    x[0] = uintBitsToFloat(uvec4(w.x << 16, w.x & 0xffff0000u, w.y << 16, w.y & 0xffff0000u));
+    x[1] = uintBitsToFloat(uvec4(w.z << 16, w.z & 0xffff0000u, w.w << 16, w.w & 0xffff0000u));
 #elif KV_F16 && HALF_NATIVE
     x[0] = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
     x[1] = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
@@ -95,11 +125,14 @@ void unpack_chunk(uvec4 w, out vec4 x[CH]) {
 #endif
 }
 
-// CH float vec4 -> uvec4 storage word (fp16: round to nearest even; KV_I8: x holds the
+// CH float vec4 -> uvec4 storage word (fp16, bf16: round to nearest even; KV_I8: x holds the
 // quantised integers -127 .. 127, see quantise)
 uvec4 pack_chunk(vec4 x[CH]) {
 #if KV_I8
     return uvec4(pack_i8x4(x[0]), pack_i8x4(x[1]), pack_i8x4(x[2]), pack_i8x4(x[3]));
+#elif KV_BF16
+    const uvec4 a = float_to_bf16(x[0]), b = float_to_bf16(x[1]);
+    return uvec4(a.x | (a.y << 16), a.z | (a.w << 16), b.x | (b.y << 16), b.z | (b.w << 16));
 #elif KV_F16
     const uvec4 a = float_to_halves(x[0]), b = float_to_halves(x[1]);
     return uvec4(a.x | (a.y << 16), a.z | (a.w << 16), b.x | (b.y << 16), b.z | (b.w << 16));

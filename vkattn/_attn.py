@@ -19,6 +19,8 @@ from .array import DeviceArray
 from .checks import check_int
 from .compiler import compile_shader
 from .errors import DeviceLimitError
+from .formats import FORMATS
+from .reference import bfloat16_to_float32
 from .tuning import MIN_CHUNK, WORKGROUP, attention_config
 
 _LOG2E = 1.4426950408889634
@@ -163,12 +165,13 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
     """(AttnConfig, Pipeline) of the attention dispatch for ``hq`` heads, ``rows`` packed query
     rows, ``nn`` new rows (fused append: a per-call value, not a specialisation), ``nseq`` sequences, on ``dev`` (a Device, or anything with
     its planning attributes) for the storage format ``fmt`` (a cache: _dk4, _dv4, _ch,
-    v_head_dim, num_kv_heads, _defines). The kernel is tuning.attention_config's: attn.comp,
-    attn_lane.comp, or for prefill and chunks on a device with cooperative matrices
-    attn_coopmat.comp (a PlanningDevice plans it from the DeviceInfo's listed shapes and features)."""
+    v_head_dim, num_kv_heads, _defines, _matrices). The kernel is tuning.attention_config's:
+    attn.comp, attn_lane.comp, or for prefill and chunks on a device with cooperative matrices
+    and a format they hold (float16, int8) attn_coopmat.comp (a PlanningDevice plans it from the DeviceInfo's listed shapes and features)."""
     hkv = fmt.num_kv_heads
     group = hq // hkv
-    cfg = attention_config(dev, group, 1 if decode else rows, fmt._dk4, fmt._dv4, fmt._ch, key_bound, hkv, splits)
+    cfg = attention_config(dev, group, 1 if decode else rows, fmt._dk4, fmt._dv4, fmt._ch, key_bound, hkv, splits,
+                           matrices=fmt._matrices)
     tiles_max = max(1, min(nseq * cfg.qtiles(rows), cfg.qtiles(rows) + nseq - 1))   # sum of ceil(q_len/bq)
     grid = (cfg.splits, tiles_max, hkv)
     if grid[1] > dev.max_workgroup_count[1]:
@@ -494,15 +497,20 @@ def split_keys(total: int, q_len: int, window: int | None, splits: int, key_lo: 
 
 
 def set_storage(c) -> None:
-    """Storage format of a cache's dtype: float vec4 per 16-byte storage word (``_ch``), words per
-    K/V row (``_dk4``/``_dv4``) and the shader defines. float32: 4 per word; float16: 8 (two per
-    uint32); int8: 16 (four per uint32) plus one float32 scale per row (common.glsl)."""
-    c._f16, c._i8 = c.dtype == "float16", c.dtype == "int8"
-    c._ch = {"float32": 1, "float16": 2, "int8": 4}[c.dtype]
-    epv = 4 * c._ch
-    c._dk4 = -(-c.head_dim // epv)
-    c._dv4 = -(-c.v_head_dim // epv)
-    c._defines = {"KV_F16": int(c._f16), "KV_I8": int(c._i8)}
+    """Storage format of a cache's dtype (vkattn.formats.FORMATS): float vec4 per 16-byte storage
+    word (``_ch``), words per K/V row (``_dk4``/``_dv4``), the shader defines, the largest |x|
+    accepted from numpy (``_max_abs``: (limit, dtype) or None) and whether attn_coopmat.comp may
+    take it (``_matrices``). float32: 4 per word; float16 and bfloat16: 8 (two per uint32); int8:
+    16 (four per uint32) plus one float32 scale per row (common.glsl)."""
+    fmt = FORMATS[c.dtype]
+    c._fmt = fmt
+    c._f16, c._i8, c._bf16 = c.dtype == "float16", c.dtype == "int8", c.dtype == "bfloat16"
+    c._ch = fmt.ch
+    c._dk4 = -(-c.head_dim // fmt.per_word)
+    c._dv4 = -(-c.v_head_dim // fmt.per_word)
+    c._defines = dict(fmt.defines)
+    c._matrices = fmt.matrices
+    c._max_abs = None if fmt.max_abs is None else (fmt.max_abs, fmt.name)
 
 
 class StorageFormat:
@@ -527,6 +535,8 @@ def unpack_rows(c, words: np.ndarray, scales, d: int) -> np.ndarray:
     """Stored words (..., d4*4) uint32 -> float32 (..., d) values as the kernels see them."""
     if c._i8:
         return words.view(np.int8)[..., :d].astype(np.float32) * scales[..., None]
+    if c._bf16:
+        return bfloat16_to_float32(words.view(np.uint16)[..., :d])
     vals = words.view(np.float16) if c._f16 else words.view(np.float32)
     return vals[..., :d].astype(np.float32)
 

@@ -14,14 +14,14 @@ from .checks import check_array, check_bool, check_int
 from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, DeviceLimitError, VerificationError
+from .formats import DTYPES, dtype_list
 from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, coopmat_takes, row_bucket
 
-DTYPES = ("float16", "float32", "int8")
 MAX_PLANS = 8
 READ_ROWS = 4096        # positions per read() submission
 
 
-def appends_first(device, most_new_rows: int, rows: int, ch: int) -> bool:
+def appends_first(device, most_new_rows: int, rows: int, ch: int, matrices: bool = True) -> bool:
     """Whether a forward whose largest sequence brings ``most_new_rows`` new rows (and ``rows``
     query rows) appends them in a submission of its own and then attends from the cache, instead
     of fusing the append into the attention dispatch: more than FUSED_APPEND_MAX_ROWS, or a call
@@ -30,7 +30,7 @@ def appends_first(device, most_new_rows: int, rows: int, ch: int) -> bool:
     rows an earlier dispatch of the same submission wrote."""
     if most_new_rows > FUSED_APPEND_MAX_ROWS:
         return True
-    return most_new_rows > 0 and coopmat_takes(device, rows, ch)
+    return most_new_rows > 0 and coopmat_takes(device, rows, ch, matrices)
 
 
 class CacheBase:
@@ -43,7 +43,7 @@ class CacheBase:
         self.v_head_dim = self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
         key = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or getattr(dtype, "name", None)
         if key not in DTYPES:
-            raise TypeError(f"dtype: expected 'float16', 'float32' or 'int8', got {dtype!r}")
+            raise TypeError(f"dtype: expected {dtype_list()}, got {dtype!r}")
         self.dtype = key
         if device is not None and not isinstance(device, Device):
             raise TypeError(f"device: expected a vkattn.Device or None, got {type(device).__name__}")
@@ -232,7 +232,8 @@ class CacheBase:
 
     def _appends_first(self, most_new_rows: int, rows: int | None = None) -> bool:
         """appends_first for this cache's device and storage (``rows``: default as many)."""
-        return appends_first(self.device, most_new_rows, most_new_rows if rows is None else rows, self._ch)
+        return appends_first(self.device, most_new_rows, most_new_rows if rows is None else rows, self._ch,
+                             self._matrices)
 
     def _append_plan(self, n: int) -> "_SlotWritePlan":
         """append.comp for ``n`` rows: the plan of n's row bucket (tuning.row_bucket)."""

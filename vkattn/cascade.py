@@ -114,7 +114,7 @@ def plan_groups(cache, plan, hq: int, variant, masked: bool, rope_q: bool) -> li
         return []
     rows = sum(plan.n_new[i] for g in groups for i in g.members)
     cfg = attention_config(cache.device, hq // cache.num_kv_heads, row_bucket(rows), cache._dk4, cache._dv4,
-                           cache._ch, cache.slots, cache.num_kv_heads)
+                           cache._ch, cache.slots, cache.num_kv_heads, matrices=cache._matrices)
     return groups if cfg.bq >= 2 else []
 
 

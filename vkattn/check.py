@@ -13,14 +13,15 @@ picks it there (tuning.coopmat_wanted: on GPUs whose speed probe times it faster
 prefill and chunk calls of its cases, decode goes to the device's other kernel), the ones vkattn
 picks by default marked ``*``:
 
-- float32, float16 and int8 caches: decode (split-K, merged on the device), a causal prefill
+- float32, float16, bfloat16 and int8 caches: decode (split-K, merged on the device), a causal prefill
   from an empty cache, a chunk over a past (fused append), a long prompt (appended first, then
   attended), odd head dims with ``v_head_dim != head_dim``, non-causal attend;
 - variants on float16: window + sinks, broadcast and per-head masks, softcap, ALiBi, LSE,
   RoPE (NeoX, partial rotary) on keys and queries;
 - a paged batch: ragged chunked prefill, batch decode, a fork, every sequence checked;
 - bit-exact storage: adversarial rows (half-ULP ties, half subnormals, values near the float16
-  maximum, float32 denormals; int8 rows whose quotients land on .5) appended and read back,
+  maximum, float32 denormals; bfloat16 ties both ways, the carry into the exponent, bfloat16's
+  largest value, denormals, -0; int8 rows whose quotients land on .5) appended and read back,
   compared bit for bit with ``reference.round_to``;
 - a split-K stress: a long decode split over many workgroups (coopmat: a 7-row chunk over the
   same past), repeated, every repetition equal bit for bit to the first and within tolerance of
@@ -48,7 +49,7 @@ from . import KVCache, PagedKVCache, RoPE, __version__, default_device, measure,
 from ._vkinfo import VulkanUnavailableError
 from .reference import TOLERANCE, attention, round_to
 
-DTYPES = ("float32", "float16", "int8")
+DTYPES = ("float32", "float16", "bfloat16", "int8")
 
 
 @dataclass
@@ -263,7 +264,10 @@ def _case_paged(dev, rng, acc, dtype, hkv=2, group=4, d=64, block=16):
 def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
     """Rows that expose a storage conversion which does not round like the reference: float16
     half-ULP ties and their neighbours, half subnormals, values near the float16 maximum, float32
-    denormals; int8 rows whose x / scale lands on .5 and near it, tiny and zero rows."""
+    denormals; bfloat16 ties (even and odd kept halves) and their float32 neighbours, mantissas
+    that carry into the exponent, the largest bfloat16 and the float32 just below its rounding
+    to Inf, float32 denormals (bfloat16 keeps them) and signed zeros; int8 rows whose x / scale
+    lands on .5 and near it, tiny and zero rows."""
     x = rng.standard_normal((hkv, n, d)).astype(np.float32)
     flat = x.reshape(-1, d)
     if dtype == "float16":
@@ -280,6 +284,21 @@ def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
         signs = np.where(rng.random(flat.shape) < 0.5, -1, 1).astype(np.float32)
         out = np.where(kind < 3, out * signs, out)
         return out.reshape(x.shape)
+    if dtype == "bfloat16":
+        # kept halves in [2^-40, 2^40): ties 0x8000 below them (even and odd kept halves), one
+        # float32 either side; then denormals, carries and the range's edges
+        kept = rng.integers(0x2b80, 0x5380, size=flat.shape, dtype=np.uint32) << np.uint32(16)
+        tie = kept | np.uint32(0x8000)
+        kind = rng.integers(0, 7, size=flat.shape)
+        edges = np.array([0x7f7f0000, 0x7f7f7fff, 0x7f7f7fff, 0x3f7fffff, 0x3f7f8000, 0x007fffff, 0x007f8000,
+                          0x00008000, 0x00018000, 0x00000001, 0x80000000, 0x00000000, 0x0000ffff], np.uint32)
+        bits = np.select([kind == 0, kind == 1, kind == 2, kind == 3, kind == 4],
+                         [tie, tie + np.uint32(1), tie - np.uint32(1),
+                          rng.integers(0, 0x800000, size=flat.shape, dtype=np.uint32),        # float32 denormals
+                          rng.choice(edges, size=flat.shape)],
+                         flat.view(np.uint32))
+        signs = np.where(rng.random(flat.shape) < 0.5, np.uint32(0x80000000), np.uint32(0))
+        return (bits.astype(np.uint32) | signs).view(np.float32).reshape(x.shape)
     if dtype == "int8":
         for r in range(flat.shape[0]):
             kind = r % 4
@@ -348,7 +367,7 @@ def _cases(quick: bool, repeats: int, kernel: str = "tile"):
     for name in names:
         out.append((f"variant {name} (+lse)", "float16", lambda dev, rng, acc, n=name: _case_variant(dev, rng, acc, n)))
     out.append(("rope neox partial, rotated q", "float16", lambda dev, rng, acc: _case_rope(dev, rng, acc)))
-    for dtype in (("float16",) if quick else ("float16", "int8")):
+    for dtype in (("float16",) if quick else ("float16", "bfloat16", "int8")):
         out.append((f"split-K stress x{repeats}" + (" (chunk)" if rows > 1 else ""), dtype,
                     lambda dev, rng, acc, dt=dtype: _case_splitk(dev, rng, acc, dt, repeats, rows=rows)))
     return out

@@ -9,12 +9,14 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 FP16_MAX = 65504.0
 
 
-def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: bool = False) -> np.ndarray:
+def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: bool = False,
+                max_abs: tuple | None = None) -> np.ndarray:
     """Validate ``x`` and return it as a C-contiguous float32 array.
 
     ``shape`` holds an int (that exact size) or ``None`` (any size >= 1) per axis. Raises TypeError for a non-numpy or non-float input, ValueError for a wrong
     rank, a wrong size, a non-finite value (if ``finite``) or, with ``fp16_range``, a value a
-    float16 cache cannot hold.
+    float16 cache cannot hold; with ``max_abs`` = (limit, storage dtype name), a value above the
+    limit in magnitude, which that cache would store as Inf (a cache's ``_max_abs``).
     """
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
@@ -26,6 +28,9 @@ def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: boo
         raise ValueError(f"{name}: contains NaN or Inf")
     if fp16_range and x.size and float(np.abs(x).max()) > FP16_MAX:
         raise ValueError(f"{name}: values exceed the float16 range (|x| > {FP16_MAX}) of this float16 cache")
+    if max_abs is not None and x.size and float(np.abs(x).max()) > max_abs[0]:
+        limit, dtype = max_abs
+        raise ValueError(f"{name}: values exceed the {dtype} range (|x| > {limit:.8g}) of this {dtype} cache")
     return x
 
 

@@ -65,6 +65,7 @@ from . import KVCache, PagedKVCache, persist
 from .checks import check_bool, check_int
 from .device import Device
 from .errors import CacheFileCorruptError, CacheFileMismatchError, CacheFullError
+from .formats import DTYPES, dtype_list
 from .paging import check_token_ids
 
 if int(transformers.__version__.split(".")[0]) < 5:
@@ -73,7 +74,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
 
 NAME = "vkattn"
 BLOCK_SIZE = 16                  # paged stores: tokens per block
-_CACHE_DTYPES = {torch.float16: "float16", torch.float32: "float32"}
+_CACHE_DTYPES = {torch.float16: "float16", torch.float32: "float32", torch.bfloat16: "bfloat16"}
 _HOST_DTYPES = (torch.float32, torch.float16)      # handed to vkattn as they are
 _PENDING = threading.local()     # .layer: the layer whose update() staged rows for the next attention call
 
@@ -90,8 +91,8 @@ class VkattnCache(Cache):
     plus ``max_new_tokens``; a call that would pass it raises :class:`vkattn.CacheFullError`
     before anything is written. batch_size: the most sequences the model runs at once (prompts x
     ``num_beams`` or ``num_return_sequences``); an empty cache also takes fewer. dtype: storage,
-    "float16" (default), "float32" or "int8" (or torch.float16 / torch.float32), whatever the
-    model's dtype. device: a :class:`vkattn.Device` (default: vkattn's default device).
+    "float16" (default), "float32", "bfloat16" or "int8" (or torch.float16 / torch.float32 /
+    torch.bfloat16), whatever the model's dtype. device: a :class:`vkattn.Device` (default: vkattn's default device).
 
     Works with the attention implementation ``"vkattn"`` only (``import vkattn.hf`` registers
     it). ``update`` returns the new rows unchanged: the cached K/V are never materialised on
@@ -123,9 +124,9 @@ class VkattnCache(Cache):
                              f"prefix_cache_len={prefix_cache_len} with prefix_cache=False")
         if isinstance(dtype, torch.dtype):
             dtype = _CACHE_DTYPES.get(dtype, str(dtype))
-        if not isinstance(dtype, str) or dtype not in ("float16", "float32", "int8"):
-            raise TypeError(f"dtype: expected 'float16', 'float32' or 'int8' (torch.float16 / torch.float32), got "
-                            f"{dtype!r}; bfloat16 models work with any of them (converted at the boundary)")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise TypeError(f"dtype: expected {dtype_list()} (torch.float16 / torch.float32 / torch.bfloat16), "
+                            f"got {dtype!r}; bfloat16 models work with any of them (converted at the boundary)")
         text = config.get_text_config(decoder=True)
         hq = text.num_attention_heads
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or hq

@@ -423,8 +423,8 @@ class PagedKVCache(CacheBase):
         if isinstance(k, DeviceArray) or isinstance(v, DeviceArray):
             k, v = self._check_device_kv(k, v, total)
         else:
-            k = check_array("k", k, (self.num_kv_heads, total, self.head_dim), fp16_range=self._f16)
-            v = check_array("v", v, (self.num_kv_heads, total, self.v_head_dim), fp16_range=self._f16)
+            k = check_array("k", k, (self.num_kv_heads, total, self.head_dim), max_abs=self._max_abs)
+            v = check_array("v", v, (self.num_kv_heads, total, self.v_head_dim), max_abs=self._max_abs)
         return plan, k, v
 
     def _plan_new(self, seq_ids, n_new, token_ids=None):

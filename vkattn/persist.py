@@ -8,7 +8,8 @@ Entry points: :meth:`vkattn.KVCache.save` / :meth:`~vkattn.KVCache.load`,
 
 A sequence file (format ``vkattn.sequence``, version 1) of ``length`` positions holds
 
-    k          (num_kv_heads, length, head_dim)    in the storage dtype: float16, float32 or int8
+    k          (num_kv_heads, length, head_dim)    in the storage dtype: float16, float32 or int8;
+                                                   bfloat16 as its bits, uint16 (numpy has no bfloat16)
     v          (num_kv_heads, length, v_head_dim)  likewise
     k_scale    (num_kv_heads, length) float32      int8 only: the scale of each stored K row
     v_scale    (num_kv_heads, length) float32      int8 only
@@ -44,14 +45,17 @@ from ._attn import Pipeline, destroy, grid_groups
 from ._base import READ_ROWS, slot_buffers, slot_rows
 from .compiler import compile_shader
 from .errors import CacheFileCorruptError, CacheFileMismatchError
+from .formats import FORMATS
 from .tuning import WORKGROUP
 from ._version import __version__
 
 FORMAT_VERSION = 1
 SEQUENCE = "vkattn.sequence"
 HF_CACHE = "vkattn.hf_cache"
-_DTYPE = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32), "int8": np.dtype(np.int8)}
-_BITS = {"float16": np.uint16, "float32": np.uint32, "int8": np.uint8}     # same-size integer views
+# per storage dtype: the file tensors' dtype (bfloat16, which numpy lacks: its bits as uint16) and a
+# same-size integer view of one element (vkattn.formats)
+_DTYPE = {name: f.file_dtype for name, f in FORMATS.items()}
+_BITS = {name: f.bits for name, f in FORMATS.items()}
 _INT64_MAX = np.iinfo(np.int64).max
 
 __all__ = ["file_info", "FORMAT_VERSION", "SEQUENCE", "HF_CACHE"]

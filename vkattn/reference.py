@@ -222,21 +222,68 @@ def dequantize_int8(q, scale):
     return q.astype(np.float32) * scale[..., None]
 
 
+# the largest finite bfloat16, 0x7f7f: (2 - 2^-7) * 2^127; and the largest float32 that rounds to a
+# finite bfloat16 (0x7f7f7fff, rounded down to BF16_MAX): a bfloat16 cache refuses larger inputs
+BF16_MAX = float(np.uint32(0x7f7f0000).view(np.float32))
+BF16_FINITE_INPUT = float(np.uint32(0x7f7f7fff).view(np.float32))
+
+
+def bfloat16_bits(x):
+    """float32 -> bfloat16 bits (uint16, same shape): x taken as float32, rounded to the nearest
+    bfloat16 with ties to even, computed on the float32 bits alone (no float operation, so no
+    rounding or denormal mode is involved; shaders/common.glsl ``float_to_bf16`` is the same
+    integer recipe). bfloat16 is the top half of a float32: sign, the 8-bit exponent, 7 mantissa
+    bits. With b the float32 bits and lsb = bit 16 of b, the result is (b + 0x7fff + lsb) >> 16:
+    the 16 dropped bits above half (0x8000) round up, below it down, exactly half up only when
+    the kept part is odd (ties to even). So:
+
+    - a carry out of the mantissa runs into the exponent (0x3f7fffff -> 0x3f80, 1.0);
+    - |x| >= 0x7f7f8000 (3.3961775e38: BF16_MAX plus half its ULP, a tie that rounds to the even
+      0x7f80) becomes +-Inf, every larger finite float32 too; +-Inf stays +-Inf;
+    - -0.0 stays -0.0 (0x8000), and a negative value that rounds to zero keeps its sign;
+    - float32 denormals are rounded by the same rule to bfloat16 denormals (bfloat16 has
+      float32's exponent range; nothing is flushed to zero, and the largest denormals carry into
+      the smallest normal, 2^-126);
+    - NaN becomes a quiet NaN with its sign and top payload bits: (b >> 16) | 0x0040 (never Inf:
+      the rounding rule alone would turn a NaN with a small payload into Inf).
+
+    A cache refuses NaN and Inf from numpy, and values that would round to Inf (|x| >
+    BF16_FINITE_INPUT), before they reach the device; this function defines the rest for any
+    input."""
+    b = np.asarray(x, dtype=np.float32).view(np.uint32)
+    nan = (b & np.uint32(0x7fffffff)) > np.uint32(0x7f800000)
+    rounded = (b + np.uint32(0x7fff) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.where(nan, (b >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
+
+
+def bfloat16_to_float32(h):
+    """bfloat16 bits (uint16) -> float32 values: the bits shifted into a float32's top half
+    (exact: every bfloat16 is a float32)."""
+    return (np.asarray(h, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def round_bfloat16(x):
+    """x as a bfloat16 cache stores it, as float32: bfloat16_to_float32(bfloat16_bits(x))."""
+    return bfloat16_to_float32(bfloat16_bits(x))
+
+
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
-    """x as the cache stores it, as float32: float16 rounding for a float16 cache, symmetric
-    per-(head, position) int8 quantisation for an int8 cache (``quantize_int8``; x is (heads, n, d)),
-    unchanged for float32."""
+    """x as the cache stores it, as float32: float16 rounding for a float16 cache, bfloat16
+    rounding (``bfloat16_bits``) for a bfloat16 cache, symmetric per-(head, position) int8
+    quantisation for an int8 cache (``quantize_int8``; x is (heads, n, d)), unchanged for float32."""
     x = np.asarray(x, dtype=np.float32)
     if dtype == "float16":
         return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return round_bfloat16(x)
     if dtype == "int8":
         return dequantize_int8(*quantize_int8(x))
     return x
 
 
 # Parity tolerances (|got - ref| <= atol + rtol * |ref|) for device results against ``attention``
-# on the values the cache holds. K/V are compared after storage rounding, so both dtypes differ
+# on the values the cache holds. K/V are compared after storage rounding, so the dtypes differ
 # only by accumulation order and exp2 vs exp. An int8 cache is compared the same way against the
 # dequantised values it stores (``dequantize_int8``), so it gets the same tolerance: quantisation
 # error is in the reference's inputs, not in the comparison.
-TOLERANCE = {"float32": (2e-5, 2e-4), "float16": (2e-5, 2e-4), "int8": (2e-5, 2e-4)}
+TOLERANCE = {"float32": (2e-5, 2e-4), "float16": (2e-5, 2e-4), "bfloat16": (2e-5, 2e-4), "int8": (2e-5, 2e-4)}

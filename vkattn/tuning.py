@@ -312,10 +312,12 @@ def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capa
                       tpr=tpr, unroll=not device.is_software)
 
 
-def coopmat_takes(device, rows: int, ch: int) -> bool:
+def coopmat_takes(device, rows: int, ch: int, matrices: bool = True) -> bool:
     """Whether a call of ``rows`` query rows may go to attn_coopmat.comp, which reads every key from
-    the cache (no fused append): such a forward appends its new rows first."""
-    return rows > 1 and ch != 1 and coopmat_wanted(device)
+    the cache (no fused append): such a forward appends its new rows first. ``matrices``: the
+    storage format's (vkattn.formats: False for float32 and bfloat16, which the kernel's float16
+    matrices cannot hold exactly)."""
+    return rows > 1 and ch != 1 and matrices and coopmat_wanted(device)
 
 
 def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_heads: int,
@@ -483,14 +485,15 @@ def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacit
 
 
 def attention_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,
-                     num_kv_heads: int, splits: int | None = None) -> AttnConfig:
+                     num_kv_heads: int, splits: int | None = None, matrices: bool = True) -> AttnConfig:
     """Kernel and tile sizes; raises DeviceLimitError if even the smallest tile does not fit.
     ``splits``: the key splits wanted instead of the shape's own choice (cascade's shared pass:
     ``s`` rows split like a decode step; software devices still bound the keys per workgroup).
     Calls of more than one query row go to attn_coopmat.comp where coopmat_wanted and
-    coopmat_config takes them (not with ``splits`` given); decode and the rest to kernel_for's
-    kernel."""
-    if coopmat_wanted(device) and s > 1 and splits is None:
+    coopmat_config takes them (not with ``splits`` given) and the storage format's values fit its
+    float16 matrices (``matrices``, vkattn.formats: not bfloat16, whatever VKATTN_KERNEL says);
+    decode and the rest to kernel_for's kernel."""
+    if matrices and coopmat_wanted(device) and s > 1 and splits is None:
         cfg = coopmat_config(device, group, s, dk4, dv4, ch, capacity, num_kv_heads)
         if cfg is not None:
             return cfg

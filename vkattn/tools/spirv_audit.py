@@ -23,17 +23,19 @@ import tempfile
 from pathlib import Path
 
 from .. import compiler
+from ..formats import FORMATS as STORAGE
 from ..spirv import matrix_problem
 
-FORMATS = {"float32": {"KV_F16": 0, "KV_I8": 0}, "float16": {"KV_F16": 1, "KV_I8": 0},
-           "int8": {"KV_F16": 0, "KV_I8": 1}}
-COOPMAT_FORMATS = ("float16", "int8")     # attn_coopmat.comp's formats (float32 caches keep attn.comp)
+FORMATS = {name: dict(f.defines) for name, f in STORAGE.items()}
+# attn_coopmat.comp's formats: those its float16 matrices hold exactly (float32 and bfloat16 caches
+# keep attn.comp / attn_lane.comp; vkattn.formats)
+COOPMAT_FORMATS = tuple(name for name, f in STORAGE.items() if f.matrices)
 
 
 def planned_variants() -> list:
     """(shader, defines) of every pipeline the runtime builds: per storage format the append,
-    attn.comp (with and without its subgroup shuffles), attn_lane.comp and, for float16 and int8,
-    attn_coopmat.comp (loops rolled or unrolled); the paged and persistence copies; the split
+    attn.comp (with and without its subgroup shuffles), attn_lane.comp and, for the formats its
+    matrices hold (float16, int8), attn_coopmat.comp (loops rolled or unrolled); the paged and persistence copies; the split
     merge; the subgroup probe."""
     out = []
     for fmt, d in FORMATS.items():

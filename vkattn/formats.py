@@ -1,0 +1,60 @@
+"""The K/V storage formats: one table that every layer reads (the caches' word layout and range
+checks, the shader defines, the planner's kernel choice, the file tensors, the GPU report's
+variants). A new format is a row here, its exact definition in vkattn.reference, its load and
+store in shaders/common.glsl (selected by its define) and its tests -- nothing else branches on
+a dtype name.
+
+A K or V row is stored in 16-byte words (uvec4): ``per_word`` values per word, so the kernels
+handle ``ch = per_word // 4`` float vec4 per word. ``row_scale``: one float32 scale per stored
+row (position and kv head) beside the words (int8). ``matrices``: attn_coopmat.comp may take the
+format -- its float16 matrices hold every stored value exactly (float16: the values themselves;
+int8: the integers -127 .. 127, the scale applied after the product); bfloat16's exponent range
+does not fit in float16, so it stays on attn.comp / attn_lane.comp. ``max_abs``: the largest
+|x| a cache accepts from numpy (a larger value would be stored as Inf: float16 refuses what
+passes its largest value, 65504, as it always has; bfloat16 exactly what rounds to Inf, from
+0x7f7f8000 on); None: any finite value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .reference import BF16_FINITE_INPUT
+
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    per_word: int                 # values per 16-byte storage word
+    defines: dict = field(hash=False)   # preprocessor defines of the kernels that load and store it
+    bits: type = np.uint32        # an integer view of one stored element (file tensors, readback)
+    file_dtype: np.dtype = field(default=np.dtype(np.float32), hash=False)  # its tensors' dtype in a file
+    row_scale: bool = False       # a float32 scale per row and kv head
+    matrices: bool = True         # attn_coopmat.comp can hold it exactly (see the module docstring)
+    max_abs: float | None = None  # numpy inputs above this magnitude are refused
+
+    @property
+    def ch(self) -> int:
+        return self.per_word // 4
+
+
+FORMATS = {
+    "float32": KVFormat("float32", 4, {"KV_F16": 0, "KV_I8": 0}, np.uint32, np.dtype(np.float32),
+                        matrices=False),
+    "float16": KVFormat("float16", 8, {"KV_F16": 1, "KV_I8": 0}, np.uint16, np.dtype(np.float16),
+                        max_abs=FP16_MAX),
+    "int8": KVFormat("int8", 16, {"KV_F16": 0, "KV_I8": 1}, np.uint8, np.dtype(np.int8), row_scale=True),
+    # numpy has no bfloat16: files hold its bits as uint16, the metadata's dtype says "bfloat16"
+    "bfloat16": KVFormat("bfloat16", 8, {"KV_F16": 0, "KV_I8": 0, "KV_BF16": 1}, np.uint16,
+                         np.dtype(np.uint16), matrices=False, max_abs=BF16_FINITE_INPUT),
+}
+DTYPES = tuple(FORMATS)
+
+
+def dtype_list() -> str:
+    """'float16', 'float32', ... for error messages."""
+    names = [f"{n!r}" for n in DTYPES]
+    return ", ".join(names[:-1]) + " or " + names[-1]

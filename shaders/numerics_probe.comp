@@ -1,15 +1,17 @@
 #version 450
-// numerics_probe.comp -- the storage conversions of common.glsl on their own: the float16 encoder
-// and decoder and the int8 quantiser that append.comp, attn.comp and attn_lane.comp store and load
-// K/V with, run on given bits. tests/test_exact.py compares them bit for bit with numpy on inputs
+// numerics_probe.comp -- the storage conversions of common.glsl on their own: the float16 and
+// bfloat16 encoders and decoders and the int8 quantiser that append.comp, attn.comp and
+// attn_lane.comp store and load K/V with, run on given bits. tests/test_exact.py compares them bit for bit with numpy on inputs
 // built to catch a wrong rounding; `python -m perf gpu` audits their GPU code (numerics audit).
 //
 // Contract (one pipeline per MODE define, with the storage defines of common.glsl)
 //   params[0] = n: the number of items; workgroups of WG invocations, one item per invocation
 //   MODE 0 (KV_F16=1): item i: float32 inv[2i], inv[2i+1] (8 values, as uvec4 of bits) -> out[i]
 //                      = pack_chunk: 8 halves, low half first.  numpy: x.astype(float16)
+//                      (KV_BF16=1: 8 bfloat16.  numpy: vkattn.reference.bfloat16_bits)
 //   MODE 1 (KV_F16=1, HALF_NATIVE 0 or 1): item i: inv[i] (8 halves) -> out[2i], out[2i+1] = the
 //                      float32 bits of unpack_chunk.  numpy: h.view(float16).astype(float32)
+//                      (KV_BF16=1: 8 bfloat16.  numpy: vkattn.reference.bfloat16_to_float32)
 //   MODE 2 (KV_I8=1): item i: a row of 16*D16 float32, inv[4*D16*i ..] -> out[D16*i ..] its int8
 //                      words (low byte first) and scale[i] its float32 scale bits, as append.comp
 //                      stores them.  numpy: vkattn.reference.quantize_int8

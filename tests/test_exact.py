@@ -1,7 +1,9 @@
-"""Bit-exact storage on any conforming Vulkan driver: float16 encode/decode and int8 quantisation.
+"""Bit-exact storage on any conforming Vulkan driver: float16 and bfloat16 encode/decode and int8
+quantisation.
 
 vkattn promises that a float16 cache stores exactly numpy's ``astype(float16)`` of the input (round
-to nearest even) and an int8 cache exactly ``reference.quantize_int8`` (scale = amax / 127 correctly
+to nearest even), a bfloat16 cache exactly ``reference.bfloat16_bits`` (nearest even on the float32
+bits: torch's rounding) and an int8 cache exactly ``reference.quantize_int8`` (scale = amax / 127 correctly
 rounded, q = the exact quotient rounded half to even). GLSL leaves all of these roundings to the
 driver (RADV packs halves with round toward zero, divides with a reciprocal; lavapipe happens to
 round to nearest), so the shaders compute them with integer arithmetic (shaders/common.glsl).
@@ -20,7 +22,7 @@ import pytest
 
 import vkattn
 from vkattn.compiler import compile_shader
-from vkattn.reference import quantize_int8
+from vkattn.reference import BF16_FINITE_INPUT, BF16_MAX, bfloat16_bits, quantize_int8, round_bfloat16
 
 F16_MAX = 65504.0
 
@@ -117,6 +119,137 @@ def test_probe_float16_decode_every_finite_half(device, native):
     bad = np.flatnonzero(out != want)
     assert bad.size == 0, [(hex(h[i]), hex(out[i]), hex(want[i])) for i in bad[:8]]
     assert ((h & 0x7c00) == 0).sum() == 2048
+
+
+# ------------------------------------------------------------------------------ bfloat16
+
+def bf16_ties_and_neighbours(rng, count=600):
+    """Exact midpoints between adjacent finite bfloat16 values -- kept halves odd (a tie rounds up)
+    and even (down), normal and denormal -- with the float32 just below and just above each, both
+    signs. Among them the carries: a tie above 0x3f7f rounds into the next exponent (1.0), one
+    above 0x007f from the largest denormal into the smallest normal, one above 0x7f7f (the largest
+    finite value) to Inf, while the float32 just below it stays 0x7f7f."""
+    h = np.concatenate([rng.integers(0, 0x7f7f, count), np.arange(0, 40), np.arange(0x7f40, 0x7f80),
+                        [0x3f7f, 0x3f7e, 0x007f, 0x007e, 0x0080]]).astype(np.uint32)
+    mid = (h << np.uint32(16)) | np.uint32(0x8000)
+    vals = np.concatenate([mid, mid - np.uint32(1), mid + np.uint32(1)])
+    return np.concatenate([vals, vals | np.uint32(0x80000000)]).view(np.float32)
+
+
+def bf16_specials():
+    """Zeros, float32 denormals, the largest finite bfloat16 and values round it, Inf and NaNs
+    (quiet, signalling, negative, payloads that the rounding carry alone would turn into Inf or
+    into a sign flip)."""
+    b = np.array([0x00000000, 0x80000000, 0x00000001, 0x80000001, 0x00007fff, 0x00008000, 0x00018000,
+                  0x000f8000, 0x007fffff, 0x807f8000, 0x00800000, 0x7f7f0000, 0xff7f0000, 0x7f7f7fff,
+                  0x7f7f8000, 0xff7f8000, 0x7f7fffff, 0x7f800000, 0xff800000, 0x7fc00000, 0x7f800001,
+                  0x7f807fff, 0xff800001, 0x7fffffff, 0xffffffff, 0x3f800000, 0x3f7fffff], np.uint32)
+    return b.view(np.float32)
+
+
+def truncate_bf16(x):
+    """float32 -> bfloat16 by dropping the low 16 bits (round toward zero), as float32."""
+    return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xffff0000)).view(np.float32)
+
+
+def test_bfloat16_reference_definition(rng):
+    # against the rounding computed another way: the two neighbouring bfloat16 values of x in
+    # float64 (exact) and the nearer one, ties to the even kept half; Inf past the largest value
+    x = np.concatenate([bf16_ties_and_neighbours(rng), bf16_specials(),
+                        f32(rng.integers(0, 0xffffffff, 20000, dtype=np.uint64).astype(np.uint32))])
+    x = x[np.isfinite(x)]
+    got = bfloat16_bits(x)
+    b = x.view(np.uint32)
+    lo = np.abs((b & np.uint32(0xffff0000)).view(np.float32).astype(np.float64))   # toward zero
+    e = ((b >> np.uint32(23)) & np.uint32(0xff)).astype(np.int64)
+    ulp = np.ldexp(1.0, np.maximum(e, 1) - 127 - 7)                 # one step of the kept half, exactly
+    up_bits = (b >> np.uint32(16)) + np.uint32(1)                  # away from zero (past 0x7f7f: Inf)
+    ax = np.abs(x.astype(np.float64))
+    dlo, dhi = ax - lo, lo + ulp - ax
+    up = (dhi < dlo) | ((dhi == dlo) & ((b >> np.uint32(16)) & np.uint32(1) == 1))
+    up &= (b & np.uint32(0xffff)) != 0
+    want = np.where(up, up_bits, b >> np.uint32(16)).astype(np.uint16)
+    assert np.array_equal(got, want), np.flatnonzero(got != want)[:8]
+    # the stated cases, one by one
+    one = lambda v: int(bfloat16_bits(np.uint32(v).view(np.float32)))
+    assert one(0x3f808000) == 0x3f80 and one(0x3f818000) == 0x3f82      # ties to even, both ways
+    assert one(0x3f808001) == 0x3f81 and one(0x3f817fff) == 0x3f81
+    assert one(0x3f7f8000) == 0x3f80                                      # carry into the exponent
+    assert one(0x7f7f7fff) == 0x7f7f and one(0x7f7f8000) == 0x7f80 and one(0xff7fffff) == 0xff80
+    assert float(round_bfloat16(np.float32(BF16_FINITE_INPUT))) == BF16_MAX
+    assert one(0x80000000) == 0x8000 and one(0x80000001) == 0x8000       # -0, and a tiny negative
+    assert one(0x00018000) == 0x0002 and one(0x00008000) == 0x0000 and one(0x007f8000) == 0x0080
+    assert one(0x7f800000) == 0x7f80 and one(0xff800000) == 0xff80
+    assert one(0x7f800001) == 0x7fc0 and one(0xffffffff) == 0xffff and one(0x7fc00000) == 0x7fc0
+    assert float(BF16_MAX) == float(np.uint32(0x7f7f0000).view(np.float32))
+
+
+def test_bfloat16_reference_is_torchs_rounding(rng):
+    torch = pytest.importorskip("torch")
+    x = np.concatenate([bf16_ties_and_neighbours(rng), bf16_specials(),
+                        f32(rng.integers(0, 0xffffffff, 20000, dtype=np.uint64).astype(np.uint32))])
+    x = x[~np.isnan(x)]                                   # torch makes every NaN 0x7fc0
+    t = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(bfloat16_bits(x), t)
+
+
+def test_bfloat16_inputs_would_catch_truncation(rng):
+    x = bf16_ties_and_neighbours(rng)
+    with np.errstate(over="ignore"):
+        want = round_bfloat16(x)
+    assert (bits(truncate_bf16(x)) != bits(want)).mean() > 0.3
+    # and a rounding that sends ties away from zero (half the ties)
+    tie = (bits(x) & np.uint32(0xffff)) == 0x8000
+    even = ((bits(x) >> np.uint32(16)) & np.uint32(1)) == 0
+    assert (tie & even).sum() > 100 and (bits(want)[tie & even] == bits(truncate_bf16(x))[tie & even]).all()
+
+
+def test_probe_bfloat16_encode_matches_reference(device, rng):
+    x = np.concatenate([bf16_ties_and_neighbours(rng), bf16_specials(),
+                        f32(rng.integers(0, 0xffffffff, 4000, dtype=np.uint64).astype(np.uint32))])
+    x = np.concatenate([x, np.zeros(-x.size % 8, np.float32)])
+    out, _ = run_probe(device, {"MODE": 0, "KV_F16": 0, "KV_I8": 0, "KV_BF16": 1}, bits(x), x.size // 8, x.size // 2)
+    got = out.view(np.uint16)
+    want = bfloat16_bits(x)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, [(hex(bits(x)[i]), hex(got[i]), hex(want[i])) for i in bad[:8]]
+
+
+def test_probe_bfloat16_decode_every_pattern(device):
+    # all 65536 bfloat16 bit patterns (denormals, zeros, Inf and NaN included): the shift is exact
+    h = np.arange(0x10000, dtype=np.uint32).astype(np.uint16)
+    words = h.view(np.uint32)
+    out, _ = run_probe(device, {"MODE": 1, "KV_F16": 0, "KV_I8": 0, "KV_BF16": 1}, words, words.size // 4,
+                       2 * words.size)
+    want = h.astype(np.uint32) << np.uint32(16)
+    bad = np.flatnonzero(out != want)
+    assert bad.size == 0, [(hex(h[i]), hex(out[i]), hex(want[i])) for i in bad[:8]]
+
+
+@pytest.mark.parametrize("kernel", ["lane", "tile"])
+@pytest.mark.parametrize("how", ["append", "forward"])
+def test_bfloat16_store_is_the_reference_rounding(device, rng, monkeypatch, kernel, how):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    x = np.concatenate([bf16_ties_and_neighbours(rng, 120), bf16_specials()])
+    x = x[np.isfinite(x) & (np.abs(x) <= BF16_FINITE_INPUT)]      # a bfloat16 cache refuses the rest
+    hkv, n, d, dv = 2, 30, 24, 40
+    k = _kv_rows(x, hkv, n, d, rng)
+    v = _kv_rows(x, hkv, n, dv, rng)
+    cache = vkattn.KVCache(64, hkv, d, dv, dtype="bfloat16", device=device)
+    if how == "append":
+        cache.append(k, v)
+    else:
+        q = np.zeros((hkv, n, d), np.float32)             # zero scores whatever K holds
+        with np.errstate(over="ignore", invalid="ignore"):
+            cache.forward(q, k, v)                          # (V's huge values may overflow the output)
+    ks, vs = cache.read()
+    for got, want in ((ks, k), (vs, v)):
+        ref = round_bfloat16(want)
+        bad = np.argwhere(bits(got) != bits(ref))
+        assert bad.size == 0, [(hex(bits(want)[tuple(i)]), hex(bits(got)[tuple(i)]), hex(bits(ref)[tuple(i)]))
+                               for i in bad[:8]]
+    assert (bits(truncate_bf16(k)) != bits(round_bfloat16(k))).mean() > 0.2
+    assert (bits(ks) == 0x80000000).any() and ((bits(ks) & 0x7f800000) == 0).sum() > 10   # -0, denormals kept
 
 
 # ------------------------------------------------------------------------------ int8

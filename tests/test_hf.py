@@ -114,6 +114,45 @@ def test_float16_cache_first_step(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_bfloat16_cache_first_step(arch):
+    # a bfloat16 cache (torch.bfloat16 maps to it) under a float32 model: K/V rounded to 8
+    # significant bits, so the first step's scores within 2e-2 of eager's, as a float16 cache's
+    model = model_for(arch)
+    ids, mask = prompts(2, [PROMPT, 6])
+    cache = VkattnCache(model.config, PROMPT + 1, batch_size=2, dtype=torch.bfloat16)
+    assert cache.dtype == "bfloat16"
+    vk = generate(model, "vkattn", ids, mask, cache, max_new_tokens=1)
+    assert rel_err(vk.scores, generate(model, "eager", ids, mask, max_new_tokens=1).scores) <= 2e-2
+
+
+def test_bfloat16_model_on_a_bfloat16_cache_generates_and_round_trips(tmp_path):
+    model = model_for("llama", torch.bfloat16)
+    ids, mask = prompts(2, [PROMPT, 3])
+    cache = VkattnCache(model.config, PROMPT + 8, batch_size=2, dtype=torch.bfloat16)
+    vk = generate(model, "vkattn", ids, mask, cache, max_new_tokens=8)
+    eager = generate(model, "eager", ids, mask, max_new_tokens=8)
+    assert vk.scores[0].dtype == eager.scores[0].dtype
+    assert rel_err(vk.scores[:1], eager.scores[:1]) <= 2e-2
+    # the stored rows are bfloat16 values; a save/load round trip keeps them bit for bit
+    path = tmp_path / "bf16.safetensors"
+    cache.save(path)
+    assert vkattn.cache_file_info(path)["dtype"] == "bfloat16"
+    other = VkattnCache(model.config, PROMPT + 8, batch_size=2, dtype="bfloat16")
+    other.load(path)
+    again = tmp_path / "again.safetensors"
+    other.save(again)
+    from safetensors.numpy import load_file
+    first, second = load_file(str(path)), load_file(str(again))
+    assert first.keys() == second.keys() and any(name.endswith(".k") for name in first)
+    for name, t in first.items():
+        assert np.array_equal(t, second[name]), name
+        if name.endswith((".k", ".v")):
+            assert t.dtype == np.uint16 and t.size          # bfloat16 bits
+    with pytest.raises(vkattn.CacheFileMismatchError, match="dtype"):
+        VkattnCache(model.config, PROMPT + 8, batch_size=2, dtype="float16").load(path)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_crop_then_continue(arch):
     """generate, crop the last 5 positions (a rejected speculation), continue from the cache:
     the same as eager generating the continuation from scratch."""
@@ -312,7 +351,9 @@ def test_errors_name_the_argument():
     with pytest.raises(TypeError, match="config: expected a transformers"):
         VkattnCache({"num_hidden_layers": 2}, 64)
     with pytest.raises(TypeError, match="dtype: .*bfloat16 models work"):
-        VkattnCache(model.config, 64, dtype=torch.bfloat16)
+        VkattnCache(model.config, 64, dtype=torch.float64)
+    with pytest.raises(TypeError, match="dtype: expected 'float32', 'float16', 'int8' or 'bfloat16'"):
+        VkattnCache(model.config, 64, dtype="bf16")
     with pytest.raises(ValueError, match="max_cache_len"):
         VkattnCache(model.config, 0)
     with pytest.raises(ValueError, match=r"key_states: expected \(batch, 4, n, 16\) from the config"):

@@ -88,8 +88,8 @@ uvec4 float_to_halves(vec4 x) {
 // plus the lowest kept bit carry into the kept half exactly when they pass half, or equal it
 // with an odd kept half; a carry runs into the exponent and, past 0x7f7f8000, to Inf (0x7f80).
 // No float operation touches x, so neither the driver's rounding nor its denormal mode enters:
-// float32 denormals round to bfloat16 denormals (Vulkan keeps denormals through OpLoad,
-// OpBitcast and OpSelect). NaN (rejected at the door; a device array may hold one) stays a quiet
+// float32 denormals round to bfloat16 denormals (a driver may flush denormals only in float
+// conversions, arithmetic, comparisons and extended instructions; loads and bitcasts keep them). NaN (rejected at the door; a device array may hold one) stays a quiet
 // NaN with its sign -- the rounding alone would make a NaN with a small payload Inf.
 uvec4 float_to_bf16(vec4 x) {
     const uvec4 f = floatBitsToUint(x);

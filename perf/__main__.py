@@ -49,6 +49,10 @@ def main(argv=None) -> int:
     for r in rows:
         if r.kernel in ("decode", "decode step", "batch"):
             print(f"  {r.case}: {r.value:.2f} GB/s = {100 * r.value / copy_bandwidth():.1f}% of copy bandwidth")
+        if r.kernel == "decode alternated":
+            ratio = next((f", {v:.3f}x the time of {k[8:]}" for k, v in r.extra.items() if k.startswith("time_vs_")), "")
+            print(f"  {r.case}: median {r.vkattn_ms:.3f} ms, min {r.vkattn_min_ms:.3f} ms over {r.extra['calls']} "
+                  f"calls in {r.extra['rounds']} alternated rounds{ratio}")
         if r.kernel == "loads":
             print(f"  {r.case}: {r.value:.3f} ns per word; the K/V loads of decode L=4096 alone would take "
                   f"{r.extra['decode_L4096_floor_ms']:.2f} ms at that rate")

@@ -4,20 +4,26 @@ then attend all L, one submission; the cache is rolled back by one position befo
 Reports effective K/V bandwidth (K/V bytes of the live length read per call / time). For the
 longest context the same two calls also run on the other formats the shape's is compared with
 (COMPARE: int8, and for a 16-bit format the other one), so float16, bfloat16 and int8 decode are
-compared in one run, on the same data."""
+compared in one run, on the same data. Then ``attend`` at the longest context on those formats
+again, timed in alternated rounds (ROUNDS, the order reversed every other round; each format's
+median and min over all its calls), so a machine whose load changes during the run slows them
+alike: the rows "decode L=... <dtype> alternated"."""
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import numpy as np
 
 import vkattn
+from vkattn.formats import FORMATS
 from vkattn.reference import attention, round_to
 
 from .common import PerfConfigError, Row, Shape, check, env_int_list, selected, time_calls, torch_case
 
 DEFAULT_CONTEXT = [512, 4096]
+ROUNDS = 4
 # the formats a shape's dtype is compared with at the longest context, in this order
 COMPARE = {"float32": ("int8",), "float16": ("bfloat16", "int8"), "bfloat16": ("float16", "int8"), "int8": ()}
 
@@ -46,7 +52,70 @@ def run(shape: Shape, device) -> list:
         L, alt = max(contexts), dataclasses.replace(shape, dtype=other)
         rows += _case(alt, device, rng, f"decode L={L} cap={L} {other}", L, L, step=False)
         rows += _case(alt, device, rng, f"decode step L={L} {other}", L, L, step=True)
+    if contexts and COMPARE[shape.dtype]:
+        rows += _alternated(shape, device, rng, max(contexts), (shape.dtype,) + COMPARE[shape.dtype])
     return rows
+
+
+def _alternated(shape: Shape, device, rng, L: int, dtypes: tuple) -> list:
+    """``attend`` over the same L positions stored in each of ``dtypes``, the caches timed in turn:
+    ROUNDS rounds of max(1, iters // ROUNDS) calls per format (after ``warmup`` calls each),
+    every other round in reverse order."""
+    names = {dt: f"decode L={L} {dt} alternated" for dt in dtypes}
+    dtypes = tuple(dt for dt in dtypes if selected(names[dt]))
+    if len(dtypes) < 2:
+        return []
+    k = rng.standard_normal((shape.kv_heads, L, shape.head_dim), dtype=np.float32)
+    v = rng.standard_normal((shape.kv_heads, L, shape.v_head_dim), dtype=np.float32)
+    q = rng.standard_normal((shape.heads, 1, shape.head_dim), dtype=np.float32)
+    caches, ok = {}, {}
+    try:
+        for dt in dtypes:
+            caches[dt] = vkattn.KVCache(L, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=dt,
+                                        device=device, timestamps=True)
+            caches[dt].append(k, v)
+            ok[dt] = check(caches[dt].attend(q), attention(q, round_to(k, dt), round_to(v, dt)), dt)
+            for _ in range(shape.warmup):
+                caches[dt].attend(q)
+        wall = {dt: [] for dt in dtypes}
+        dev = {dt: [] for dt in dtypes}
+        per_round = max(1, shape.iters // ROUNDS)
+        for r in range(ROUNDS):
+            for dt in (dtypes if r % 2 == 0 else dtypes[::-1]):
+                cache = caches[dt]
+                for _ in range(per_round):
+                    t0 = time.perf_counter()
+                    cache.attend(q)
+                    wall[dt].append(time.perf_counter() - t0)
+                    if cache.last_timings():
+                        dev[dt].append(sum(ms for _, ms in cache.last_timings()))
+    finally:
+        for cache in caches.values():
+            cache.close()
+    tr = time_calls(lambda: attention(q, k, v), shape.iters, shape.warmup)
+    rows = []
+    for dt in dtypes:
+        med = float(np.median(wall[dt])) * 1e3
+        kv_bytes = L * token_bytes_of(shape, dt)
+        rows.append(Row(case=names[dt], kernel="decode alternated",
+                        shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim} dv={shape.v_head_dim} {dt}",
+                        vkattn_ms=med, vkattn_min_ms=float(np.min(wall[dt])) * 1e3, numpy_ms=tr["median_ms"],
+                        speedup_vs_numpy=tr["median_ms"] / med, metric="GB/s",
+                        value=kv_bytes / (med * 1e-3) / 1e9, verified=ok[dt],
+                        device_ms=float(np.median(dev[dt])) if dev[dt] else None,
+                        extra={"L": L, "capacity": L, "kv_bytes": kv_bytes, "calls": len(wall[dt]), "rounds": ROUNDS}))
+    base = rows[0].vkattn_ms
+    for r in rows[1:]:
+        r.extra[f"time_vs_{dtypes[0]}"] = r.vkattn_ms / base
+    return rows
+
+
+def token_bytes_of(shape: Shape, dtype: str) -> int:
+    """K/V bytes per position of a ``dtype`` cache of ``shape`` (vkattn.formats: 16-byte words,
+    int8 with a float32 scale per row)."""
+    f = FORMATS[dtype]
+    words = -(-shape.head_dim // f.per_word) + -(-shape.v_head_dim // f.per_word)
+    return shape.kv_heads * (16 * words + (8 if f.row_scale else 0))
 
 
 def _case(shape: Shape, device, rng, name: str, L: int, cap: int, step: bool) -> list:

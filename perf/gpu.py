@@ -1,7 +1,7 @@
 """``python -m perf gpu``: vkattn's pipelines as GPU compilers build them, without a GPU.
 
 For a list of call shapes (the perf shapes 32/8 heads d128, 8/8 d64 and 16/2 d256; float16,
-float32 and int8; attend, decode step, a 16-row chunk and a 512-token prefill at L=4096; the score
+float32, int8 and bfloat16; attend, decode step, a 16-row chunk and a 512-token prefill at L=4096; the score
 variants; a paged batch; read and fork) this plans every pipeline vkattn would build -- the same
 planner the caches use (vkattn._attn.attn_pipeline, append/gather/copy pipelines), run against the
 device limits of RADV's null hardware for each AMD family the installed Mesa knows -- compiles
@@ -58,7 +58,7 @@ L = 4096                # context of the decode cases
 PREFILL = 512
 CHUNK = 16
 SHAPES = {"32/8 d128": (32, 8, 128), "8/8 d64": (8, 8, 64), "16/2 d256": (16, 2, 256)}
-DTYPES = ("float16", "float32", "int8")
+DTYPES = ("float16", "float32", "int8", "bfloat16")
 BATCH_LENS = [100 + round(i * 3900 / 15) for i in range(16)]     # perf batch: 16 of 100 .. 4000
 BLOCK = 16
 CASCADE_SHARED = 2048                                             # perf cascade: 16 sequences sharing 2048
@@ -461,7 +461,9 @@ AUDIT_RULES = {
 # stores and the lavapipe decoder run), every instruction of them audited
 NUMERICS_PROBES = [("float16 encode", {"MODE": 0, "KV_F16": 1}),
                    ("float16 decode (integer)", {"MODE": 1, "KV_F16": 1, "HALF_NATIVE": 0}),
-                   ("int8 scale + quantise", {"MODE": 2, "KV_F16": 0, "KV_I8": 1})]
+                   ("int8 scale + quantise", {"MODE": 2, "KV_F16": 0, "KV_I8": 1}),
+                   ("bfloat16 encode", {"MODE": 0, "KV_F16": 0, "KV_I8": 0, "KV_BF16": 1}),
+                   ("bfloat16 decode", {"MODE": 1, "KV_F16": 0, "KV_I8": 0, "KV_BF16": 1})]
 # the GPU kernels' float16 decode (attn.comp: unpackHalf2x16, or folded into v_fma_mix): exact for
 # normal halves and zeros on any driver, half subnormals as the driver's float16 denormal mode says;
 # reported, not flagged (the integer decode costs the key loop 70 -> 390 VALU on navi21, RESULTS.md)
@@ -733,7 +735,8 @@ def audit_markdown(report: dict) -> list:
     out = ["### Numerics audit: instructions whose rounding differs from the reference's, in paths that must be exact",
            "",
            "Flagged: " + "; ".join(f"{k} (`{v.pattern.split('|')[0].lstrip('^')}`...)" for k, v in AUDIT_RULES.items())
-           + ". Audited: numerics_probe.comp's float16 encoder, integer float16 decoder and int8 quantiser "
+           + ". Audited: numerics_probe.comp's float16 encoder, integer float16 decoder, int8 quantiser and "
+           "bfloat16 encoder and decoder "
            "(every rule), the planned append pipelines (every rule) and every other planned pipeline "
            "(the float->half rules).", "",
            "| code | " + " | ".join(fams) + " |", "|" + "---|" * (len(fams) + 1)]

@@ -133,8 +133,9 @@ class CacheBase:
 
     def _check_device_kv(self, k, v, n):
         """Both DeviceArrays on this device: k (num_kv_heads, n, head_dim), v (.., v_head_dim).
-        Their values are the caller's (no readback): a float16 cache stores them rounded, and
-        values past float16's range become infinities there (numpy inputs are refused instead)."""
+        Their values are the caller's (no readback): a float16 or bfloat16 cache stores them
+        rounded, and values past its range become infinities there (numpy inputs are refused
+        instead)."""
         if not (isinstance(k, DeviceArray) and isinstance(v, DeviceArray)):
             raise TypeError(f"k, v: both numpy arrays or both vkattn.DeviceArray, got {type(k).__name__} and "
                             f"{type(v).__name__}")

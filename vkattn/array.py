@@ -14,7 +14,7 @@ the attention kernel writes one word after lse's rows (the subgroup width it ran
 What the caches read from a device array is what they would read from numpy after its checks
 (shape, dtype): the values are not inspected on the host (that would need a readback). A q, k or
 v device array of a cache must have a last dimension the kernels read unpadded: head_dim (and
-v_head_dim) a multiple of 4 for float32, 8 for float16 and 16 for int8 storage (every common LLM
+v_head_dim) a multiple of 4 for float32, 8 for float16 and bfloat16 and 16 for int8 storage (every common LLM
 head dim: 64, 80, 96, 128, 256); the check names the rule otherwise.
 
 Memory: where the device's host-visible memory is device-local (lavapipe, integrated GPUs), kp

@@ -71,10 +71,11 @@ def test_mask_at_the_end_of_aux(device, rng, kernel, hkv, group, d, s, per_head)
     np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
 
 
-# float32 storage is not attn_coopmat.comp's (it falls back to the lane/tile kernel, swept there):
-# that pair is not generated
-@pytest.mark.parametrize("kernel,dtype", [(k, dt) for dt in ("float16", "float32", "int8") for k in KERNELS
-                                          if not (k == "coopmat" and dt == "float32")], indirect=["kernel"])
+# float32 and bfloat16 storage are not attn_coopmat.comp's (they fall back to the lane/tile kernel,
+# swept there): those pairs are not generated
+@pytest.mark.parametrize("kernel,dtype", [(k, dt) for dt in ("float16", "float32", "int8", "bfloat16") for k in KERNELS
+                                          if not (k == "coopmat" and dt in ("float32", "bfloat16"))],
+                         indirect=["kernel"])
 def test_every_variant_odd_shapes(device, rng, kernel, dtype, tmp_path):
     # head_dim 37 / v_head_dim 29: rows end inside a storage word; RoPE on 16 of 37 dims; window +
     # sinks + softcap + ALiBi + mask in one call (one pipeline), with the log-sum-exp; append.comp

@@ -11,7 +11,7 @@ import vkattn
 from vkattn.compiler import compile_shader
 from vkattn.reference import attention
 
-DTYPES = ["float32", "float16", "int8"]
+DTYPES = ["float32", "float16", "int8", "bfloat16"]
 
 
 def _data(rng, *shape):

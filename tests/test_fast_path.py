@@ -13,7 +13,7 @@ def _call(rng, hq, hkv, s, n, d):
             rng.standard_normal((hkv, n, d)).astype(np.float32))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8", "bfloat16"])
 def test_fast_path_equals_the_general_path(device, rng, dtype, monkeypatch):
     fast, general = (vkattn.KVCache(96, 2, 40, dtype=dtype, device=device) for _ in range(2))
     fills = []

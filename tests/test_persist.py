@@ -15,7 +15,7 @@ import vkattn
 from vkattn import persist
 
 HKV, D, DV, GROUP = 2, 24, 20, 2
-DTYPES = ["float16", "float32", "int8"]
+DTYPES = ["float16", "float32", "int8", "bfloat16"]
 ROPES = {"none": None, "neox16": vkattn.RoPE(style="neox", rotary_dim=16), "gptj": vkattn.RoPE(style="gptj", base=500.0,
                                                                                                  rotary_dim=24)}
 

@@ -70,7 +70,7 @@ def test_tile_fits_16k_and_bounds_registers_at_every_head_dim(cluster):
     any shuffle cluster: at cluster 1, head_dim 128 used to need 33,284 bytes and 256 over 64 KiB."""
     dev = _Dev(cluster)
     for d in (5, 37, 64, 96, 128, 192, 256):
-        for dtype in ("float16", "float32", "int8"):
+        for dtype in ("float16", "float32", "int8", "bfloat16"):
             fmt = StorageFormat(1, d, None, dtype)
             uv = 2 if fmt._ch == 4 else fmt._ch
             units = max(fmt._dk4, fmt._dv4) * fmt._ch // uv
@@ -84,7 +84,7 @@ def test_tile_fits_16k_and_bounds_registers_at_every_head_dim(cluster):
                         assert cfg.ds <= max(cluster, 1) or cfg.ds == 1
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32", "int8"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int8", "bfloat16"])
 @pytest.mark.parametrize("cluster", ["1", "2"])
 def test_no_shuffle_path_parity_head_dim_256(device, rng, monkeypatch, dtype, cluster):
     """attn.comp with its clusters summing through shared memory (the no-shuffle path), head dims

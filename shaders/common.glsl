@@ -89,8 +89,9 @@ uvec4 float_to_halves(vec4 x) {
 // with an odd kept half; a carry runs into the exponent and, past 0x7f7f8000, to Inf (0x7f80).
 // No float operation touches x, so neither the driver's rounding nor its denormal mode enters:
 // float32 denormals round to bfloat16 denormals (a driver may flush denormals only in float
-// conversions, arithmetic, comparisons and extended instructions; loads and bitcasts keep them). NaN (rejected at the door; a device array may hold one) stays a quiet
-// NaN with its sign -- the rounding alone would make a NaN with a small payload Inf.
+// conversions, arithmetic, comparisons and extended instructions; loads and bitcasts keep them).
+// NaN (rejected at the door; a device array may hold one) stays a quiet NaN with its sign -- the
+// rounding alone would make a NaN with a small payload Inf.
 uvec4 float_to_bf16(vec4 x) {
     const uvec4 f = floatBitsToUint(x);
     const uvec4 r = (f + 0x7fffu + bitfieldExtract(f, 16, 1)) >> 16;

@@ -1,8 +1,9 @@
 #version 450
 // numerics_probe.comp -- the storage conversions of common.glsl on their own: the float16 and
 // bfloat16 encoders and decoders and the int8 quantiser that append.comp, attn.comp and
-// attn_lane.comp store and load K/V with, run on given bits. tests/test_exact.py compares them bit for bit with numpy on inputs
-// built to catch a wrong rounding; `python -m perf gpu` audits their GPU code (numerics audit).
+// attn_lane.comp store and load K/V with, run on given bits. tests/test_exact.py compares them bit
+// for bit with numpy on inputs built to catch a wrong rounding; `python -m perf gpu` audits their
+// GPU code (numerics audit).
 //
 // Contract (one pipeline per MODE define, with the storage defines of common.glsl)
 //   params[0] = n: the number of items; workgroups of WG invocations, one item per invocation

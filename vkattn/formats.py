@@ -1,8 +1,9 @@
-"""The K/V storage formats: one table that every layer reads (the caches' word layout and range
-checks, the shader defines, the planner's kernel choice, the file tensors, the GPU report's
-variants). A new format is a row here, its exact definition in vkattn.reference, its load and
-store in shaders/common.glsl (selected by its define) and its tests -- nothing else branches on
-a dtype name.
+"""The K/V storage formats: one table the layers above read (the caches' word layout, range
+checks and accepted dtypes, the shader defines, the planner's kernel choice, the file tensors,
+the SPIR-V audit's variants, perf). A new format is a row here, its exact definition in
+vkattn.reference (and ``round_to``), its load and store in shaders/common.glsl (selected by its
+define), its host readback (``_attn.unpack_rows``), its adversarial rows in ``check`` and its
+tests.
 
 A K or V row is stored in 16-byte words (uvec4): ``per_word`` values per word, so the kernels
 handle ``ch = per_word // 4`` float vec4 per word. ``row_scale``: one float32 scale per stored
@@ -20,9 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .checks import FP16_MAX
 from .reference import BF16_FINITE_INPUT
-
-FP16_MAX = 65504.0
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,8 @@ class VkattnCache(Cache):
     before anything is written. batch_size: the most sequences the model runs at once (prompts x
     ``num_beams`` or ``num_return_sequences``); an empty cache also takes fewer. dtype: storage,
     "float16" (default), "float32", "bfloat16" or "int8" (or torch.float16 / torch.float32 /
-    torch.bfloat16), whatever the model's dtype. device: a :class:`vkattn.Device` (default: vkattn's default device).
+    torch.bfloat16), whatever the model's dtype. device: a :class:`vkattn.Device` (default:
+    vkattn's default device).
 
     Works with the attention implementation ``"vkattn"`` only (``import vkattn.hf`` registers
     it). ``update`` returns the new rows unchanged: the cached K/V are never materialised on

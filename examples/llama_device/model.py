@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import time
 
 import numpy as np
 
@@ -109,12 +110,13 @@ class DeviceLlama:
     included, rounded to float16 once: matmuls read half the bytes; arithmetic stays float32).
     cache_dtype: the KVCaches' storage ("float32", "float16", "int8"). capacity: positions per
     cache (prompt + generated tokens). Tuning of the matmul kernel (shaders/linear.comp):
-    ``wg`` invocations per workgroup, ``lanes`` invocations per output row, ``prompt_tile``
-    tokens per workgroup in the prompt's matmuls.
+    ``wg`` invocations per workgroup, ``lanes`` invocations per output row, ``rows`` output rows
+    per group of lanes, ``prompt_tile`` tokens per workgroup in the prompt's matmuls.
     """
 
     def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",
-                 capacity: int = 512, device=None, wg: int = 64, lanes: int = 1, prompt_tile: int = 8):
+                 capacity: int = 512, device=None, wg: int = 16, lanes: int = 1, rows: int = 8,
+                 prompt_tile: int = 8):
         if weight_dtype not in ("float32", "float16"):
             raise ModelInputError(f"weight_dtype: expected 'float32' or 'float16', got {weight_dtype!r}")
         if not (isinstance(wg, int) and isinstance(lanes, int) and wg > 0 and lanes > 0 and wg & (wg - 1) == 0
@@ -122,11 +124,13 @@ class DeviceLlama:
             raise ModelInputError(f"wg / lanes: powers of two with lanes <= wg <= 256, got {wg} / {lanes}")
         if not (isinstance(prompt_tile, int) and 1 <= prompt_tile <= 32):
             raise ModelInputError(f"prompt_tile: an int in 1..32, got {prompt_tile!r}")
+        if not (isinstance(rows, int) and 1 <= rows <= 32):
+            raise ModelInputError(f"rows: an int in 1..32, got {rows!r}")
         self.d = d = _Dims(config)
         self.device = device or vkattn.default_device()
         self.weight_dtype, self.cache_dtype = weight_dtype, cache_dtype
         self.capacity = int(capacity)
-        self._wg, self._lanes, self._tile = wg, lanes, prompt_tile
+        self._wg, self._lanes, self._rows, self._tile = wg, lanes, rows, prompt_tile
         self._f16 = weight_dtype == "float16"
         self._spv = {}
         self._load(weights)
@@ -212,16 +216,16 @@ class DeviceLlama:
             self._spv[key] = compile_shader(name, defines, src_dir=SHADERS)
         return self._spv[key]
 
-    def _algo(self, spirv, arrays, groups, spec):
-        mgr = self.device.backend._mgr if not arrays else arrays[0].manager
-        return mgr.algorithm([a.tensor for a in arrays], spirv, [int(g) for g in groups] + [1] * (3 - len(groups)),
-                             np.asarray(spec, dtype=np.uint32), np.zeros(0, np.uint32))
+    def _algo(self, spirv, arrays, groups, spec, push=()):
+        return arrays[0].manager.algorithm(
+            [a.tensor for a in arrays], spirv, [int(g) for g in groups] + [1] * (3 - len(groups)),
+            np.asarray(spec, dtype=np.uint32), np.asarray(push, dtype=np.uint32))
 
     def _linear(self, w, x, y, *, n, k, t, tx=None, t0=0, in_hd=None, out_hd=None, norm=None,
                 acc=False, glu=False, qkv=None):
         """An algorithm of linear.comp (its header says what it computes)."""
         tile = 1 if t == 1 else self._tile
-        defines = dict(WG=self._wg, LANES=self._lanes, TT=tile)
+        defines = dict(WG=self._wg, LANES=self._lanes, RPL=self._rows, TT=tile)
         arrays = [w, x, y]
         if norm is not None:
             defines["NORM"] = 1
@@ -235,10 +239,11 @@ class DeviceLlama:
             defines["QKV"] = 1
             arrays += list(qkv)
             rows = self.d.nq + 2 * self.d.nkv
-        rpw = self._wg // self._lanes
+        rpw = self._wg // self._lanes * self._rows
         eps = int(np.float32(self.d.eps).view(np.uint32))
-        spec = [k, n, t, in_hd or k, out_hd or n, t0, tx or t, eps, self.d.nq, self.d.nkv]
-        return self._algo(self._spirv("linear", **defines), arrays, (math.ceil(rows / rpw), math.ceil(t / tile)), spec)
+        spec = [k, n, in_hd or k, out_hd or n, eps, self.d.nq, self.d.nkv]
+        return self._algo(self._spirv("linear", **defines), arrays, (math.ceil(rows / rpw), math.ceil(t / tile)),
+                          spec, push=[t, t0, tx or t])
 
     def _step(self, g, a: _Acts, ids, return_logits: bool):
         """Record one step of a.t tokens (ids: the DeviceArray of their ids) into graph g; returns
@@ -286,7 +291,8 @@ class DeviceLlama:
         """Greedy decoding: the caches are reset, the prompt runs as one submission, each further
         token as one replay of the decode graph. Returns the new token ids (a list), and with
         ``return_logits`` also their logits ((n, vocab) float32: row i gave token i). Stops
-        after ``eos_token_id`` where one is given."""
+        after ``eos_token_id`` where one is given. ``last_times``: (seconds of the prompt's
+        submission, seconds of the decode steps) of this call."""
         d = self.d
         ids = np.asarray(prompt_ids)
         if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
@@ -301,6 +307,7 @@ class DeviceLlama:
                                   f"{ids.size + max_new_tokens - 1} positions; the caches hold {self.capacity}")
         for c in self.caches:
             c.reset()
+        t0 = time.perf_counter()
         s = int(ids.size)
         acts, idbuf, g = _Acts(d, s, self.device), vkattn.empty((s,), self.device), vkattn.Graph(self.device)
         try:
@@ -318,12 +325,14 @@ class DeviceLlama:
                 a.destroy()
             acts.close()
             idbuf.close()
+        t1 = time.perf_counter()
         dg = self.decode_graph(return_logits)
         while len(out) < max_new_tokens and not (eos_token_id is not None and out[-1] == eos_token_id):
             dg.run()
             out.append(self._token())
             if return_logits:
                 logits.append(self._dec.logits.host_view().copy())
+        self.last_times = (t1 - t0, time.perf_counter() - t1)
         return (out, np.stack(logits)) if return_logits else out
 
     def close(self):

@@ -7,30 +7,34 @@
 //   QKV   rows [0, NQ) go to y (q), [NQ, NQ+NKV) to yk (binding 4), the rest to yv (binding 5)
 //   W_F16 W is float16, two per uint32 word (low half first), else float32
 // Contract: W row-major (rows, K), K a multiple of 8, rows 16-byte aligned; x and y float32.
-// Activations are (T, K) rows (IN_HD = K) or vkattn's head-major (K / IN_HD, TX, IN_HD) layout
+// T, T0, TX: push constants. Activations are (T, K) rows (IN_HD = K) or vkattn's head-major (K / IN_HD, TX, IN_HD) layout
 // (IN_HD = head_dim: the attention output); the tokens read are T0 .. T0 + T - 1 of the TX in x.
 // Outputs likewise (OUT_HD = N: rows, OUT_HD = head_dim: (heads, T, head_dim) for the cache).
 // What it computes, in numpy (x as (TX, K) rows, W float32 after unpacking):
 //   xs = x[T0:T0+T]; if NORM: xs = xs / np.sqrt((xs**2).mean(-1, keepdims=True) + EPS) * g
 //   y = xs @ W.T   (GLU: a, b = xs @ W[:N].T, xs @ W[N:].T; y = a / (1 + np.exp(-a)) * b)
 //   ACC: y += previous y
-// Layout of the work: LANES invocations per output row (LANES = 1: one row per invocation, the
-// weight row read with 16-byte loads while x is the same word for every invocation -- fastest on
-// lavapipe, where a subgroup is a SIMD register), WG / LANES rows per workgroup, LANES > 1 sums
-// through shared memory; TT tokens per workgroup (grid y = ceil(T / TT)), so each weight is read
-// once per TT tokens (the prompt's tiled case).
+// Layout of the work: a group of LANES invocations computes RPL consecutive output rows for TT
+// tokens (grid y = ceil(T / TT)); WG / LANES groups per workgroup. Each x chunk (8 features) is
+// loaded once for the RPL rows and each weight chunk (16-byte loads) once for the TT tokens: on
+// lavapipe every storage-buffer word costs a per-lane scalar loop, so words loaded per
+// multiply-add is what sets the speed (LANES = 1, RPL = 8 there). LANES > 1 (GPUs: lanes of a
+// row read consecutive chunks) sums the partials through shared memory.
 layout(local_size_x = WG) in;
 
 layout(constant_id = 0) const uint K = 64;        // input features
 layout(constant_id = 1) const uint N = 64;        // output rows (GLU: per half)
-layout(constant_id = 2) const uint T = 1;         // tokens computed
-layout(constant_id = 3) const uint IN_HD = 64;    // input head dim (K: row layout)
-layout(constant_id = 4) const uint OUT_HD = 64;   // output head dim (N or NQ: row layout)
-layout(constant_id = 5) const uint T0 = 0;        // first token of x read
-layout(constant_id = 6) const uint TX = 1;        // tokens in x
-layout(constant_id = 7) const float EPS = 1e-5;   // RMSNorm epsilon
-layout(constant_id = 8) const uint NQ = 64;       // QKV: q rows
-layout(constant_id = 9) const uint NKV = 64;      // QKV: k rows (= v rows)
+layout(constant_id = 2) const uint IN_HD = 64;    // input head dim (K: row layout)
+layout(constant_id = 3) const uint OUT_HD = 64;   // output head dim (N or NQ: row layout)
+layout(constant_id = 4) const float EPS = 1e-5;   // RMSNorm epsilon
+layout(constant_id = 5) const uint NQ = 64;       // QKV: q rows
+layout(constant_id = 6) const uint NKV = 64;      // QKV: k rows (= v rows)
+// the token counts are push constants, so a new prompt length builds no new pipeline
+layout(push_constant) uniform Tokens {
+    uint T;                                       // tokens computed
+    uint T0;                                      // first token of x read
+    uint TX;                                      // tokens in x
+};
 
 #ifdef W_F16
 layout(std430, binding = 0) readonly buffer Wb { uvec4 w[]; };    // 8 halves per element
@@ -49,7 +53,7 @@ layout(std430, binding = 4) writeonly buffer YKb { float yk[]; };
 layout(std430, binding = 5) writeonly buffer YVb { float yv[]; };
 #endif
 
-const uint RPW = WG / LANES;
+const uint RPW = WG / LANES;               // row groups per workgroup
 shared float red[WG];
 #ifdef NORM
 shared float rnorm[TT];
@@ -94,7 +98,7 @@ void store(uint n, uint t, float v) {
 void main() {
     const uint lid = gl_LocalInvocationID.x;
     const uint lane = lid % LANES;
-    const uint n = gl_WorkGroupID.x * RPW + lid / LANES;
+    const uint n0 = (gl_WorkGroupID.x * RPW + lid / LANES) * RPL;     // this group's first row
     const uint tbase = gl_WorkGroupID.y * TT;
 #ifdef NORM
     // 1 / rms of each token of the tile: the workgroup sums the squares through shared memory
@@ -116,11 +120,11 @@ void main() {
         barrier();
     }
 #endif
-    float acc[TT];
+    float acc[RPL * TT];
 #ifdef GLU
-    float acc2[TT];
+    float acc2[RPL * TT];
 #endif
-    for (uint j = 0; j < TT; j++) {
+    for (uint j = 0; j < RPL * TT; j++) {
         acc[j] = 0.0;
 #ifdef GLU
         acc2[j] = 0.0;
@@ -131,37 +135,44 @@ void main() {
 #else
     const uint ROWS = N;
 #endif
-    if (n < ROWS) {
+    if (n0 < ROWS) {
         for (uint c = lane; c < CHUNKS; c += LANES) {
-            vec4 wa, wb;
-            load8(n, c, wa, wb);
-#ifdef GLU
-            vec4 ua, ub;
-            load8(n + N, c, ua, ub);
-#endif
             const uint k = c * 8;
+            // the tile's x chunks, loaded once for the RPL rows
+            vec4 xa[TT], xb[TT];
 #ifdef NORM
             const vec4 ga = vec4(g[k], g[k + 1], g[k + 2], g[k + 3]);
             const vec4 gb = vec4(g[k + 4], g[k + 5], g[k + 6], g[k + 7]);
 #endif
             for (uint j = 0; j < TT; j++) {
-                const uint t = T0 + min(tbase + j, T - 1);
-                const uint i0 = xi(t, k);            // 8 features of one head: contiguous
-                vec4 xa = vec4(x[i0], x[i0 + 1], x[i0 + 2], x[i0 + 3]);
-                vec4 xb = vec4(x[i0 + 4], x[i0 + 5], x[i0 + 6], x[i0 + 7]);
+                const uint i0 = xi(T0 + min(tbase + j, T - 1), k);    // 8 features of one head: contiguous
+                xa[j] = vec4(x[i0], x[i0 + 1], x[i0 + 2], x[i0 + 3]);
+                xb[j] = vec4(x[i0 + 4], x[i0 + 5], x[i0 + 6], x[i0 + 7]);
 #ifdef NORM
-                xa = (xa * rnorm[j]) * ga;
-                xb = (xb * rnorm[j]) * gb;
+                xa[j] = (xa[j] * rnorm[j]) * ga;
+                xb[j] = (xb[j] * rnorm[j]) * gb;
 #endif
-                acc[j] += dot(wa, xa) + dot(wb, xb);
+            }
+            for (uint r = 0; r < RPL; r++) {
+                const uint n = min(n0 + r, ROWS - 1);       // rows past the end: computed, not stored
+                vec4 wa, wb;
+                load8(n, c, wa, wb);
 #ifdef GLU
-                acc2[j] += dot(ua, xa) + dot(ub, xb);
+                vec4 ua, ub;
+                load8(n + N, c, ua, ub);
 #endif
+                for (uint j = 0; j < TT; j++) {
+                    acc[r * TT + j] += dot(wa, xa[j]) + dot(wb, xb[j]);
+#ifdef GLU
+                    acc2[r * TT + j] += dot(ua, xa[j]) + dot(ub, xb[j]);
+#endif
+                }
             }
         }
     }
 #if LANES > 1
-    for (uint j = 0; j < TT; j++) {
+    // the LANES partial sums of each (row, token) through shared memory
+    for (uint j = 0; j < RPL * TT; j++) {
 #ifdef GLU
         for (uint half_ = 0; half_ < 2; half_++) {
             red[lid] = half_ == 0 ? acc[j] : acc2[j];
@@ -183,15 +194,17 @@ void main() {
         }
     }
 #endif
-    if (n < ROWS && lane == 0) {
-        for (uint j = 0; j < TT; j++) {
-            if (tbase + j < T) {
+    if (lane == 0) {
+        for (uint r = 0; r < RPL; r++) {
+            for (uint j = 0; j < TT; j++) {
+                if (n0 + r < ROWS && tbase + j < T) {
 #ifdef GLU
-                const float a = acc[j];
-                store(n, tbase + j, a / (1.0 + exp(-a)) * acc2[j]);
+                    const float a = acc[r * TT + j];
+                    store(n0 + r, tbase + j, a / (1.0 + exp(-a)) * acc2[r * TT + j]);
 #else
-                store(n, tbase + j, acc[j]);
+                    store(n0 + r, tbase + j, acc[r * TT + j]);
 #endif
+                }
             }
         }
     }

@@ -84,6 +84,48 @@ def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype):
         m.close()
 
 
+def test_q4_1_blocks_equal_eager_on_their_dequantised_weights(device):
+    """q4_1: the layers' matrices as Q4_1 blocks, the (tied) embedding as Q8_0, quantised here;
+    eager holds the blocks' dequantised values (reference_state_dict)."""
+    cfg = _config(intermediate_size=224)
+    sd = _state_dict(cfg, seed=5)
+    m = DeviceLlama(cfg, sd, weight_dtype="q4_1", capacity=48, device=device)
+    try:
+        ref = m.reference_state_dict()
+        assert set(ref) == set(sd)
+        for k, w in sd.items():          # rounded to the formats: within half a step of each block
+            np.testing.assert_allclose(ref[k], w.numpy(), atol=0.6 * float(w.abs().max()) / 7, rtol=0)
+        assert not np.array_equal(ref["model.layers.0.mlp.up_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"].numpy())
+        eager = eager_model(cfg, {k: torch.from_numpy(v) for k, v in ref.items()})
+        prompt = [7, 300, 12, 12, 5, 64, 128, 256, 1, 2, 3, 4, 5]
+        got, got_logits = m.generate(prompt, 16, return_logits=True)
+        want, want_logits, _ = eager_generate(eager, prompt, 16)
+        _check(got, got_logits, want, want_logits)
+        assert len(set(got)) > 3
+    finally:
+        m.close()
+
+
+def test_q4_1_and_q8_0_blocks_read_as_gguf_dequantises(rng):
+    """quant.from_gguf reads GGUF's own block bytes (Q4_1: d, m, then byte j = weight j low
+    nibble | weight j+16 high nibble; Q8_0: d, 32 int8) into words whose dequantisation is the
+    gguf package's, bit for bit."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (make model)")
+    from examples.llama_device import quant
+    rows, cols = 5, 96
+    nb = cols // 32
+    d = rng.uniform(0.001, 0.1, (rows, nb)).astype(np.float16)
+    m = rng.uniform(-1, 1, (rows, nb)).astype(np.float16)
+    qs = rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)
+    raw = np.concatenate([d[..., None].view(np.uint8), m[..., None].view(np.uint8), qs], axis=-1).reshape(rows, -1)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1)
+    assert np.array_equal(quant.dequantize("q4_1", quant.from_gguf("q4_1", raw, cols), cols), want)
+    q8 = rng.integers(-128, 128, (rows, nb, 32), dtype=np.int8)
+    raw8 = np.concatenate([d[..., None].view(np.uint8), q8.view(np.uint8)], axis=-1).reshape(rows, -1)
+    want8 = gguf.quants.dequantize(raw8, gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(quant.dequantize("q8_0", quant.from_gguf("q8_0", raw8, cols), cols), want8)
+
+
 def test_untied_head_odd_config_and_float16_cache(device):
     cfg = _config(tied=False, hidden_size=40, intermediate_size=88, num_attention_heads=5, num_key_value_heads=1,
                   head_dim=8, vocab_size=203, num_hidden_layers=2, rope_theta=500.0, rms_norm_eps=1e-6)
@@ -149,6 +191,8 @@ def test_bad_input_raises_typed_errors(device, small):
         DeviceLlama(_config(hidden_act="gelu"), sd, device=device)
     with pytest.raises(ModelInputError, match="wg"):
         DeviceLlama(cfg, sd, wg=48, device=device)
+    with pytest.raises(ModelInputError, match="multiple of 32"):          # intermediate 200: no q4_1 blocks
+        DeviceLlama(cfg, sd, weight_dtype="q4_1", device=device)
     m = DeviceLlama(cfg, sd, capacity=16, device=device)
     try:
         for ids, new, what in (([], 3, "non-empty"), ([[1, 2]], 3, "1-D"), ([1.0, 2.0], 3, "ints"),
@@ -172,17 +216,23 @@ def _real_model():
     return model_weights.load()
 
 
-@pytest.mark.parametrize("weight_dtype", ["float16"])
+@pytest.mark.parametrize("weight_dtype", ["float16", "q4_1"])
 def test_smollm2_greedy_tokens_equal_eager(device, weight_dtype):
     """SmolLM2-135M-Instruct (30 layers, 9/3 heads, head_dim 64, vocab 49152, tied): one chat
     prompt, 24 new tokens on the device against eager on the same float16-rounded weights
-    (python -m examples.llama_device runs float32 and float16 on three prompts of 64)."""
+    (float16), or on the float32 weights the GGUF's blocks dequantise to, the very values the
+    device's q4_1 setting computes with (python -m examples.llama_device runs all three settings
+    on three prompts of 64)."""
     cfg, sd, tok = _real_model()
     from examples.llama_device.__main__ import PROMPTS, prompt_ids
     ids = prompt_ids(tok, PROMPTS[0])
     eager = eager_model(cfg, sd, round_float16=weight_dtype == "float16")
-    m = DeviceLlama(cfg, sd, weight_dtype=weight_dtype, capacity=len(ids) + 24, device=device)
+    blocks = model_weights.load_blocks() if weight_dtype == "q4_1" else None
+    m = DeviceLlama(cfg, sd, weight_dtype=weight_dtype, capacity=len(ids) + 24, device=device, blocks=blocks)
     try:
+        if blocks is not None:
+            ref = m.reference_state_dict()
+            assert set(ref) == set(sd) and all(np.array_equal(ref[k], sd[k].numpy()) for k in sd)
         got, got_logits = m.generate(ids, 24, return_logits=True)
     finally:
         m.close()

@@ -1,10 +1,12 @@
 """Run SmolLM2-135M-Instruct on the Vulkan device and check it against transformers' eager model.
 
     python -m examples.llama_device                    # float32 and float16 weights, 3 prompts x 64 tokens
+    python -m examples.llama_device --weights q4_1     # the GGUF's blocks on the device (fastest)
     python -m examples.llama_device --weights float16 --new 16 --prompts 1
 
 For each weight setting: greedy tokens of each prompt on the device (DeviceLlama) and in eager
-(float32; for float16 weights, eager holds the same float16-rounded weights), whether they are
+(float32; for float16 weights, eager holds the same float16-rounded weights; q4_1 runs the GGUF's
+own Q4_1 / Q8_0 blocks, whose dequantised values are eager's float32 weights), whether they are
 equal, the largest logit difference over every step, and tokens per second of both (prompt and
 decode separately; the prompt figures of the first run of a prompt length include lavapipe's
 pipeline compilation). Needs `make model` (scripts/model.sh). Exit status 1 if tokens differ.
@@ -30,8 +32,17 @@ def compare(cfg, sd, tok, weight_dtype, prompts, new, warm=False, log=print, **m
     """Device against eager for each prompt; returns a list of dicts (one per prompt)."""
     from .model import DeviceLlama
     from .reference import eager_generate, eager_model
-    eager = eager_model(cfg, sd, round_float16=weight_dtype == "float16")
+    from .weights import load_blocks
+    if weight_dtype == "q4_1":
+        model_kw["blocks"] = load_blocks()
     dm = DeviceLlama(cfg, sd, weight_dtype=weight_dtype, capacity=max(len(p) for p in prompts) + new, **model_kw)
+    if weight_dtype == "q4_1":        # the GGUF's own blocks: exactly the float32 weights eager holds
+        ref = dm.reference_state_dict()
+        same = all(np.array_equal(ref[k], sd[k].numpy()) for k in ref) and set(ref) == set(sd)
+        log(f"[q4_1] the device's dequantised weights equal the float32 state dict: {same}")
+        eager = eager_model(cfg, sd)
+    else:
+        eager = eager_model(cfg, sd, round_float16=weight_dtype == "float16")
     rows = []
     try:
         for ids in prompts:
@@ -63,7 +74,7 @@ def compare(cfg, sd, tok, weight_dtype, prompts, new, warm=False, log=print, **m
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m examples.llama_device", description=__doc__.split("\n")[1])
-    ap.add_argument("--weights", nargs="+", default=["float32", "float16"], choices=["float32", "float16"])
+    ap.add_argument("--weights", nargs="+", default=["float32", "float16"], choices=["float32", "float16", "q4_1"])
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt (64)")
     ap.add_argument("--prompts", type=int, default=3, choices=[1, 2, 3])
     args = ap.parse_args(argv)

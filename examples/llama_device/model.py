@@ -31,6 +31,8 @@ import numpy as np
 import vkattn
 from vkattn.compiler import compile_shader
 
+from . import quant
+
 SHADERS = pathlib.Path(__file__).resolve().parent / "shaders"
 
 
@@ -106,19 +108,26 @@ class DeviceLlama:
     a Vulkan device.
 
     weights: a state dict with Hugging Face's names (``model.layers.0.self_attn.q_proj.weight``
-    ...; torch tensors or numpy). weight_dtype: "float32", or "float16" (every weight, norms
-    included, rounded to float16 once: matmuls read half the bytes; arithmetic stays float32).
+    ...; torch tensors or numpy). weight_dtype: "float32", "float16" (every weight, norms
+    included, rounded to float16 once: matmuls read half the bytes; arithmetic stays float32), or
+    "q4_1" (the layers' matrices in GGUF's Q4_1 blocks, the embedding / lm_head in Q8_0, norms
+    float32: quant.py; a sixth of float32's bytes): ``blocks`` maps weight names to such blocks
+    as the GGUF holds them (weights.load_blocks(): then the device computes with exactly the
+    weights the gguf package dequantises), other weights are quantised here (round to nearest).
+    :meth:`reference_state_dict` gives the float32 weights the device computes with.
     cache_dtype: the KVCaches' storage ("float32", "float16", "int8"). capacity: positions per
     cache (prompt + generated tokens). Tuning of the matmul kernel (shaders/linear.comp):
     ``wg`` invocations per workgroup, ``lanes`` invocations per output row, ``rows`` output rows
     per group of lanes, ``prompt_tile`` tokens per workgroup in the prompt's matmuls.
     """
 
+    WEIGHT_DTYPES = ("float32", "float16", "q4_1")
+
     def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",
-                 capacity: int = 512, device=None, wg: int = 16, lanes: int = 1, rows: int = 8,
-                 prompt_tile: int = 8):
-        if weight_dtype not in ("float32", "float16"):
-            raise ModelInputError(f"weight_dtype: expected 'float32' or 'float16', got {weight_dtype!r}")
+                 capacity: int = 512, device=None, wg: int = 16, lanes: int = 1, rows: int = 16,
+                 prompt_tile: int = 8, blocks: dict | None = None):
+        if weight_dtype not in self.WEIGHT_DTYPES:
+            raise ModelInputError(f"weight_dtype: expected one of {self.WEIGHT_DTYPES}, got {weight_dtype!r}")
         if not (isinstance(wg, int) and isinstance(lanes, int) and wg > 0 and lanes > 0 and wg & (wg - 1) == 0
                 and lanes & (lanes - 1) == 0 and lanes <= wg and wg <= 256):
             raise ModelInputError(f"wg / lanes: powers of two with lanes <= wg <= 256, got {wg} / {lanes}")
@@ -132,6 +141,8 @@ class DeviceLlama:
         self.capacity = int(capacity)
         self._wg, self._lanes, self._rows, self._tile = wg, lanes, rows, prompt_tile
         self._f16 = weight_dtype == "float16"
+        self._blocks = dict(blocks or {})
+        self._ref = {}
         self._spv = {}
         self._load(weights)
         rope = vkattn.RoPE(style="neox", base=d.rope_theta)
@@ -147,6 +158,7 @@ class DeviceLlama:
     def _load(self, sd):
         d = self.d
         sd = dict(sd)
+        self._rows_of = {}
 
         def get(name, shape):
             if name not in sd:
@@ -154,51 +166,81 @@ class DeviceLlama:
             w = _numpy(sd[name])
             if w.shape != shape:
                 raise ModelInputError(f"weights: {name!r} has shape {w.shape}, expected {shape}")
+            self._rows_of[name] = shape[0]
             if not np.isfinite(w).all():
                 raise ModelInputError(f"weights: {name!r} holds non-finite values")
             return w
 
-        def mat(w):       # a DeviceArray holding w's words: float32, or float16 pairs
-            if self._f16:
+        def mat(w, name, kind="q4_1"):   # a DeviceArray holding w's words in the weight format
+            fmt = self.weight_dtype if self.weight_dtype != "q4_1" else kind
+            self._fmt[name] = fmt
+            if fmt in quant.WORDS:
+                if w.shape[1] % quant.BLOCK:
+                    raise ModelInputError(f"weights: {name!r}: rows of {w.shape[1]} are not a multiple of "
+                                          f"{quant.BLOCK} ({fmt} blocks)")
+                if name in self._blocks:
+                    bk, raw = self._blocks[name]
+                    if bk != fmt:
+                        raise ModelInputError(f"blocks: {name!r} is {bk}, the model holds it as {fmt}")
+                    words = quant.from_gguf(fmt, raw, w.shape[1])
+                else:
+                    words = quant.quantize(fmt, w)
+                self._ref[name] = quant.dequantize(fmt, words, w.shape[1])
+                words = words.reshape(-1)
+            elif self._f16:
                 if np.abs(w).max(initial=0) > 65504:
                     raise ModelInputError("weights: values past float16's range (use weight_dtype='float32')")
                 words = np.ascontiguousarray(w.astype(np.float16)).reshape(-1).view(np.uint32)
+                self._ref[name] = w.astype(np.float16).astype(np.float32)
             else:
                 words = w.reshape(-1).view(np.uint32)
+                self._ref[name] = w
             a = vkattn.empty((words.size,), self.device)
             a.host_view().reshape(-1).view(np.uint32)[:words.size] = words
+            self._fmt_of[a] = fmt
             pending.append(a)
             return a
 
-        def vec(w):       # norm gains: float32 (rounded to float16 first in the float16 setting)
+        def vec(w, name):  # norm gains: float32 (rounded to float16 first in the float16 setting)
             if self._f16:
                 w = w.astype(np.float16).astype(np.float32)
+            self._ref[name] = w
             a = vkattn.empty((w.size,), self.device)
             a.host_view()[:] = w
             pending.append(a)
             return a
 
-        pending = []
+        def cat(names, parts):   # several matrices in one: rows concatenated (each row's blocks stay whole)
+            w = np.concatenate(parts)
+            if self.weight_dtype == "q4_1" and all(n in self._blocks for n in names):
+                self._blocks["+".join(names)] = (self._blocks[names[0]][0],
+                                                 np.concatenate([self._blocks[n][1] for n in names]))
+            return "+".join(names), w
+
+        pending, self._fmt, self._fmt_of = [], {}, {}
         H, I = d.hidden, d.inter
-        self.embed = mat(get("model.embed_tokens.weight", (d.vocab, H)))
+        e = "model.embed_tokens.weight"
+        self.embed = mat(get(e, (d.vocab, H)), e, "q8_0")
         if d.tied:
             self.lm_head = self.embed
         else:
-            self.lm_head = mat(get("lm_head.weight", (d.vocab, H)))
-        self.norm = vec(get("model.norm.weight", (H,)))
+            self.lm_head = mat(get("lm_head.weight", (d.vocab, H)), "lm_head.weight", "q8_0")
+        self.norm = vec(get("model.norm.weight", (H,)), "model.norm.weight")
         self.layers = []
         for i in range(d.layers):
             p = f"model.layers.{i}."
+            qkv = cat([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+                      [get(p + "self_attn.q_proj.weight", (d.nq, H)), get(p + "self_attn.k_proj.weight", (d.nkv, H)),
+                       get(p + "self_attn.v_proj.weight", (d.nkv, H))])
+            gu = cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                     [get(p + "mlp.gate_proj.weight", (I, H)), get(p + "mlp.up_proj.weight", (I, H))])
             self.layers.append(dict(
-                ln1=vec(get(p + "input_layernorm.weight", (H,))),
-                ln2=vec(get(p + "post_attention_layernorm.weight", (H,))),
-                qkv=mat(np.concatenate([get(p + "self_attn.q_proj.weight", (d.nq, H)),
-                                        get(p + "self_attn.k_proj.weight", (d.nkv, H)),
-                                        get(p + "self_attn.v_proj.weight", (d.nkv, H))])),
-                o=mat(get(p + "self_attn.o_proj.weight", (H, d.nq))),
-                gu=mat(np.concatenate([get(p + "mlp.gate_proj.weight", (I, H)),
-                                       get(p + "mlp.up_proj.weight", (I, H))])),
-                down=mat(get(p + "mlp.down_proj.weight", (H, I)))))
+                ln1=vec(get(p + "input_layernorm.weight", (H,)), p + "input_layernorm.weight"),
+                ln2=vec(get(p + "post_attention_layernorm.weight", (H,)), p + "post_attention_layernorm.weight"),
+                qkv=mat(qkv[1], qkv[0]),
+                o=mat(get(p + "self_attn.o_proj.weight", (H, d.nq)), p + "self_attn.o_proj.weight"),
+                gu=mat(gu[1], gu[0]),
+                down=mat(get(p + "mlp.down_proj.weight", (H, I)), p + "mlp.down_proj.weight")))
         self._weights = pending
         g = vkattn.Graph(self.device)                       # one upload of everything, waited for
         with g.capture():
@@ -207,14 +249,30 @@ class DeviceLlama:
         g.close()
         self.weight_bytes = sum(a.nbytes for a in pending)
 
+    def reference_state_dict(self) -> dict:
+        """The float32 weights the device computes with, under Hugging Face's names (numpy): for
+        float32 the given ones, for float16 their float16 roundings, for q4_1 the blocks'
+        dequantised values (an eager model holding these is the reference)."""
+        out = {}
+        for name, w in self._ref.items():
+            names = name.split("+")
+            rows = np.cumsum([0] + [self._rows_of[n] for n in names])
+            for n, a, b in zip(names, rows[:-1], rows[1:]):
+                out[n] = w[a:b]
+        return out
+
     # ------------------------------------------------------------------ kernels
-    def _spirv(self, name, **defines):
+    _FORMAT_DEFINE = {"float16": "W_F16", "q4_1": "W_Q4_1", "q8_0": "W_Q8_0"}
+
+    def _spirv(self, name, fmt=None, **defines):
+        if fmt in self._FORMAT_DEFINE:
+            defines[self._FORMAT_DEFINE[fmt]] = 1
         key = (name, tuple(sorted(defines.items())))
         if key not in self._spv:
-            if self._f16:
-                defines["W_F16"] = 1
             self._spv[key] = compile_shader(name, defines, src_dir=SHADERS)
         return self._spv[key]
+
+
 
     def _algo(self, spirv, arrays, groups, spec, push=()):
         return arrays[0].manager.algorithm(
@@ -242,7 +300,7 @@ class DeviceLlama:
         rpw = self._wg // self._lanes * self._rows
         eps = int(np.float32(self.d.eps).view(np.uint32))
         spec = [k, n, in_hd or k, out_hd or n, eps, self.d.nq, self.d.nkv]
-        return self._algo(self._spirv("linear", **defines), arrays, (math.ceil(rows / rpw), math.ceil(t / tile)),
+        return self._algo(self._spirv("linear", self._fmt_of[w], **defines), arrays, (math.ceil(rows / rpw), math.ceil(t / tile)),
                           spec, push=[t, t0, tx or t])
 
     def _step(self, g, a: _Acts, ids, return_logits: bool):
@@ -254,7 +312,9 @@ class DeviceLlama:
             algos.append(algo)
             g.dispatch(algo, reads=reads, writes=writes, name=name)
 
-        disp(self._algo(self._spirv("embed"), [self.embed, ids, a.x], (math.ceil(d.hidden / 8 / 64), t),
+        unit = 32 if self._fmt_of[self.embed] in quant.WORDS else 8
+        disp(self._algo(self._spirv("embed", self._fmt_of[self.embed]), [self.embed, ids, a.x],
+                        (math.ceil(d.hidden / unit / 64), t),
                         [d.hidden, d.vocab]), [ids], [a.x], "embed")
         for i, L in enumerate(self.layers):
             disp(self._linear(L["qkv"], a.x, a.q, n=d.nq, k=d.hidden, t=t, out_hd=d.head_dim, norm=L["ln1"],

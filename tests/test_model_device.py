@@ -69,6 +69,7 @@ def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype):
     cfg, sd = small
     eager = eager_model(cfg, sd, round_float16=weight_dtype == "float16")
     m = DeviceLlama(cfg, sd, weight_dtype=weight_dtype, capacity=64, device=device)
+    assert m._xshare == device.lane_subgroup()          # lavapipe: x pieces shared by shuffles
     try:
         for prompt, new in (([5, 17, 250, 3, 99, 42, 7, 300, 0], 20), ([11], 6), (list(range(40, 77)), 12)):
             got, got_logits = m.generate(prompt, new, return_logits=True)
@@ -126,20 +127,27 @@ def test_q4_1_and_q8_0_blocks_read_as_gguf_dequantises(rng):
     assert np.array_equal(quant.dequantize("q8_0", quant.from_gguf("q8_0", raw8, cols), cols), want8)
 
 
-def test_untied_head_odd_config_and_float16_cache(device):
+@pytest.mark.parametrize("layout", [dict(wg=32, rows=3, prompt_tile=4, xshare=False),
+                                    dict(wg=64, lanes=4, rows=2, prompt_tile=3)])
+def test_untied_head_odd_config_and_float16_cache(device, layout):
+    """linear.comp's other layouts: x loaded by every lane (no shuffles), and 4 lanes per row
+    summing through shared memory (the GPU layout); an untied lm_head; a float16 KV cache."""
     cfg = _config(tied=False, hidden_size=40, intermediate_size=88, num_attention_heads=5, num_key_value_heads=1,
                   head_dim=8, vocab_size=203, num_hidden_layers=2, rope_theta=500.0, rms_norm_eps=1e-6)
     sd = _state_dict(cfg, seed=3)
     assert "lm_head.weight" in sd
     eager = eager_model(cfg, sd)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
-    m = DeviceLlama(cfg, sd, capacity=40, device=device, wg=32, rows=3, prompt_tile=4)
+    m = DeviceLlama(cfg, sd, capacity=40, device=device, **layout)
+    assert m._xshare == 0
     try:
         got, got_logits = m.generate(prompt, 17, return_logits=True)
         want, want_logits, _ = eager_generate(eager, prompt, 17)
         _check(got, got_logits, want, want_logits)
     finally:
         m.close()
+    if layout["wg"] != 32:
+        return
     # a float16 KV cache: not eager's numerics, so only the logits' closeness is checked
     m = DeviceLlama(cfg, sd, cache_dtype="float16", capacity=40, device=device)
     try:

@@ -125,7 +125,7 @@ class DeviceLlama:
 
     def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",
                  capacity: int = 512, device=None, wg: int = 16, lanes: int = 1, rows: int = 16,
-                 prompt_tile: int = 8, blocks: dict | None = None):
+                 prompt_tile: int = 8, blocks: dict | None = None, xshare: bool = True):
         if weight_dtype not in self.WEIGHT_DTYPES:
             raise ModelInputError(f"weight_dtype: expected one of {self.WEIGHT_DTYPES}, got {weight_dtype!r}")
         if not (isinstance(wg, int) and isinstance(lanes, int) and wg > 0 and lanes > 0 and wg & (wg - 1) == 0
@@ -141,6 +141,10 @@ class DeviceLlama:
         self.capacity = int(capacity)
         self._wg, self._lanes, self._rows, self._tile = wg, lanes, rows, prompt_tile
         self._f16 = weight_dtype == "float16"
+        # x pieces shared by shuffles within a subgroup (linear.comp XSHARE): where the device's
+        # subgroup divides the workgroup and 8 (the smallest piece), one lane per row
+        sg = self.device.lane_subgroup() if xshare else 0      # probed: one subgroup, working shuffles
+        self._xshare = sg if (sg and lanes == 1 and wg % sg == 0 and 8 % sg == 0) else 0
         self._blocks = dict(blocks or {})
         self._ref = {}
         self._spv = {}
@@ -284,6 +288,8 @@ class DeviceLlama:
         """An algorithm of linear.comp (its header says what it computes)."""
         tile = 1 if t == 1 else self._tile
         defines = dict(WG=self._wg, LANES=self._lanes, RPL=self._rows, TT=tile)
+        if self._xshare:
+            defines["XSHARE"] = self._xshare
         arrays = [w, x, y]
         if norm is not None:
             defines["NORM"] = 1

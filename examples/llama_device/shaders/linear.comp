@@ -1,5 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
+#extension GL_KHR_shader_subgroup_shuffle : enable
 // linear.comp -- the model's matmuls: y = W @ x for T tokens (decode: T = 1, the prompt: T = its
 // rows), with the options of a Llama layer folded in (defines):
 //   NORM  x is RMS-normalised first: x_t * (1 / sqrt(mean(x_t^2) + EPS)) * g   (binding 3: g)
@@ -39,6 +40,15 @@ layout(push_constant) uniform Tokens {
 };
 
 #include "weights.glsl"
+#ifdef XSHARE
+// XSHARE = the subgroup size (the device's, fixed at compile time; it divides WG and UNIT, and
+// LANES = 1): the subgroup's lanes load one x piece between them and share it by shuffles, so
+// every lane runs the piece loop (rows past the end are clamped, not skipped)
+#define PER (UNIT / XSHARE)
+#define ALL_LANES true
+#else
+#define ALL_LANES false
+#endif
 layout(std430, binding = 1) readonly buffer Xb { float x[]; };
 layout(std430, binding = 2) buffer Yb { float y[]; };
 #ifdef NORM
@@ -120,13 +130,32 @@ void main() {
 #else
     const uint ROWS = N;
 #endif
-    if (n0 < ROWS) {
+    if (ALL_LANES || n0 < ROWS) {
         for (uint c = lane; c < PIECES; c += LANES) {
             const uint k = c * UNIT;
             // the tile's x pieces, loaded once for the RPL rows (4 features of one head are contiguous)
             vec4 xv[TT][V4];
             for (uint j = 0; j < TT; j++) {
                 const uint t = T0 + min(tbase + j, T - 1);
+#ifdef XSHARE
+                // lane l of the subgroup loads features l*PER .. l*PER+PER-1 of the piece (normalised),
+                // then shuffles with constant sources hand every lane all UNIT: UNIT / XSHARE words
+                // loaded per lane instead of UNIT (llvmpipe loads word by word, lane by lane)
+                const uint sl = gl_SubgroupInvocationID;
+                float mine[PER];
+                for (uint e = 0; e < PER; e++) {
+                    const uint f = k + sl * PER + e;
+                    mine[e] = x[xi(t, f)];
+#ifdef NORM
+                    mine[e] = (mine[e] * rnorm[j]) * g[f];
+#endif
+                }
+                for (uint i = 0; i < V4; i++) {
+                    for (uint c = 0; c < 4; c++) {
+                        xv[j][i][c] = subgroupShuffle(mine[(4 * i + c) % PER], (4 * i + c) / PER);
+                    }
+                }
+#else
                 for (uint i = 0; i < V4; i++) {
                     const uint i0 = xi(t, k + 4 * i);
                     xv[j][i] = vec4(x[i0], x[i0 + 1], x[i0 + 2], x[i0 + 3]);
@@ -134,6 +163,7 @@ void main() {
                     xv[j][i] = (xv[j][i] * rnorm[j]) * vec4(g[k + 4 * i], g[k + 4 * i + 1], g[k + 4 * i + 2], g[k + 4 * i + 3]);
 #endif
                 }
+#endif
             }
             for (uint r = 0; r < RPL; r++) {
                 const uint n = min(n0 + r, ROWS - 1);       // rows past the end: computed, not stored

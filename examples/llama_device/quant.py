@@ -1,0 +1,88 @@
+"""Block-quantised weights for linear.comp / embed.comp (W_Q4_1, W_Q8_0): the two formats of the
+GGUF the example loads, in a word-aligned layout of our own. Per block of 32 consecutive weights
+of a row (K a multiple of 32):
+
+- q4_1: 5 uint32 words: word 0 = float16 d (low half) | float16 m (high half); words 1..4: the
+  32 4-bit codes, word 1 + i holding weights 8i .. 8i+7, weight 8i+e in bits 4e..4e+3.
+  Weight = d * code + m (float32, as the gguf package dequantises).
+- q8_0: 9 words: word 0 = float16 d (low half, high half 0); words 1..8: the 32 int8 codes,
+  word 1 + i holding weights 4i .. 4i+3, weight 4i+e in byte e. Weight = d * code.
+
+From GGUF's own blocks (``from_gguf``: its q4_1 byte j holds weight j in the low nibble and weight
+j+16 in the high one) the device holds exactly the weights the gguf package dequantises; from
+float32 weights (``quantize``) they are rounded to the format first (round-to-nearest codes)."""
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 32
+WORDS = {"q4_1": 5, "q8_0": 9}
+
+
+def _f16_word(lo, hi=None):
+    lo = np.asarray(lo, np.float16).view(np.uint16).astype(np.uint32)
+    hi = np.zeros_like(lo) if hi is None else np.asarray(hi, np.float16).view(np.uint16).astype(np.uint32)
+    return lo | (hi << 16)
+
+
+def _pack(kind, d, m, codes):
+    """codes (rows, nb, 32) ints -> words (rows, nb * WORDS[kind]) uint32."""
+    rows, nb, _ = codes.shape
+    if kind == "q4_1":
+        nib = codes.astype(np.uint32).reshape(rows, nb, 4, 8) << (4 * np.arange(8, dtype=np.uint32))
+        body = np.bitwise_or.reduce(nib, axis=-1)                     # (rows, nb, 4)
+        head = _f16_word(d, m)[..., None]
+    else:
+        byt = (codes.astype(np.int32) & 0xFF).astype(np.uint32).reshape(rows, nb, 8, 4) << (8 * np.arange(4, dtype=np.uint32))
+        body = np.bitwise_or.reduce(byt, axis=-1)                     # (rows, nb, 8)
+        head = _f16_word(d)[..., None]
+    return np.concatenate([head, body], axis=-1).reshape(rows, -1)
+
+
+def dequantize(kind, words, cols):
+    """The float32 weights (rows, cols) the device computes with: numpy of the shaders' dequant."""
+    rows = words.shape[0]
+    nb = cols // BLOCK
+    w = words.reshape(rows, nb, WORDS[kind])
+    d = (w[..., 0] & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32)[..., None]
+    if kind == "q4_1":
+        m = (w[..., 0] >> 16).astype(np.uint16).view(np.float16).astype(np.float32)[..., None]
+        codes = (w[..., 1:, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+        return ((d * codes.reshape(rows, nb, 32).astype(np.float32)) + m).reshape(rows, cols)
+    codes = ((w[..., 1:, None] >> (8 * np.arange(4, dtype=np.uint32))) & 0xFF).astype(np.uint8).view(np.int8)
+    return (codes.reshape(rows, nb, 32).astype(np.float32) * d).reshape(rows, cols)
+
+
+def quantize(kind, w):
+    """float32 (rows, cols) -> words, round-to-nearest codes (q4_1: d = (max - min) / 15, m = min;
+    q8_0: d = max|w| / 127), d and m rounded to float16."""
+    w = np.asarray(w, np.float32)
+    rows, cols = w.shape
+    if cols % BLOCK:
+        raise ValueError(f"{kind}: the row length {cols} is not a multiple of {BLOCK}")
+    b = w.reshape(rows, cols // BLOCK, BLOCK)
+    if kind == "q4_1":
+        lo, hi = b.min(-1), b.max(-1)
+        d = ((hi - lo) / 15).astype(np.float16)
+        m = lo.astype(np.float16)
+        df = d.astype(np.float32)[..., None]
+        codes = np.clip(np.rint((b - m.astype(np.float32)[..., None]) / np.where(df == 0, 1, df)), 0, 15)
+        return _pack(kind, d, m, codes)
+    d = (np.abs(b).max(-1) / 127).astype(np.float16)
+    df = d.astype(np.float32)[..., None]
+    codes = np.clip(np.rint(b / np.where(df == 0, 1, df)), -127, 127)
+    return _pack(kind, d, None, codes)
+
+
+def from_gguf(kind, raw, cols):
+    """GGUF's blocks (rows, nb * bytes per block) uint8 -> our words (rows, nb * WORDS[kind])."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    rows, nb = raw.shape[0], cols // BLOCK
+    if kind == "q4_1":
+        r = raw.reshape(rows, nb, 20)
+        d, m, qs = r[..., 0:2].copy().view(np.float16)[..., 0], r[..., 2:4].copy().view(np.float16)[..., 0], r[..., 4:]
+        codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1)         # weights 0..15, then 16..31
+        return _pack(kind, d, m, codes)
+    r = raw.reshape(rows, nb, 34)
+    d, codes = r[..., 0:2].copy().view(np.float16)[..., 0], r[..., 2:].view(np.int8)
+    return _pack(kind, d, None, codes)

@@ -61,9 +61,10 @@ def run(shape: Shape, device) -> list:
     return out
 
 
-def _python_us(fn, iters: int) -> float:
+def _python_us(fn, iters: int, reset=None) -> float:
     """Median microseconds of ``fn`` with every recorded submission replaced by nothing: the host
-    code around the device (vkattn's Python, numpy, kp's bindings up to the submit)."""
+    code around the device (vkattn's Python, numpy, kp's bindings up to the submit); ``reset``
+    (untimed) runs after each call."""
     from vkattn import _kp
     real = _kp.Recording.run
     _kp.Recording.run = lambda self: None
@@ -73,6 +74,8 @@ def _python_us(fn, iters: int) -> float:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
+            if reset is not None:
+                reset()
     finally:
         _kp.Recording.run = real
     return float(np.median(times)) * 1e6
@@ -106,12 +109,18 @@ def device_path(shape: Shape, device) -> list:
     qd, kd, vd = vkattn.to_device(q, device), vkattn.to_device(k, device), vkattn.to_device(v, device)
     od = vkattn.empty((hq, 1, dv), device)
 
-    def numpy_call():
+    def numpy_only():
         c0.forward(q, k, v)
+
+    def device_only():
+        c0.forward(qd, kd, vd, out=od)
+
+    def numpy_call():
+        numpy_only()
         c0.truncate(L)
 
     def device_call():
-        c0.forward(qd, kd, vd, out=od)
+        device_only()
         c0.truncate(L)
 
     def timed_call(arrays):
@@ -129,14 +138,16 @@ def device_path(shape: Shape, device) -> list:
     kr, vr = c0.read()
     tr = time_calls(lambda: attention(q, kr, vr), iters, warmup)["median_ms"]     # numpy's own attention
     rows = []
-    for name, fn in (("numpy", numpy_call), ("device arrays", device_call)):
+    for name, fn, only in (("numpy", numpy_call, numpy_only), ("device arrays", device_call, device_only)):
         t = time_calls(fn, iters, warmup)
         t["device_ms"] = time_calls(timed_call(name != "numpy"), iters, warmup, device_of=timed)["device_ms"]
-        py = _python_us(fn, iters)
+        py = _python_us(only, 10 * iters, reset=lambda: c0.truncate(L))
+        print(f"{tag} {name}: vkattn's Python {py:.1f} us per call (submission stubbed out)")
         rows.append(Row(case=f"decode forward L={L}, {name}", kernel="overhead", shape=tag,
                         vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr, speedup_vs_numpy=tr / t["median_ms"],
                         metric="x bare",
                         value=(t["median_ms"] - (t["device_ms"] or 0.0)) / bare["median_ms"], verified=ok,
+                        device_ms=t["device_ms"],
                         extra={"bare_ms": bare["median_ms"], "device_ms": t["device_ms"], "python_us": py}))
     qs = [vkattn.to_device(q, device) for _ in caches]
     ks = [vkattn.to_device(k, device) for _ in caches]

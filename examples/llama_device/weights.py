@@ -68,19 +68,8 @@ def _convert(src):
     sd = {}
     for t in r.tensors:
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if t.name == "token_embd.weight":
-            sd["model.embed_tokens.weight"] = w
-        elif t.name == "output_norm.weight":
-            sd["model.norm.weight"] = w
-        elif t.name == "output.weight":
-            sd["lm_head.weight"] = w
-        else:
-            _, layer, kind, _ = t.name.split(".")
-            if kind == "attn_q":
-                w = _unpermute(w, heads)
-            elif kind == "attn_k":
-                w = _unpermute(w, kv)
-            sd[f"model.layers.{layer}.{_NAMES[kind]}.weight"] = w
+        name, w = _hf_tensor(t.name, w, heads, kv)
+        sd[name] = w
     cfg = LlamaConfig(
         vocab_size=sd["model.embed_tokens.weight"].shape[0], hidden_size=int(f["llama.embedding_length"]),
         intermediate_size=int(f["llama.feed_forward_length"]), num_hidden_layers=int(f["llama.block_count"]),
@@ -117,6 +106,23 @@ def prepare(verbose: bool = True) -> pathlib.Path:
     return d
 
 
+_FIXED = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+          "output.weight": "lm_head.weight"}
+
+
+def _hf_tensor(gguf_name: str, rows, heads: int, kv: int):
+    """(Hugging Face name, rows) of a GGUF tensor: q and k rows un-permuted (llama.cpp's
+    converter interleaves RoPE pairs), whether the rows are float32 values or quantised blocks."""
+    if gguf_name in _FIXED:
+        return _FIXED[gguf_name], rows
+    _, layer, kind, _ = gguf_name.split(".")
+    if kind == "attn_q":
+        rows = _unpermute(rows, heads)
+    elif kind == "attn_k":
+        rows = _unpermute(rows, kv)
+    return f"model.layers.{layer}.{_NAMES[kind]}.weight", rows
+
+
 def load_blocks() -> dict:
     """The GGUF's quantised matrices as DeviceLlama(weight_dtype="q4_1", blocks=...) takes them:
     {Hugging Face name: (kind, uint8 blocks (rows, bytes))}, q/k rows un-permuted as in _convert
@@ -135,17 +141,7 @@ def load_blocks() -> dict:
         if kind not in ("q4_1", "q8_0"):
             continue
         raw = np.asarray(t.data)
-        if t.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif t.name == "output.weight":
-            name = "lm_head.weight"
-        else:
-            _, layer, part, _ = t.name.split(".")
-            if part == "attn_q":
-                raw = _unpermute(raw, heads)
-            elif part == "attn_k":
-                raw = _unpermute(raw, kv)
-            name = f"model.layers.{layer}.{_NAMES[part]}.weight"
+        name, raw = _hf_tensor(t.name, raw, heads, kv)
         out[name] = (kind, np.ascontiguousarray(raw))
     return out
 

@@ -22,12 +22,16 @@ def _kernel_runs_here(request):
     ("tile") runs everywhere."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and callspec.params.get("kernel") == "lane":
-        dev = request.getfixturevalue("device")
-        if not dev.lane_subgroup():
-            pytest.skip(f"attn_lane.comp needs a subgroup of at most 16 with shuffles; {dev.name} has "
-                        f"{dev.subgroup_size}")
+        skip_without_lane(request.getfixturevalue("device"))
     if callspec is not None and callspec.params.get("kernel") == "coopmat":
         skip_or_fail_coopmat(request.getfixturevalue("device").coopmat_problem())
+
+
+def skip_without_lane(dev) -> None:
+    """A skip naming why where vkattn never picks attn_lane.comp (a GPU's subgroup of 32 or 64)."""
+    if not dev.lane_subgroup():
+        pytest.skip(f"attn_lane.comp needs a subgroup of at most 16 with shuffles; {dev.name} has "
+                    f"{dev.subgroup_size}")
 
 
 def skip_or_fail_coopmat(problem: str) -> None:

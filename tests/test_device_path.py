@@ -234,7 +234,8 @@ def test_host_memory_modes_give_the_same_bits(rng, monkeypatch):
     split K (the per-tile counters must come back to zero with no upload), a chunk of 37 rows
     and an append, each checked against the reference; a device array round trip; a bad
     VKATTN_HOST_MEMORY is a ValueError; on direct memory a download fixes what the host reads, so
-    a later write of that buffer in the same recording is refused."""
+    a later write of that buffer in the same recording is refused, and a recording of uploads
+    alone submits nothing (an empty command buffer is no valid submission)."""
     from test_device import gather_program
     monkeypatch.setenv("VKATTN_DECODE_SPLITS", "5")
     results = {}
@@ -263,6 +264,12 @@ def test_host_memory_modes_give_the_same_bits(rng, monkeypatch):
             params = be.buffer(17, np.uint32, name="params")
             copy, dummies = gather_program(be, src, dst, params, "copy")
             assert be.recording().upload(src, params).dispatch(copy).download(dst).ops == ["copy", "host barrier dst"]
+            only_uploads = be.recording().upload(src, params).build()   # nothing to submit: no empty submission
+            assert only_uploads.ops == [] and not only_uploads.submits and only_uploads.timings(1.0) == []
+            only_uploads.run()
+            only_uploads.submit()
+            only_uploads.wait()
+            only_uploads.destroy()
             with pytest.raises(vkattn.SyncHazardError, match="after its download"):
                 be.recording().dispatch(copy).download(dst).dispatch(copy, barriers=True)
             with pytest.raises(vkattn.SyncHazardError, match="after its download"):

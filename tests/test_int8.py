@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import vkattn
-from conftest import assert_close, rand_kv, rand_q
+from conftest import assert_close, rand_kv, rand_q, skip_without_lane
 from vkattn.reference import attention, quantize_int8, round_to
 
 KERNELS = ["lane", "tile"]
@@ -102,6 +102,7 @@ def test_int8_long_prefill_takes_the_long_lane_state(device, rng, monkeypatch):
     """A prefill of tuning.LANE_LONG_ROWS rows or more on attn_lane.comp gets LANE_STATE_VEC4_LONG
     (twice the query vectors per workgroup at head_dim 128): int8 K/V on that pipeline, from empty
     and over a past, against the reference on the stored values."""
+    skip_without_lane(device)                   # a GPU: VKATTN_KERNEL=lane is a ValueError there
     monkeypatch.setenv("VKATTN_KERNEL", "lane")
     t = vkattn.tuning
     hkv, group, d = 1, 4, 128

@@ -388,21 +388,34 @@ class Recording:
         return self
 
     def build(self, timestamps: bool = False) -> "Recording":
+        """The sequence, recorded once. A recording with no command (on direct host memory, one
+        that only uploads) builds none: running it submits nothing (an empty command buffer is
+        not a valid submission, VUID-vkQueueSubmit-pCommandBuffers-00070)."""
+        if not self._ops:
+            self._seq = None
+            return self
         seq = self._backend._mgr.sequence(0, len(self._ops) + 1 if timestamps else 0)
         for op in self._ops:
             seq.record(op)
         self._seq = seq
         return self
 
+    @property
+    def submits(self) -> bool:
+        """Whether running it submits anything (False: no command was recorded)."""
+        return bool(self._ops)
+
     def run(self) -> None:
         pending = self._backend.pending
         if pending is not None:
             pending.wait()
-        self._seq.eval()
+        if self._seq is not None:
+            self._seq.eval()
 
     def submit(self) -> None:
         """Submit without waiting (kp's eval_async); :meth:`wait` waits for it."""
-        self._seq.eval_async()
+        if self._seq is not None:
+            self._seq.eval_async()
 
     def wait(self) -> None:
         if self._seq is not None and self._seq.is_running():
@@ -418,6 +431,8 @@ class Recording:
 
     def timings(self, tick_ns: float) -> list:
         """(op name, device ms) for each op of the last run; needs ``build(timestamps=True)``."""
+        if self._seq is None:
+            return []
         ticks = self._seq.get_timestamps()
         return [(n, (b - a) * tick_ns * 1e-6) for n, a, b in zip(self._names, ticks[:-1], ticks[1:])]
 

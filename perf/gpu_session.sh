@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The device runs of a lent GPU machine, as one script: a machine with Python, numpy, torch and a
+# Vulkan driver but no network and no `make setup` (issue 31: "leave the device runs ready as one
+# script"). BUNDLE (default .gpu) holds what set-up would have fetched, made on a machine with a
+# network (perf/gpu_bundle.sh): kp's wheel for the GPU machine's Python, glslangValidator and
+# spirv-val with their libraries (glslang/bin, glslang/lib) and the .debs of the Vulkan loader and
+# fmt. Every step has its own time limit and the script goes on past a failed one; each step's
+# output goes to OUT/run.log, the reports beside it:
+#   1. python -m vkattn check (every kernel path vkattn takes there; every SPIR-V module built is
+#      checked by spirv-val: VKATTN_SPIRV_VAL)
+#   2. the same with the cooperative-matrix kernel forced (VKATTN_KERNEL=coopmat)
+#   3. python -m perf gpubench (make gpu-bench): device ms beside torch SDPA on the same GPU
+#   4. python -m perf overhead: wall against device time per call, the device-array path, a
+#      30-layer graph replayed (issue 30)
+#   5. the device-path and cooperative-matrix parity tests (pytest), where time is left
+# Usage: bash perf/gpu_session.sh [BUNDLE] [OUT]   (OUT defaults to $OUT, then perf/out/gpu)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bundle=$(cd "${1:-.gpu}" && pwd)
+out=${2:-${OUT:-perf/out/gpu}}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+log="$out/run.log"
+PY=${PYTHON:-python3}
+start=$SECONDS
+step() { echo "== $1 ($((SECONDS - start)) s in)" | tee -a "$log"; }
+run() {   # run LIMIT CMD...: the command's output to the log, its status and time after it
+  local limit=$1 t0=$SECONDS rc
+  shift
+  timeout "$limit" "$@" >> "$log" 2>&1
+  rc=$?
+  echo "-- exit $rc after $((SECONDS - t0)) s: $*" | tee -a "$log"
+  return 0
+}
+
+step "set-up"
+for f in "$bundle"/*.deb; do [ -f "$f" ] && dpkg -x "$f" /; done
+ldconfig 2>/dev/null
+# the GPU driver's Vulkan ICD where the loader does not find one itself (NVIDIA's may sit under
+# /usr/local/nvidia, a mount the loader's search path leaves out)
+if [ -z "${VK_DRIVER_FILES:-}" ] && ! ls /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json >/dev/null 2>&1; then
+  icd=$(find /usr/local /opt -name '*_icd*.json' -path '*vulkan*' 2>/dev/null | head -1)
+  [ -n "$icd" ] && export VK_DRIVER_FILES="$icd"
+fi
+for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do
+  [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
+site=$(mktemp -d)
+"$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$bundle"/kp-*.whl >> "$log" 2>&1
+export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export VKATTN_GLSLANG="$bundle/glslang/bin/glslangValidator" VKATTN_SPIRV_VAL="$bundle/glslang/bin/spirv-val"
+export LD_LIBRARY_PATH="$bundle/glslang/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export VKATTN_CACHE_DIR="$site/.vkattn-cache"     # shader and verdict caches: fresh, and not under OUT
+{ echo "VK_DRIVER_FILES=${VK_DRIVER_FILES:-}"; ls /usr/share/vulkan/icd.d /etc/vulkan/icd.d 2>&1; find /usr/local/nvidia -name "*.json" 2>/dev/null; nvidia-smi -L 2>&1; "$PY" --version; "$PY" -c 'import numpy, torch; print("numpy", numpy.__version__, "torch", torch.__version__)';
+  "$VKATTN_GLSLANG" --version | head -1; nproc; } >> "$log" 2>&1
+if ! timeout 60 "$PY" -m vkattn devices >> "$log" 2>&1; then
+  echo "no Vulkan device: the ICD files on this machine:" | tee -a "$log"
+  find / -xdev \( -path /proc -o -path /sys \) -prune -o -name '*icd*.json' -print 2>/dev/null | head -20 | tee -a "$log"
+  exit 1
+fi
+
+step "python -m vkattn check"
+run "${VKATTN_GPU_CHECK_S:-150}" "$PY" -m vkattn check --json "$out/check.json"
+step "python -m vkattn check, the cooperative-matrix kernel forced"
+VKATTN_KERNEL=coopmat run "${VKATTN_GPU_CHECK_S:-150}" "$PY" -m vkattn check --json "$out/check_coopmat.json"
+step "python -m perf gpubench (make gpu-bench)"
+run "${VKATTN_GPU_BENCH_S:-200}" "$PY" -m perf gpubench
+cp perf/out/gpu_bench.json perf/out/gpu_bench.csv "$out/" 2>/dev/null
+step "python -m perf overhead"
+run "${VKATTN_GPU_OVERHEAD_S:-90}" "$PY" -m perf overhead
+left=$(( ${VKATTN_GPU_SESSION_S:-520} - (SECONDS - start) ))
+if [ "$left" -gt 30 ]; then
+  step "pytest: device path, fast path, cooperative matrices ($left s left)"
+  run "$left" "$PY" -m pytest -q -x -p no:cacheprovider -n 8 tests/test_device_path.py tests/test_fast_path.py \
+      tests/test_coopmat.py tests/test_coopmat_rounding.py
+fi
+step "done"

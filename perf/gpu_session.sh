@@ -13,6 +13,11 @@
 #   4. python -m perf overhead: wall against device time per call, the device-array path, a
 #      30-layer graph replayed (issue 30)
 #   5. the device-path and cooperative-matrix parity tests (pytest), where time is left
+#   sweep (only when VKATTN_GPU_STEPS names it): attn.comp's decode shape on this GPU, float16,
+#      bfloat16 and int8 at L=16384 (VKATTN_TILE_DECODE=RPT,KB, and VKATTN_DECODE_SPLITS from
+#      VKATTN_GPU_SWEEP_SPLITS; device ms, every result checked against the reference by perf
+#      decode) -> OUT/sweep.txt
+# VKATTN_GPU_STEPS picks steps (default "check coopmat bench overhead tests"; add "sweep").
 # Usage: bash perf/gpu_session.sh [BUNDLE] [OUT]   (OUT defaults to $OUT, then perf/out/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,17 +64,40 @@ if ! timeout 60 "$PY" -m vkattn devices >> "$log" 2>&1; then
   exit 1
 fi
 
-step "python -m vkattn check"
-run "${VKATTN_GPU_CHECK_S:-150}" "$PY" -m vkattn check --json "$out/check.json"
-step "python -m vkattn check, the cooperative-matrix kernel forced"
-VKATTN_KERNEL=coopmat run "${VKATTN_GPU_CHECK_S:-150}" "$PY" -m vkattn check --json "$out/check_coopmat.json"
-step "python -m perf gpubench (make gpu-bench)"
-run "${VKATTN_GPU_BENCH_S:-200}" "$PY" -m perf gpubench
-cp perf/out/gpu_bench.json perf/out/gpu_bench.csv "$out/" 2>/dev/null
-step "python -m perf overhead"
-run "${VKATTN_GPU_OVERHEAD_S:-90}" "$PY" -m perf overhead
+steps=" ${VKATTN_GPU_STEPS:-check coopmat bench overhead tests} "
+want() { [[ "$steps" == *" $1 "* ]]; }
+if want check; then
+  step "python -m vkattn check"
+  run "${VKATTN_GPU_CHECK_S:-150}" "$PY" -m vkattn check --json "$out/check.json"
+fi
+if want coopmat; then
+  step "python -m vkattn check, the cooperative-matrix kernel forced"
+  VKATTN_KERNEL=coopmat run "${VKATTN_GPU_CHECK_S:-150}" "$PY" -m vkattn check --json "$out/check_coopmat.json"
+fi
+if want bench; then
+  step "python -m perf gpubench (make gpu-bench)"
+  run "${VKATTN_GPU_BENCH_S:-200}" "$PY" -m perf gpubench
+  cp perf/out/gpu_bench.json perf/out/gpu_bench.csv "$out/" 2>/dev/null
+fi
+if want overhead; then
+  step "python -m perf overhead"
+  run "${VKATTN_GPU_OVERHEAD_S:-90}" "$PY" -m perf overhead
+fi
+if want sweep; then
+  step "decode sweep: VKATTN_TILE_DECODE (rpt,kb) x VKATTN_DECODE_SPLITS, L=16384"
+  for shape in "" 1,4 2,2 2,4 4,1 4,2 4,4 4,8 8,2; do      # perf decode times float16, bfloat16 and int8
+    for splits in "" ${VKATTN_GPU_SWEEP_SPLITS:-}; do
+      echo "sweep rpt,kb=${shape:-default} splits=${splits:-default}:" >> "$out/sweep.txt"
+      VKATTN_TILE_DECODE=$shape VKATTN_DECODE_SPLITS=$splits VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 \
+        VKATTN_PERF_CASE="decode L=16384 cap=16384" VKATTN_PERF_ITERS=30 \
+        timeout 90 "$PY" -m perf decode 2>&1 | grep -E "^decode L=16384 cap=16384|Error" >> "$out/sweep.txt" ||
+        echo "failed" >> "$out/sweep.txt"
+    done
+  done
+  cat "$out/sweep.txt" >> "$log"
+fi
 left=$(( ${VKATTN_GPU_SESSION_S:-520} - (SECONDS - start) ))
-if [ "$left" -gt 30 ]; then
+if want tests && [ "$left" -gt 30 ]; then
   step "pytest: device path, fast path, cooperative matrices ($left s left)"
   run "$left" "$PY" -m pytest -q -x -p no:cacheprovider -n 8 tests/test_device_path.py tests/test_fast_path.py \
       tests/test_coopmat.py tests/test_coopmat_rounding.py

@@ -77,3 +77,50 @@ def test_new_prompt_lengths_reuse_their_row_bucket_plan(device, rng, monkeypatch
     assert keys[3] and not keys[4] and not keys[5]          # 9 built the 16-row fused plan; 16 and 13 reuse it
     k_st, v_st = cache.read()
     assert np.array_equal(k_st, mirror.k) and np.array_equal(v_st, mirror.v)
+
+
+def test_decode_shape_per_vendor(monkeypatch):
+    """tuning.tile_decode_shape: NVIDIA GPUs take TILE_DECODE_NVIDIA (2 query vectors per thread, 4
+    keys a step: timed faster on an H200) for 16- and 32-bit formats, int8 and other GPUs and CPU drivers (1, TILE_KB_DECODE);
+    VKATTN_TILE_DECODE overrides both, and a malformed value is a ValueError naming it."""
+    monkeypatch.delenv("VKATTN_TILE_DECODE", raising=False)
+    dev = lambda vendor, software=False: types.SimpleNamespace(is_software=software,
+                                                                info=types.SimpleNamespace(vendor_id=vendor))
+    assert tuning.tile_decode_shape(dev(0x10de)) == tuning.TILE_DECODE_NVIDIA == (2, 4)
+    assert tuning.tile_decode_shape(dev(0x10de), ch=1) == (2, 4)                      # float32
+    assert tuning.tile_decode_shape(dev(0x10de), ch=4) == (1, tuning.TILE_KB_DECODE)  # int8
+    assert tuning.tile_decode_shape(dev(0x1002)) == (1, tuning.TILE_KB_DECODE)
+    assert tuning.tile_decode_shape(dev(0x10de, software=True)) == (1, tuning.TILE_KB_DECODE)
+    monkeypatch.setenv("VKATTN_TILE_DECODE", "4,8")
+    assert tuning.tile_decode_forced() == (4, 8)
+    for bad in ("4", "0,2", "2,9", "a,b", "2,2,2"):
+        monkeypatch.setenv("VKATTN_TILE_DECODE", bad)
+        with pytest.raises(ValueError, match="VKATTN_TILE_DECODE"):
+            tuning.tile_decode_forced()
+
+
+@pytest.mark.parametrize("shape", ["2,4", "8,2"])
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_decode_shapes_a_gpu_may_take(device, rng, monkeypatch, shape, dtype):
+    """attn.comp decode with several query vectors per thread and keys per step (VKATTN_TILE_DECODE;
+    NVIDIA's default is 2,4): a group of 3 (one thread's second vector past the group), a group of
+    8, odd head dims, split K, against the reference."""
+    monkeypatch.setenv("VKATTN_KERNEL", "tile")
+    monkeypatch.setenv("VKATTN_TILE_DECODE", shape)
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "3")
+    for hkv, group, d in ((1, 3, 37), (2, 8, 64)):
+        cache = vkattn.KVCache(160, hkv, d, dtype=dtype, device=device)
+        mirror = Mirror(cache)
+        k, v = rand_kv(rng, cache, 141)
+        cache.append(k, v)
+        mirror.append(k, v)
+        for _ in range(2):
+            k, v = rand_kv(rng, cache, 1)
+            q = rand_q(rng, cache, group, 1)
+            out = cache.forward(q, k, v)
+            mirror.append(k, v)
+            assert_close(out, mirror.ref(q), dtype)
+        plan = next(reversed(cache._plans.values()))
+        rpt, kb = map(int, shape.split(","))
+        assert (plan.cfg.kernel, plan.cfg.kb, plan.cfg.rpt, plan.cfg.splits) == ("tile", kb, min(rpt, group), 3)
+        cache.close()

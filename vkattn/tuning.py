@@ -44,6 +44,13 @@ TILE_MAX_RPT = 4        # .. this many (RADV navi21 / gfx1100 / vega10, perf gpu
                         # 128 prefill 108-112 VGPRs at 4 rows and one key per step)
 TILE_KB_DECODE = 2      # attn.comp keys per column and step, loaded before use: decode 2 (two keys
 TILE_KB_PREFILL = 1     # of loads in flight at 56-60 VGPRs), prefill 1 (its rows need the registers)
+TILE_DECODE_NVIDIA = (2, 4)   # attn.comp decode on NVIDIA (vendor 0x10de): 2 query vectors per thread
+                        # (each K/V load serves two of the group's heads) and 4 keys per step. H200,
+                        # float16 32/8 heads d128, L=16384, device ms, three alternated runs: 1,2
+                        # (the default) 0.174-0.175, 2,2 0.121-0.122, 2,4 0.119, 1,4 0.144
+                        # (perf/RESULTS.md session 18; VKATTN_TILE_DECODE, perf/gpu_session.sh sweep).
+                        # int8 and other GPUs keep 1 and TILE_KB_DECODE, the fewest registers (RADV)
+NVIDIA_VENDOR = 0x10de
 TILE_TARGET_WGS = 256   # attn.comp with s > 1: split the keys until about this many workgroups run
 TILE_SPLIT_KEYS = 512   # .. but give each split this many keys of the capacity at least
 DECODE_SPLIT_KEYS = 128  # attn.comp decode on a GPU: about this many keys per split workgroup, from 32
@@ -405,6 +412,30 @@ def decode_key_bound(live: int, capacity: int) -> int:
     return min(bound, capacity)
 
 
+def tile_decode_forced() -> tuple | None:
+    """VKATTN_TILE_DECODE="RPT,KB" (a GPU tuning experiment: perf/gpu_session.sh's sweep): attn.comp
+    decode with RPT query vectors per thread (each K/V load serves that many of the group's heads;
+    1 to 8) and KB keys per column and step (1 to 8), in place of 1 and TILE_KB_DECODE; None when
+    unset. A malformed value is a ValueError naming it."""
+    env = os.environ.get("VKATTN_TILE_DECODE", "")
+    if not env:
+        return None
+    parts = env.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and 1 <= int(p) <= 8 for p in parts):
+        raise ValueError(f"VKATTN_TILE_DECODE={env!r}: expected RPT,KB, each 1 to 8 (e.g. 4,2)")
+    return int(parts[0]), int(parts[1])
+
+
+def tile_decode_shape(device, ch: int = 2) -> tuple:
+    """attn.comp decode's (query vectors per thread, keys per column and step) on ``device`` for a
+    format of ``ch`` float vec4 per storage word: TILE_DECODE_NVIDIA on NVIDIA's GPUs for the 16-
+    and 32-bit formats, where float16 was timed faster; int8 (ch 4), whose sweep rows were no
+    faster, and every other device (1, TILE_KB_DECODE)."""
+    if not device.is_software and getattr(device.info, "vendor_id", 0) == NVIDIA_VENDOR and ch != 4:
+        return TILE_DECODE_NVIDIA
+    return 1, TILE_KB_DECODE
+
+
 def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,
                 num_kv_heads: int, splits: int | None = None) -> AttnConfig:
     """attn.comp: a cluster of DS threads per key row, RPT query vectors per thread (decode: 1, the
@@ -433,7 +464,8 @@ def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacit
     row_floats = (-(-dku // ds) + -(-dvu // ds)) * uv * 4 + 2
     max_wg = min(TILE_MAX_WG, device.max_workgroup_size)
     if s == 1:
-        bq, rpt, kb = 1, 1, TILE_KB_DECODE
+        bq = 1
+        rpt, kb = tile_decode_forced() or tile_decode_shape(device, ch)
         while ds * -(-group // rpt) > max_wg:
             rpt *= 2
     else:

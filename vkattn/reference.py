@@ -307,7 +307,10 @@ def check_fp8_scale(scale, num_kv_heads: int, fmt: str, name: str = "scale") -> 
     with the format's largest finite value is a finite float32 (so every finite stored value
     dequantises to a finite float32). Raises TypeError / ValueError naming ``name``."""
     _, _, _, fmax = _fp8_kind(fmt)
-    if isinstance(scale, (bool, np.bool_)) or not (np.isscalar(scale) or isinstance(scale, (list, tuple, np.ndarray))):
+    import numbers
+    listed = isinstance(scale, (list, tuple, np.ndarray))
+    items = np.asarray(scale, dtype=object).ravel() if listed else [scale]
+    if not all(isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) for x in items):
         raise TypeError(f"{name}: expected a number or {num_kv_heads} numbers (one per kv head), got "
                         f"{type(scale).__name__}")
     try:

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import KVCache, PagedKVCache, RoPE, __version__, default_device, measure, reference, tuning
+from .array import to_device
 from ._vkinfo import VulkanUnavailableError
 from .reference import TOLERANCE, attention, round_to
 
@@ -366,7 +367,6 @@ def _case_storage(dev, rng, acc, dtype, hkv=2, n=67, d=72):
             # (d: a multiple of 16, the width a fp8 cache reads device rows in)
             x = np.zeros((hkv, 2, d), np.float32)
             x[:, :, :6] = [np.inf, -np.inf, np.nan, -np.float32(np.nan), 3e38, -0.0]
-            from .array import to_device
             dk, dq = to_device(x, dev), to_device(np.zeros((hkv, 2, d), np.float32), dev)
             try:
                 c.append(dk, dk)

@@ -1,6 +1,8 @@
 """CPU numpy reference: the definition every device result is checked against."""
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 # Logits elements (float32) one block of ``attention`` holds at a time: long caches with many query
@@ -307,7 +309,6 @@ def check_fp8_scale(scale, num_kv_heads: int, fmt: str, name: str = "scale") -> 
     with the format's largest finite value is a finite float32 (so every finite stored value
     dequantises to a finite float32). Raises TypeError / ValueError naming ``name``."""
     _, _, _, fmax = _fp8_kind(fmt)
-    import numbers
     listed = isinstance(scale, (list, tuple, np.ndarray))
     items = np.asarray(scale, dtype=object).ravel() if listed else [scale]
     if not all(isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) for x in items):

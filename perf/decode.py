@@ -3,8 +3,9 @@ capacity; and the decode step of a model (``forward``: store the token's K/V row
 then attend all L, one submission; the cache is rolled back by one position before each call).
 Reports effective K/V bandwidth (K/V bytes of the live length read per call / time). For the
 longest context the same two calls also run on the other formats the shape's is compared with
-(COMPARE: int8, and for a 16-bit format the other one), so float16, bfloat16 and int8 decode are
-compared in one run, on the same data. Then ``attend`` at the longest context on those formats
+(COMPARE: int8, and for a 16-bit format the other one; for a fp8 format float16, int8 and the
+other fp8), so float16, bfloat16, int8 and fp8 decode are compared in one run, on the same data
+(fp8 caches with the default scale 1.0). Then ``attend`` at the longest context on those formats
 again, timed in alternated rounds (ROUNDS, the order reversed every other round; each format's
 median and min over all its calls), so a machine whose load changes during the run slows them
 alike: the rows "decode L=... <dtype> alternated"."""
@@ -25,7 +26,8 @@ from .common import PerfConfigError, Row, Shape, check, env_int_list, selected, 
 DEFAULT_CONTEXT = [512, 4096]
 ROUNDS = 4
 # the formats a shape's dtype is compared with at the longest context, in this order
-COMPARE = {"float32": ("int8",), "float16": ("bfloat16", "int8"), "bfloat16": ("float16", "int8"), "int8": ()}
+COMPARE = {"float32": ("int8",), "float16": ("bfloat16", "int8"), "bfloat16": ("float16", "int8"), "int8": (),
+           "fp8_e4m3": ("float16", "int8", "fp8_e5m2"), "fp8_e5m2": ("float16", "int8", "fp8_e4m3")}
 
 
 def capacities(shape: Shape, L: int) -> list:

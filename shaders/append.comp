@@ -9,7 +9,9 @@
 //            reads it: KVCache slot = position, PagedKVCache paging.AppendPlan.slots), [2 + 2hr] r,
 //            its row in the rotary table; distinct rows, checked by the host
 //   rope_tab: ROPE_K: rotary table row r for the position of new row r (rope.glsl)
-//   kscale, vscale: KV_I8: float32 scale of each cache row (common.glsl, quantise)
+//   kscale, vscale: KV_I8: float32 scale of each cache row (common.glsl, quantise), written;
+//            KV_FP8: float32 scale of each kv head (HKV floats), read
+//   HKV    : kv heads (KV_FP8: new row hr = h * n + r belongs to kv head h, n = count / HKV)
 // numpy:  K[rows] = k_new.astype(storage);  V[rows] = v_new.astype(storage)
 //         (ROPE_K: k_new = reference.rope(k_new, positions) first)
 // Only the new rows are touched; the work is O(n), independent of the capacity. The row count and
@@ -23,6 +25,7 @@ layout(constant_id = 1) const uint DK4 = 16u;
 layout(constant_id = 2) const uint DV4 = 16u;
 layout(constant_id = 3) const uint FLAGS = 0u;
 layout(constant_id = 4) const uint ROPE_DIM = 8u;
+layout(constant_id = 5) const uint HKV = 1u;
 
 layout(std430, binding = 0) writeonly buffer KC { uvec4 kc[]; };
 layout(std430, binding = 1) writeonly buffer VC { uvec4 vc[]; };
@@ -30,8 +33,13 @@ layout(std430, binding = 2) readonly buffer NK { vec4 nk[]; };
 layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
 layout(std430, binding = 4) readonly buffer DST { uint dst[]; };
 layout(std430, binding = 5) readonly buffer ROPE { vec4 rope_tab[]; };
+#if KV_FP8
+layout(std430, binding = 6) readonly buffer KS { float kscale[]; };    // KV_FP8: scale per kv head
+layout(std430, binding = 7) readonly buffer VS { float vscale[]; };
+#else
 layout(std430, binding = 6) writeonly buffer KS { float kscale[]; };   // KV_I8: scale per cache row
 layout(std430, binding = 7) writeonly buffer VS { float vscale[]; };
+#endif
 
 #include "rope.glsl"
 
@@ -75,13 +83,24 @@ void main() {
         const uint c = i % NC, hr = i / NC;
         const uint row = dst[1u + 2u * hr], t = dst[2u + 2u * hr];
         vec4 x[CH];
+#if KV_FP8
+        const uint h = hr / (count / HKV);
+#endif
         if (c < DK4) {
             for (uint e = 0u; e < CH; ++e) x[e] = new_val(true, hr, c * CH + e, t);
+#if KV_FP8
+            kc[row * DK4 + c] = pack_chunk_fp8(x, fp8_prep(kscale[h]));
+#else
             kc[row * DK4 + c] = pack_chunk(x);
+#endif
         }
         if (c < DV4) {
             for (uint e = 0u; e < CH; ++e) x[e] = new_val(false, hr, c * CH + e, t);
+#if KV_FP8
+            vc[row * DV4 + c] = pack_chunk_fp8(x, fp8_prep(vscale[h]));
+#else
             vc[row * DV4 + c] = pack_chunk(x);
+#endif
         }
     }
 #endif

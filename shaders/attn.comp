@@ -92,19 +92,23 @@ layout(std430, binding = 7) coherent buffer PART { vec4 part[]; };
 layout(std430, binding = 8) coherent buffer ML { vec2 mlbuf[]; };
 layout(std430, binding = 9) writeonly buffer LSE { float lsebuf[]; };
 layout(std430, binding = 10) readonly buffer ROPE { vec4 rope_tab[]; };
-layout(std430, binding = 11) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row
+layout(std430, binding = 11) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row; KV_FP8: of each kv head
 layout(std430, binding = 12) buffer VS { float vscale[]; };
 
 // A thread loads a row in units: the 16-byte storage word (float16: 8 values, float32: 4), or for
-// int8 half a word (8 bytes, 8 values), so an int8 key costs a thread no more registers than a
-// float16 one. UV: float vec4 per unit; DKU, DVU: units per K, V row.
-#if KV_I8
+// int8 and fp8 half a word (8 bytes, 8 values), so such a key costs a thread no more registers
+// than a float16 one. UV: float vec4 per unit; DKU, DVU: units per K, V row.
+#if KV_I8 || KV_FP8
 #define UV 2u
 layout(std430, binding = 0) buffer KC2 { uvec2 kc2[]; };   // the same buffers by 8 bytes
 layout(std430, binding = 1) buffer VC2 { uvec2 vc2[]; };
 uvec2 k_unit(uint row, uint u) { return kc2[row * DK4 * 2u + u]; }
 uvec2 v_unit(uint row, uint u) { return vc2[row * DV4 * 2u + u]; }
+#if KV_FP8
+void unpack_unit(uvec2 w, out vec4 x[UV]) { x[0] = fp8x4_to_float(w.x); x[1] = fp8x4_to_float(w.y); }
+#else
 void unpack_unit(uvec2 w, out vec4 x[UV]) { x[0] = unpack_i8x4(w.x); x[1] = unpack_i8x4(w.y); }
+#endif
 #else
 #define UV CH
 uvec4 k_unit(uint row, uint u) { return kc[row * DK4 + u]; }
@@ -258,6 +262,8 @@ void consume(uint lo, uint hi) {
                 float dsum = dots[r * KB + i];
 #if KV_I8
                 dsum *= kscale[rows[i]];
+#elif KV_FP8
+                dsum *= kscale[hh];
 #endif
                 const uint j = js[i];
                 bool vis = j < hi && j < vis_end[r];
@@ -288,6 +294,8 @@ void consume(uint lo, uint hi) {
         [[unroll]] for (uint i = 0u; i < KB; ++i) {
 #if KV_I8
             const float vsc = vscale[rows[i]];
+#elif KV_FP8
+            const float vsc = vscale[hh];
 #else
             const float vsc = 1.0;
 #endif
@@ -320,6 +328,11 @@ void store_unit(bool is_k, uint row, uint nr, uint u, float scale) {
     const uvec2 w = uvec2(pack_i8x4(quantise(y[0], scale)), pack_i8x4(quantise(y[1], scale)));
     if (is_k) kc2[row * DK4 * 2u + u] = w;
     else vc2[row * DV4 * 2u + u] = w;
+#elif KV_FP8
+    const ivec2 sp = fp8_prep(scale);
+    const uvec2 w = uvec2(fp8_pack4(y[0], sp), fp8_pack4(y[1], sp));
+    if (is_k) kc2[row * DK4 * 2u + u] = w;
+    else vc2[row * DV4 * 2u + u] = w;
 #else
     if (is_k) kc[row * DK4 + u] = pack_chunk(y);
     else vc[row * DV4 + u] = pack_chunk(y);
@@ -340,7 +353,11 @@ void store_fresh() {
 #else
         const vec2 amax = vec2(0.0);      // unused: no scale
 #endif
+#if KV_FP8
+        const float ksc = kscale[hh], vsc = vscale[hh];     // the kv head's, fixed
+#else
         const float ksc = quant_scale(amax.x), vsc = quant_scale(amax.y);
+#endif
         [[unroll]] for (uint w = 0u; w < KW; ++w) if (unit_ok(w, DKU)) store_unit(true, row, nr, my_unit(w, DKU), ksc);
         [[unroll]] for (uint w = 0u; w < VW; ++w) if (unit_ok(w, DVU)) store_unit(false, row, nr, my_unit(w, DVU), vsc);
 #if KV_I8

@@ -73,9 +73,10 @@
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #include "common.glsl"
-#if KV_BF16
+#if KV_BF16 || KV_FP8
 // bfloat16's exponent range does not fit in float16 matrices: such caches never come here
-// (vkattn.formats: matrices=False; tuning.coopmat_config falls back to attn.comp / attn_lane.comp)
+// (vkattn.formats: matrices=False; tuning.coopmat_config falls back to attn.comp / attn_lane.comp).
+// fp8 caches take the same fallback (their values would fit float16 exactly; not built yet)
 #error "attn_coopmat.comp takes float16 and int8 storage only"
 #endif
 

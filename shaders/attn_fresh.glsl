@@ -6,7 +6,8 @@
 //   nk, nv : float32 [HKV, NN, DK4*CH | DV4*CH] vec4 (NN = aux[11]), zero padded. New row nr of kv
 //            head h is position sq.past + nr - sq.new_start of the sequence; with ROPE_K its key
 //            is rotated with rotary-table row sq.rope_row + (that position - sq.rope_pos).
-// numpy (KV_I8): reference.quantize_int8 (common.glsl quant_scale / quantise, exact); otherwise
+// numpy (KV_I8): reference.quantize_int8 (common.glsl quant_scale / quantise, exact); (KV_FP8)
+//        reference.fp8_bits with the kv head's scale (common.glsl fp8_encode, exact); otherwise
 //        the row rounded to the storage dtype (reference.round_to), bit for bit.
 // The kernels store each new row into its cache slot before the key loop and read it back like
 // any cache row: each invocation stores exactly the words it later loads, so no barrier is needed
@@ -29,7 +30,8 @@ float fresh_amax(bool is_k, uint h, uint nr, uint c) {
     return a;
 }
 
-// storage word c of new row nr as stored (KV_I8: quantised with the row's scale)
+// storage word c of new row nr as stored (KV_I8: quantised with the row's scale; KV_FP8: rounded
+// to fp8 after division by the kv head's scale)
 uvec4 fresh_word(bool is_k, uint h, uint nr, uint c, float scale) {
     vec4 y[CH];
     [[unroll]] for (uint e = 0u; e < CH; ++e) {
@@ -38,5 +40,9 @@ uvec4 fresh_word(bool is_k, uint h, uint nr, uint c, float scale) {
         y[e] = quantise(y[e], scale);
 #endif
     }
+#if KV_FP8
+    return pack_chunk_fp8(y, fp8_prep(scale));
+#else
     return pack_chunk(y);
+#endif
 }

@@ -53,7 +53,7 @@ layout(std430, binding = 7) coherent buffer PART { vec4 part[]; };
 layout(std430, binding = 8) coherent buffer ML { vec2 mlbuf[]; };
 layout(std430, binding = 9) writeonly buffer LSE { float lsebuf[]; };
 layout(std430, binding = 10) readonly buffer ROPE { vec4 rope_tab[]; };
-layout(std430, binding = 11) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row
+layout(std430, binding = 11) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row; KV_FP8: of each kv head
 layout(std430, binding = 12) buffer VS { float vscale[]; };
 
 #include "attn_common.glsl"
@@ -99,9 +99,12 @@ void scatter_step(inout float a[WG], uint w) {
     }
 }
 
-// KV_I8: quantisation scale of new row nr (every lane gets it: max over the lanes' words)
+// KV_I8: quantisation scale of new row nr (every lane gets it: max over the lanes' words);
+// KV_FP8: kv head h's scale
 float new_row_scale(bool is_k, uint h, uint nr) {
-#if KV_I8
+#if KV_FP8
+    return is_k ? kscale[h] : vscale[h];
+#elif KV_I8
     float amax = 0.0;
     [[unroll]] for (uint i = 0u; i < (is_k ? KPL : VPL); ++i) {
         const uint c = gl_LocalInvocationID.x + i * WG;
@@ -133,10 +136,12 @@ uvec4 v_chunk(uint row, uint i) {
     return vc[row * DV4 + min(gl_LocalInvocationID.x + i * WG, DV4 - 1u)];
 }
 
-// KV_I8: the scale of a cache row's K or V (1 otherwise)
+// KV_I8: the scale of a cache row's K or V; KV_FP8: of its kv head (1 otherwise)
 float row_scale(bool is_k, uint row) {
 #if KV_I8
     return is_k ? kscale[row] : vscale[row];
+#elif KV_FP8
+    return is_k ? kscale[hh] : vscale[hh];
 #else
     return 1.0;
 #endif
@@ -178,7 +183,7 @@ void consume_block(uint j0, uint k1) {
                 const vec4 qq = q[qv * KPL * CH + x];
                 s = fma(qq.x, kx[x].x, fma(qq.y, kx[x].y, fma(qq.z, kx[x].z, fma(qq.w, kx[x].w, s))));
             }
-            d[qv][b] = KV_I8 != 0 ? s * ksc : s;
+            d[qv][b] = KV_I8 != 0 || KV_FP8 != 0 ? s * ksc : s;
         }
     }
     const uint jl = j0 + lane;          // the key whose scores this lane ends up with

@@ -11,6 +11,11 @@
 //   KV_F16 = 1: a uvec4 holds 8 halves (two per uint, low half first), numpy's float16 bits.
 //   KV_BF16 = 1: a uvec4 holds 8 bfloat16 (two per uint, low first): the top 16 bits of float32,
 //              rounded as vkattn.reference.bfloat16_bits (float_to_bf16).
+//   KV_FP8 = 1 (e4m3, "fn": no Inf) or 2 (e5m2): a uvec4 holds 16 fp8 bytes (four per uint, low
+//              byte first), vkattn.reference.fp8_bits of value / scale with one float32 scale per
+//              kv head for K and one for V, fixed at cache creation, in the kscale / vscale
+//              buffers (HKV floats each); value = decode(byte) * scale, applied by the kernels
+//              after the dot product (K) and to the softmax weight (V), as int8's row scales.
 //   otherwise: a uvec4 holds 4 float32 bit patterns.
 // One format define is 1 (vkattn.formats.FORMATS lists them); a format sets CH below and its
 // load (unpack_chunk) and store (pack_chunk), and the kernels follow from those.
@@ -28,6 +33,15 @@
 #if KV_BF16 && (KV_F16 || KV_I8)
 #error "KV_BF16 excludes KV_F16 and KV_I8"
 #endif
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#if KV_FP8 && (KV_F16 || KV_I8 || KV_BF16)
+#error "KV_FP8 excludes KV_F16, KV_I8 and KV_BF16"
+#endif
+#if KV_FP8 > 2
+#error "KV_FP8 is 1 (e4m3) or 2 (e5m2)"
+#endif
 #ifndef HALF_NATIVE
 #define HALF_NATIVE 0   // 1: unpackHalf2x16 (GPUs convert halves in one instruction, or fold the
 #endif                  // conversion into v_fma_mix): exact for normal halves and zeros, half
@@ -35,7 +49,7 @@
                         // exact on every driver (lavapipe, append). The integer form on RADV navi21
                         // costs the decode key loop 70 -> 390 VALU and 2 waves: not used on GPUs.
 
-#if KV_I8
+#if KV_I8 || KV_FP8
 #define CH 4u
 #elif KV_F16 || KV_BF16
 #define CH 2u
@@ -99,6 +113,98 @@ uvec4 float_to_bf16(vec4 x) {
 }
 #endif
 
+#if KV_FP8
+// fp8 <-> float32 with integer arithmetic on the bits (vkattn.reference.fp8_bits /
+// fp8_to_float32, the same recipe): P mantissa bits, exponent bias, the largest finite pattern
+// and exponent, the subnormal step 2^(EMIN - P).
+#if KV_FP8 == 1
+#define FP8_P 3
+#define FP8_BIAS 7
+#define FP8_MAXBITS 0x7eu     // 448; 0x7f is NaN (no Inf)
+#define FP8_EMAX 8
+#define FP8_SUB_STEP 0.001953125             // 2^-9
+#else
+#define FP8_P 2
+#define FP8_BIAS 15
+#define FP8_MAXBITS 0x7bu     // 57344; 0x7c is Inf, 0x7d .. 0x7f NaN
+#define FP8_EMAX 15
+#define FP8_SUB_STEP 1.52587890625e-05       // 2^-16
+#endif
+#define FP8_EMIN (1 - FP8_BIAS)
+
+// positive float32 bits a (nonzero) -> (m, e), value = m * 2^e, m in [2^23, 2^24): normals take
+// their hidden bit, denormals are shifted up to it (bits only: no float operation may flush them)
+ivec2 f32_significand(uint a) {
+    const bool nrm = a >= 0x00800000u;
+    const int lz = nrm ? 0 : 23 - findMSB(a);
+    const uint m = nrm ? (a & 0x7fffffu) | 0x800000u : a << lz;
+    return ivec2(int(m), nrm ? int(a >> 23) - 150 : -149 - lz);
+}
+
+// a kv head's scale (a finite float32 > 0, checked by the host) as fp8_encode takes it
+ivec2 fp8_prep(float scale) { return f32_significand(floatBitsToUint(scale)); }
+
+// x / scale rounded once to fp8, nearest even, as the exact real quotient: with significands mx,
+// ms (in [2^23, 2^24)) the quotient is (mx / ms) 2^d, in binade e = d or d - 1; in units of half
+// its ulp 2^u (u = max(e, EMIN) - P) t = floor(mx 2^sh / ms), sh = d - u + 1 in [0, P + 2]
+// wherever the result is used, so mx << sh < 2^29 and the integer division and remainder are
+// exact on every conforming driver (no float division, reciprocal or rounding mode involved).
+// k = t / 2 rounded half to even by the half bit (t odd) and the sticky remainder; the bits are
+// (biased exponent - 1) << P plus k, so a rounding carry runs into the exponent. Finite overflow
+// saturates to the largest finite value; Inf: e4m3 saturates, e5m2 keeps Inf; NaN -> 0x7f; the
+// sign is kept (-0 too); subnormals are kept, anything at most half the smallest one gives 0.
+uint fp8_encode(float x, ivec2 s) {
+    const uint xb = floatBitsToUint(x), xa = xb & 0x7fffffffu;
+    const ivec2 q = f32_significand(max(xa, 1u));
+    const uint mx = uint(q.x), ms = uint(s.x);
+    const int d = q.y - s.y;
+    const int e = d - (mx < ms ? 1 : 0);
+    const int sh = clamp(d - (max(e, FP8_EMIN) - FP8_P) + 1, 0, FP8_P + 2);
+    const uint num = mx << sh;
+    const uint t = num / ms;
+    const uint sticky = num - t * ms != 0u ? 1u : 0u;
+    uint k = t >> 1;
+    k += (t & 1u) & (sticky | (k & 1u));
+    uint bits = (e >= FP8_EMIN ? uint(e + FP8_BIAS - 1) << FP8_P : 0u) + k;
+    bits = e > FP8_EMAX ? FP8_MAXBITS : min(bits, FP8_MAXBITS);
+    bits = e < FP8_EMIN - FP8_P - 1 || xa == 0u ? 0u : bits;
+#if KV_FP8 == 2
+    bits = xa == 0x7f800000u ? 0x7cu : bits;
+#else
+    bits = xa == 0x7f800000u ? FP8_MAXBITS : bits;
+#endif
+    bits = xa > 0x7f800000u ? 0x7fu : bits;
+    return bits | ((xb >> 24) & 0x80u);
+}
+
+uint fp8_pack4(vec4 x, ivec2 s) {
+    return fp8_encode(x.x, s) | (fp8_encode(x.y, s) << 8) | (fp8_encode(x.z, s) << 16) | (fp8_encode(x.w, s) << 24);
+}
+
+// four fp8 (low byte first) -> their float32 values, unscaled and exact: normals rebias the
+// exponent in the bits; subnormals are m * 2^(EMIN - P), an exact int -> float conversion times a
+// power of two with a normal result (>= 2^-16: nothing a driver may flush); e4m3's 0x7f is NaN,
+// e5m2's exponent field 31 Inf / NaN; zeros keep their sign
+vec4 fp8x4_to_float(uint w) {
+    const uvec4 b = (uvec4(w) >> uvec4(0u, 8u, 16u, 24u)) & 0xffu;
+    const uvec4 mag = b & 0x7fu;
+    const uvec4 nrm = (mag << (23 - FP8_P)) + uint((127 - FP8_BIAS) << 23);
+    const vec4 sub = vec4(mag) * FP8_SUB_STEP;
+    uvec4 f = mix(floatBitsToUint(sub), nrm, greaterThanEqual(mag, uvec4(1u << FP8_P)));
+#if KV_FP8 == 1
+    f = mix(f, uvec4(0x7fc00000u), equal(mag, uvec4(0x7fu)));
+#else
+    f = mix(f, 0x7f800000u | ((mag & 3u) << 21), greaterThanEqual(mag, uvec4(0x7cu)));
+#endif
+    return uintBitsToFloat(f | ((b & 0x80u) << 24));
+}
+
+// CH float vec4 -> a storage word, each value / scale (fp8_prep) rounded to fp8
+uvec4 pack_chunk_fp8(vec4 x[CH], ivec2 s) {
+    return uvec4(fp8_pack4(x[0], s), fp8_pack4(x[1], s), fp8_pack4(x[2], s), fp8_pack4(x[3], s));
+}
+#endif
+
 // four int8 (low byte first) <-> a float vec4 of integers -127 .. 127
 vec4 unpack_i8x4(uint w) { return vec4((ivec4(w) << ivec4(24, 16, 8, 0)) >> 24); }
 
@@ -107,10 +213,13 @@ uint pack_i8x4(vec4 x) {
     return b.x | (b.y << 8) | (b.z << 16) | (b.w << 24);
 }
 
-// (KV_I8: the int8 values, still to be multiplied by the row's scale)
+// (KV_I8: the int8 values, still to be multiplied by the row's scale; KV_FP8: the fp8 values,
+// still to be multiplied by the kv head's scale)
 void unpack_chunk(uvec4 w, out vec4 x[CH]) {
 #if KV_I8
     for (uint e = 0u; e < 4u; ++e) x[e] = unpack_i8x4(w[e]);
+#elif KV_FP8
+    for (uint e = 0u; e < 4u; ++e) x[e] = fp8x4_to_float(w[e]);
 #elif KV_BF16
     // bfloat16 -> float32: the bits moved into the top half (exact; no float operation)
     x[0] = uintBitsToFloat(uvec4(w.x << 16, w.x & 0xffff0000u, w.y << 16, w.y & 0xffff0000u));
@@ -127,9 +236,9 @@ void unpack_chunk(uvec4 w, out vec4 x[CH]) {
 }
 
 // CH float vec4 -> uvec4 storage word (fp16, bf16: round to nearest even; KV_I8: x holds the
-// quantised integers -127 .. 127, see quantise)
+// quantised integers -127 .. 127, see quantise; KV_FP8: see pack_chunk_fp8, not this)
 uvec4 pack_chunk(vec4 x[CH]) {
-#if KV_I8
+#if KV_I8 || KV_FP8
     return uvec4(pack_i8x4(x[0]), pack_i8x4(x[1]), pack_i8x4(x[2]), pack_i8x4(x[3]));
 #elif KV_BF16
     const uvec4 a = float_to_bf16(x[0]), b = float_to_bf16(x[1]);

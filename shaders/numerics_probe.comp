@@ -16,6 +16,11 @@
 //   MODE 2 (KV_I8=1): item i: a row of 16*D16 float32, inv[4*D16*i ..] -> out[D16*i ..] its int8
 //                      words (low byte first) and scale[i] its float32 scale bits, as append.comp
 //                      stores them.  numpy: vkattn.reference.quantize_int8
+//   MODE 3 (KV_FP8=1|2): item i: 16 float32 inv[4i .. 4i+3] -> out[i] = pack_chunk_fp8 with the
+//                      scale whose bits are params[1]: 16 fp8 bytes, low byte first.
+//                      numpy: vkattn.reference.fp8_bits(x, fmt, scale)
+//   MODE 4 (KV_FP8=1|2): item i: inv[i] (16 fp8) -> out[4i .. 4i+3] = the float32 bits of
+//                      unpack_chunk (unscaled).  numpy: vkattn.reference.fp8_to_float32
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
@@ -51,7 +56,15 @@ void main() {
         outv[D16 * i + c] = pack_chunk(x);
     }
     scale_bits[i] = floatBitsToUint(scale);
+#elif MODE == 3
+    vec4 x[CH];
+    for (uint e = 0u; e < CH; ++e) x[e] = uintBitsToFloat(inv[4u * i + e]);
+    outv[i] = pack_chunk_fp8(x, fp8_prep(uintBitsToFloat(params[1])));
+#elif MODE == 4
+    vec4 x[CH];
+    unpack_chunk(inv[i], x);
+    for (uint e = 0u; e < CH; ++e) outv[4u * i + e] = floatBitsToUint(x[e]);
 #else
-#error "MODE must be 0, 1 or 2"
+#error "MODE must be 0 .. 4"
 #endif
 }

@@ -1,5 +1,5 @@
-"""Bit-exact storage on any conforming Vulkan driver: float16 and bfloat16 encode/decode and int8
-quantisation.
+"""Bit-exact storage on any conforming Vulkan driver: float16, bfloat16 and fp8 (e4m3, e5m2)
+encode/decode and int8 quantisation.
 
 vkattn promises that a float16 cache stores exactly numpy's ``astype(float16)`` of the input (round
 to nearest even), a bfloat16 cache exactly ``reference.bfloat16_bits`` (nearest even on the float32
@@ -22,7 +22,8 @@ import pytest
 
 import vkattn
 from vkattn.compiler import compile_shader
-from vkattn.reference import BF16_FINITE_INPUT, BF16_MAX, bfloat16_bits, quantize_int8, round_bfloat16
+from vkattn.reference import (BF16_FINITE_INPUT, BF16_MAX, FP8_FORMATS, bfloat16_bits, fp8_bits, fp8_to_float32,
+                              quantize_int8, round_bfloat16, round_to)
 
 F16_MAX = 65504.0
 
@@ -424,3 +425,212 @@ def test_quantiser_reciprocal_estimate_holds_on_any_rounding(mode, fused):
         y = _round32(y.astype(np.float64) * t, mode)
     assert np.abs(y.astype(np.float64) * s - 1).max() < 2.0 ** -20
 
+
+
+# ------------------------------------------------------------------------------ fp8 (e4m3, e5m2)
+
+FP8 = ["fp8_e4m3", "fp8_e5m2"]
+
+
+def fp8_exact(x, fmt, scale):
+    """fp8 rounding computed another way, slowly: the exact quotient x / scale as a Fraction,
+    rounded half to even among every finite value of the format (saturating past the largest),
+    then the bits by table lookup. Finite x only."""
+    from fractions import Fraction
+    vals = fp8_to_float32(np.arange(0x80, dtype=np.uint8), fmt)            # +0 .. (NaN / Inf at the end)
+    table = sorted((Fraction(float(v)), b) for b, v in enumerate(vals) if np.isfinite(v))
+    out = []
+    for xi in np.asarray(x, np.float32).ravel():
+        q = abs(Fraction(float(xi)) / Fraction(float(np.float32(scale))))
+        best = table[-1][1]
+        for (lo, blo), (hi, bhi) in zip(table, table[1:]):
+            if q <= hi:
+                mid = (lo + hi) / 2
+                best = blo if q < mid or (q == mid and blo % 2 == 0) else bhi
+                break
+        out.append(best | (0x80 if np.signbit(xi) else 0))
+    return np.array(out, np.uint8)
+
+
+def fp8_adversarial(rng, fmt, scale, normals=200):
+    """x such that x / scale lands exactly on the midpoints between adjacent fp8 values (even and
+    odd lower neighbours, normal and subnormal, the top of the range), one float32 either side of
+    each, half the smallest subnormal, the largest value and past it (saturation), float32
+    denormals and signed zeros, both signs. ``scale`` has few significant bits, so mid * scale is
+    exact, while 1 / scale is not (a reciprocal multiply misses the ties)."""
+    vals = fp8_to_float32(np.arange(0x80, dtype=np.uint8), fmt)
+    vals = vals[np.isfinite(vals)].astype(np.float64)
+    mids = (vals[1:] + vals[:-1]) / 2
+    fmax = vals[-1]
+    s = np.float64(np.float32(scale))
+    ties = (mids * s).astype(np.float32)
+    spec = np.array([0.0, fmax, fmax * 1.03, fmax + (vals[-1] - vals[-2]) / 2, fmax * 1.2, 1e30 / s, vals[1] / 2,
+                     vals[1] / 4, vals[1] * 0.51], np.float64) * s
+    x = np.concatenate([ties, np.nextafter(ties, np.float32(0)), np.nextafter(ties, np.float32(np.inf)),
+                        spec.astype(np.float32),
+                        f32(rng.integers(1, 0x800000, 40, dtype=np.uint32)),                    # denormals
+                        (rng.standard_normal(normals) * fmax / 8 * s).astype(np.float32)])
+    x = np.concatenate([x, -x])
+    return x[np.isfinite(x)]
+
+
+def divided_fp8(x, fmt, scale):
+    """float32(x / scale) (a correctly rounded float32 division) then rounded to fp8: the double
+    rounding a shader's float division would give at best (GLSL's is 2.5 ULP, worse)."""
+    with np.errstate(over="ignore", under="ignore"):
+        return fp8_bits((np.asarray(x, np.float32) / np.float32(scale)).astype(np.float32), fmt)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_reference_definition(rng, fmt):
+    # the integer recipe against exact rational rounding, with a scale whose reciprocal is inexact
+    # and one that is an arbitrary float32
+    for scale in (0.375, 1.0, 0.0137, 3.0e-3):
+        x = fp8_adversarial(rng, fmt, scale)
+        x = x[rng.permutation(x.size)[:500]]
+        got = fp8_bits(x, fmt, scale)
+        want = fp8_exact(x, fmt, scale)
+        bad = np.flatnonzero(got != want)
+        assert bad.size == 0, [(float(x[i]), hex(got[i]), hex(want[i])) for i in bad[:6]]
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_reference_rules(fmt):
+    p, bias, maxbits, fmax = FP8_FORMATS[fmt]
+    one = lambda v, s=1.0: int(fp8_bits(np.float32(v), fmt, s))
+    sub = 2.0 ** (1 - bias - p)
+    assert one(fmax) == maxbits and one(-fmax) == 0x80 | maxbits
+    assert one(fmax * 1.05) == maxbits and one(3e38) == maxbits and one(-3e38) == 0x80 | maxbits   # saturate
+    assert one(np.inf) == (0x7C if fmt == "fp8_e5m2" else maxbits)                                 # Inf
+    assert one(-np.inf) == (0xFC if fmt == "fp8_e5m2" else 0x80 | maxbits)
+    assert one(np.nan) == 0x7F and one(-np.float32(np.nan)) == 0xFF                                # NaN
+    assert one(-0.0) == 0x80 and one(0.0) == 0 and one(-sub / 4) == 0x80                           # signed zeros
+    assert one(sub) == 1 and one(sub / 2) == 0 and one(sub * 0.5000001) == 1 and one(sub * 1.5) == 2  # subnormals, ties
+    assert one(1e-45) == 0 and one(1e-45, 1e-45) == fp8_bits(np.float32(1.0), fmt)                 # denormal x / scale
+    assert one(2.0, 2.0) == one(1.0) and one(7.5, 0.5) == one(15.0)
+    assert np.isnan(fp8_to_float32(np.uint8(0x7F), fmt)) and np.isnan(fp8_to_float32(np.uint8(0xFF), fmt))
+    if fmt == "fp8_e5m2":
+        assert fp8_to_float32(np.uint8(0x7C), fmt) == np.inf and fp8_to_float32(np.uint8(0xFC), fmt) == -np.inf
+    else:
+        assert fp8_to_float32(np.uint8(0x7E), fmt) == 448.0
+    # with scale 0.375 the ties are exact float32 values; a reciprocal multiply would miss them
+    vals = fp8_to_float32(np.arange(0x80, dtype=np.uint8), fmt)
+    vals = vals[np.isfinite(vals)].astype(np.float64)
+    mids = (vals[1:] + vals[:-1]) / 2
+    assert np.array_equal((mids * 0.375).astype(np.float32).astype(np.float64), mids * 0.375)
+    assert np.array_equal(fp8_bits((mids * 0.375).astype(np.float32), fmt, 0.375) & 1, np.zeros(mids.size, np.uint8))
+    # with an arbitrary scale, the float32 quotient lands on ties the exact one misses
+    x = fp8_adversarial(np.random.default_rng(1), fmt, 0.0137)
+    assert (divided_fp8(x, fmt, 0.0137) != fp8_bits(x, fmt, 0.0137)).sum() > 50
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_reference_is_torchs_rounding(rng, fmt):
+    torch = pytest.importorskip("torch")
+    tdt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
+    fmax = FP8_FORMATS[fmt][3]
+    x = np.concatenate([fp8_adversarial(rng, fmt, 1.0), f32(rng.integers(0, 0xffffffff, 200000, dtype=np.uint64)
+                                                            .astype(np.uint32))])
+    x = x[np.isfinite(x) & (np.abs(x) <= fmax)]                    # torch does not saturate: in range only
+    t = torch.from_numpy(x.copy()).to(tdt).view(torch.uint8).numpy()
+    assert np.array_equal(fp8_bits(x, fmt), t)
+    every = np.arange(256, dtype=np.uint8)
+    back = torch.from_numpy(every.copy()).view(tdt).float().numpy()
+    ours = fp8_to_float32(every, fmt)
+    assert np.array_equal(np.isnan(ours), np.isnan(back))
+    assert np.array_equal(bits(ours)[~np.isnan(ours)], bits(back)[~np.isnan(back)])
+
+
+def run_fp8_probe(device, fmt, x, scale):
+    """numerics_probe.comp MODE 3: x (a multiple of 16 float32) -> its fp8 bytes on the device."""
+    be = device.backend
+    n = x.size // 16
+    params = be.buffer(2, np.uint32, name="params")
+    ib = be.buffer(x.size, np.uint32, name="in")
+    ob = be.buffer(n * 4, np.uint32, name="out")
+    sb = be.buffer(1, np.uint32, name="scales")
+    params.view()[:] = [n, bits(np.float32(scale))]
+    ib.view()[:] = bits(x)
+    defines = {"MODE": 3, "KV_F16": 0, "KV_I8": 0, "KV_FP8": 1 if fmt == "fp8_e4m3" else 2}
+    prog = be.program(compile_shader("numerics_probe", defines), [params, ib, ob, sb], (-(-n // 64), 1, 1),
+                      [64, 1], writes=(2, 3), name="numerics_probe")
+    rec = be.recording().upload(params, ib).dispatch(prog).download(ob).build()
+    rec.run()
+    out = ob.view().copy().view(np.uint8)
+    for o in (rec, prog, params, ib, ob, sb):
+        o.destroy()
+    return out
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_probe_fp8_encode_matches_reference(device, rng, fmt):
+    specials = f32(np.array([0x7f800000, 0xff800000, 0x7fc00000, 0xffc00001, 0x7f800001, 0x80000000, 0x00000001,
+                             0x7f7fffff, 0xff7fffff], np.uint32))
+    for scale in (0.375, 1.0, 2.5e-5, 1e-40):                          # 1e-40: a denormal scale
+        x = np.concatenate([fp8_adversarial(rng, fmt, scale), specials,
+                            f32(rng.integers(0, 0xffffffff, 2000, dtype=np.uint64).astype(np.uint32))])
+        x = np.concatenate([x, np.zeros(-x.size % 16, np.float32)])
+        got = run_fp8_probe(device, fmt, x, scale)
+        want = fp8_bits(x, fmt, scale)
+        bad = np.flatnonzero(got != want)
+        assert bad.size == 0, [(hex(bits(x)[i]), hex(got[i]), hex(want[i])) for i in bad[:8]]
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_probe_fp8_decode_every_pattern(device, fmt):
+    b = np.arange(256, dtype=np.uint8)
+    words = b.view(np.uint32)
+    out, _ = run_probe(device, {"MODE": 4, "KV_F16": 0, "KV_I8": 0, "KV_FP8": 1 if fmt == "fp8_e4m3" else 2},
+                       words, words.size // 4, 256)
+    want = bits(fp8_to_float32(b, fmt))
+    nan = np.isnan(fp8_to_float32(b, fmt))
+    assert np.array_equal(np.isnan(out.view(np.float32)), nan)
+    bad = np.flatnonzero((out != want) & ~nan)
+    assert bad.size == 0, [(hex(b[i]), hex(out[i]), hex(want[i])) for i in bad[:8]]
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("kernel", ["lane", "tile"])
+@pytest.mark.parametrize("how", ["append", "forward"])
+def test_fp8_store_is_the_reference_rounding(device, rng, monkeypatch, fmt, kernel, how):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    ksc, vsc = np.float32([0.0137, 0.375]), np.float32([2.5e-3, 1.0])     # per kv head
+    hkv, n, d, dv = 2, 30, 40, 48
+    k = np.stack([_kv_rows(fp8_adversarial(rng, fmt, s, 100), 1, n, d, rng)[0] for s in ksc])
+    v = np.stack([_kv_rows(fp8_adversarial(rng, fmt, s, 100), 1, n, dv, rng)[0] for s in vsc])
+    cache = vkattn.KVCache(64, hkv, d, dv, dtype=fmt, device=device, k_scale=ksc, v_scale=vsc)
+    if how == "append":
+        cache.append(k, v)
+    else:
+        cache.forward(np.zeros((hkv, n, d), np.float32), k, v)      # zero scores whatever K holds
+    ks, vs = cache.read()
+    for got, want, sc in ((ks, k, ksc), (vs, v, vsc)):
+        ref = round_to(want, fmt, sc)
+        bad = np.argwhere(bits(got) != bits(ref))
+        assert bad.size == 0, [(hex(bits(want)[tuple(i)]), float(got[tuple(i)]), float(ref[tuple(i)]))
+                               for i in bad[:8]]
+    assert (bits(ks) == 0x80000000).any()                                 # -0 kept
+    top = np.float32(FP8_FORMATS[fmt][3]) * ksc[0]
+    assert (np.abs(ks[0]) == top).sum() > 3 and (np.abs(k[0]) > top).any()   # saturated
+    # the inputs catch a quantiser that divides in float first
+    assert (divided_fp8(k[0], fmt, ksc[0]) != fp8_bits(k[0], fmt, ksc[0])).sum() > 10
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_device_array_nan_inf_stored_canonically(device, rng, fmt):
+    # numpy inputs with NaN / Inf are refused at the door; a device array's are the caller's, and
+    # the stores follow fp8_bits: e4m3 saturates Inf, e5m2 keeps it, NaN is 0x7f with its sign
+    hkv, n, d = 1, 2, 16
+    x = np.zeros((hkv, n, d), np.float32)
+    x[0, 0, :6] = [np.inf, -np.inf, np.nan, -np.float32(np.nan), 1e30, -0.0]
+    cache = vkattn.KVCache(8, hkv, d, dtype=fmt, device=device, k_scale=0.5, v_scale=2.0)
+    kd, vd = vkattn.to_device(x, device), vkattn.to_device(x, device)
+    cache.append(kd, vd)
+    cache.forward(vkattn.to_device(np.zeros((1, n, d), np.float32), device), kd, vd)    # the fused store
+    words = cache._read_stored(np.arange(2 * n))[0].view(np.uint8)[:, 0, :d]
+    for r in range(2 * n):
+        assert np.array_equal(words[r], fp8_bits(x[0, r % n], fmt, 0.5)), r
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        cache.append(x, x)
+    for c in (kd, vd):
+        c.close()

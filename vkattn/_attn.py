@@ -20,7 +20,7 @@ from .checks import check_int
 from .compiler import compile_shader
 from .errors import DeviceLimitError
 from .formats import FORMATS
-from .reference import bfloat16_to_float32
+from .reference import bfloat16_to_float32, fp8_to_float32
 from .tuning import MIN_CHUNK, WORKGROUP, attention_config
 
 _LOG2E = 1.4426950408889634
@@ -502,10 +502,12 @@ def set_storage(c) -> None:
     word (``_ch``), words per K/V row (``_dk4``/``_dv4``), the shader defines, the largest |x|
     accepted from numpy (``_max_abs``: (limit, dtype) or None) and whether attn_coopmat.comp may
     take it (``_matrices``). float32: 4 per word; float16 and bfloat16: 8 (two per uint32); int8:
-    16 (four per uint32) plus one float32 scale per row (common.glsl)."""
+    16 (four per uint32) plus one float32 scale per row (common.glsl); fp8: 16 (four per uint32),
+    ``_fp8`` set, a float32 scale per kv head for K and for V (the cache's ``_scales``)."""
     fmt = FORMATS[c.dtype]
     c._fmt = fmt
     c._f16, c._i8, c._bf16 = c.dtype == "float16", c.dtype == "int8", c.dtype == "bfloat16"
+    c._fp8 = fmt.head_scale
     c._ch = fmt.ch
     c._dk4 = -(-c.head_dim // fmt.per_word)
     c._dv4 = -(-c.v_head_dim // fmt.per_word)
@@ -533,7 +535,12 @@ def token_bytes(c) -> int:
 
 
 def unpack_rows(c, words: np.ndarray, scales, d: int) -> np.ndarray:
-    """Stored words (..., d4*4) uint32 -> float32 (..., d) values as the kernels see them."""
+    """Stored words (..., d4*4) uint32 -> float32 (..., d) values as the kernels see them.
+    ``scales``: int8 (...) per row; fp8 the (num_kv_heads,) scales of K or V, words (n,
+    num_kv_heads, d4*4); otherwise unused."""
+    if c._fp8:
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            return fp8_to_float32(words.view(np.uint8)[..., :d], c.dtype) * scales[:, None]
     if c._i8:
         return words.view(np.int8)[..., :d].astype(np.float32) * scales[..., None]
     if c._bf16:

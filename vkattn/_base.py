@@ -15,6 +15,7 @@ from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, DeviceLimitError, VerificationError
 from .formats import DTYPES, dtype_list
+from .reference import check_fp8_scale
 from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, coopmat_takes, row_bucket
 
 MAX_PLANS = 8
@@ -54,6 +55,7 @@ class CacheBase:
         self.rope = rope
         self._rope_dim = rope.dim(self.head_dim) if rope else 0
         set_storage(self)
+        self._scales = None
         self.timestamps = bool(timestamps) and self.device.info.timestamp_compute_and_graphics
         self._plans: OrderedDict = OrderedDict()
         self._last_rec = None
@@ -77,9 +79,42 @@ class CacheBase:
         rows = self.num_kv_heads * positions
         self._k = be.buffer(rows * 4 * self._dk4, np.uint32, host_visible=False, name="k_cache")
         self._v = be.buffer(rows * 4 * self._dv4, np.uint32, host_visible=False, name="v_cache")
+        if self._fp8:                    # fp8: one float32 scale per kv head for K and for V, fixed
+            self._ks = be.buffer(self.num_kv_heads, np.float32, name="k_scale")
+            self._vs = be.buffer(self.num_kv_heads, np.float32, name="v_scale")
+            self._ks.view()[:] = self._scales[0]
+            self._vs.view()[:] = self._scales[1]
+            rec = be.recording().upload(self._ks, self._vs).build()
+            rec.run()
+            rec.destroy()
+            return
         n = rows if self._i8 else 1      # int8: one float32 scale per K row and per V row
         self._ks = be.buffer(n, np.float32, host_visible=False, name="k_scale")
         self._vs = be.buffer(n, np.float32, host_visible=False, name="v_scale")
+
+    def _set_scales(self, k_scale, v_scale) -> None:
+        """The fp8 scales (``_scales``: K's and V's, (num_kv_heads,) float32 each), checked before
+        anything is allocated: ValueError / TypeError for a bad one, or for a scale given to a
+        cache of another dtype."""
+        if not self._fp8:
+            for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if s is not None:
+                    raise ValueError(f"{name}: only the fp8 formats ('fp8_e4m3', 'fp8_e5m2') take a scale; this "
+                                     f"cache's dtype is {self.dtype!r}")
+            return
+        self._scales = (check_fp8_scale(1.0 if k_scale is None else k_scale, self.num_kv_heads, self.dtype, "k_scale"),
+                        check_fp8_scale(1.0 if v_scale is None else v_scale, self.num_kv_heads, self.dtype, "v_scale"))
+
+    @property
+    def k_scale(self):
+        """fp8: K's scale per kv head, (num_kv_heads,) float32 (a copy; value = decode(byte) *
+        scale), fixed at creation; None for the other dtypes."""
+        return None if self._scales is None else self._scales[0].copy()
+
+    @property
+    def v_scale(self):
+        """fp8: V's scale per kv head, (num_kv_heads,) float32 (a copy); None for the other dtypes."""
+        return None if self._scales is None else self._scales[1].copy()
 
     @property
     def bytes_per_token(self) -> int:
@@ -294,6 +329,8 @@ class _SlotReadPlan:
     def run(self, slots: np.ndarray):
         c = self.c
         kw, vw, ks, vs = self.words(slots)
+        if c._fp8:
+            ks, vs = c._scales
         return (unpack_rows(c, kw, ks, c.head_dim).transpose(1, 0, 2),
                 unpack_rows(c, vw, vs, c.v_head_dim).transpose(1, 0, 2))
 
@@ -435,5 +472,5 @@ def append_pipeline(dev, c, n: int) -> Pipeline:
     # invocations append.comp loops over: one per row (int8), else one per row chunk of K and V
     total = 2 * hkv * n if c._i8 else hkv * n * max(c._dk4, c._dv4)
     flags = c.rope.flags(False) if c.rope else 0
-    return Pipeline("append", "append", dict(c._defines), (WORKGROUP, c._dk4, c._dv4, flags, max(c._rope_dim, 8)),
+    return Pipeline("append", "append", dict(c._defines), (WORKGROUP, c._dk4, c._dv4, flags, max(c._rope_dim, 8), hkv),
                     (grid_groups(total, dev), 1, 1), 8)

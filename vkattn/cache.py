@@ -24,13 +24,19 @@ class KVCache(CacheBase):
     Device layout: K is ``[num_kv_heads, capacity, head_dim]``, V ``[num_kv_heads, capacity,
     v_head_dim]``, each row padded with zeros to 16 bytes (8 halves or 4 floats). float16 is packed
     two per uint32 word. Allocation happens here and never again; appends write rows in place.
+
+    ``dtype`` "fp8_e4m3" / "fp8_e5m2": one byte per value (vkattn.reference.fp8_bits of value /
+    scale) with ``k_scale`` / ``v_scale`` -- a number or (num_kv_heads,) numbers, each a finite
+    float32 > 0, default 1.0 -- fixed here for the cache's life (the ``k_scale`` / ``v_scale``
+    properties); other dtypes take no scale (ValueError).
     """
 
     def __init__(self, capacity: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
                  dtype="float16", device: Device | None = None, verify: bool | None = None,
-                 timestamps: bool = False, rope: RoPE | None = None):
+                 timestamps: bool = False, rope: RoPE | None = None, *, k_scale=None, v_scale=None):
         self.capacity = check_int("capacity", capacity, 1)
         self._setup(num_kv_heads, head_dim, v_head_dim, dtype, device, verify, timestamps, rope)
+        self._set_scales(k_scale, v_scale)
         # row of (head h, position j) = h * capacity + j: head-major, i.e. one block of capacity
         # positions in the block layout of PagedKVCache (attn_common.glsl, gather_slots.comp)
         self._head_stride = self._block_size = self.capacity

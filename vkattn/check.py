@@ -13,7 +13,7 @@ picks it there (tuning.coopmat_wanted: on GPUs whose speed probe times it faster
 prefill and chunk calls of its cases, decode goes to the device's other kernel), the ones vkattn
 picks by default marked ``*``:
 
-- float32, float16, bfloat16 and int8 caches: decode (split-K, merged on the device), a causal prefill
+- float32, float16, bfloat16, int8 and fp8 (e4m3, e5m2; scale 1.0) caches: decode (split-K, merged on the device), a causal prefill
   from an empty cache, a chunk over a past (fused append), a long prompt (appended first, then
   attended), odd head dims with ``v_head_dim != head_dim``, non-causal attend;
 - variants on float16: window + sinks, broadcast and per-head masks, softcap, ALiBi, LSE,
@@ -21,8 +21,11 @@ picks by default marked ``*``:
 - a paged batch: ragged chunked prefill, batch decode, a fork, every sequence checked;
 - bit-exact storage: adversarial rows (half-ULP ties, half subnormals, values near the float16
   maximum, float32 denormals; bfloat16 ties both ways, the carry into the exponent, bfloat16's
-  largest value, denormals, -0; int8 rows whose quotients land on .5) appended and read back,
-  compared bit for bit with ``reference.round_to``;
+  largest value, denormals, -0; int8 rows whose quotients land on .5; fp8 with per-head scales
+  whose reciprocal is inexact: quotients exactly on the midpoints between fp8 values (ties both
+  ways) and one float32 either side, saturation past the largest value, subnormals, half the
+  smallest subnormal, float32 denormals, -0, and through a device array NaN and +-Inf) appended
+  and read back, compared bit for bit with ``reference.round_to`` / ``reference.fp8_bits``;
 - a split-K stress: a long decode split over many workgroups (coopmat: a 7-row chunk over the
   same past), repeated, every repetition equal bit for bit to the first and within tolerance of
   the reference.
@@ -46,10 +49,14 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import KVCache, PagedKVCache, RoPE, __version__, default_device, measure, reference, tuning
+from .array import to_device
 from ._vkinfo import VulkanUnavailableError
 from .reference import TOLERANCE, attention, round_to
 
-DTYPES = ("float32", "float16", "bfloat16", "int8")
+DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+# the fp8 storage case's per-head scales: the reciprocal of neither is a float32 (a division or
+# a reciprocal multiply would round the quotient before fp8 does)
+FP8_SCALES = (0.0137, 0.375)
 
 
 @dataclass
@@ -299,6 +306,25 @@ def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
                          flat.view(np.uint32))
         signs = np.where(rng.random(flat.shape) < 0.5, np.uint32(0x80000000), np.uint32(0))
         return (bits.astype(np.uint32) | signs).view(np.float32).reshape(x.shape)
+    if dtype in reference.FP8_FORMATS:
+        # per kv head h (scale FP8_SCALES[h % 2]): quotients on the midpoints between adjacent
+        # fp8 values and one float32 either side, the top of the range and past it, half the
+        # smallest subnormal, float32 denormals, zeros; both signs
+        vals = reference.fp8_to_float32(np.arange(0x80, dtype=np.uint8), dtype)
+        vals = vals[np.isfinite(vals)].astype(np.float64)
+        mids = (vals[1:] + vals[:-1]) / 2
+        for h in range(hkv):
+            s = np.float64(np.float32(FP8_SCALES[h % 2]))
+            tie = (mids * s).astype(np.float32)
+            pool = np.concatenate([tie, np.nextafter(tie, np.float32(0)), np.nextafter(tie, np.float32(np.inf)),
+                                   (np.array([vals[-1], vals[-1] * 1.1, vals[1] / 2, vals[1] * 0.51, 0.0, 1e30]) * s)
+                                   .astype(np.float32),
+                                   rng.integers(1, 0x800000, 8, dtype=np.uint32).view(np.float32)])
+            hx = x[h].reshape(-1)
+            hx[:] = rng.choice(pool, hx.size)
+            hx[:min(pool.size, hx.size)] = pool[:hx.size]
+            hx *= np.where(rng.random(hx.size) < 0.5, -1, 1).astype(np.float32)
+        return x
     if dtype == "int8":
         for r in range(flat.shape[0]):
             kind = r % 4
@@ -319,15 +345,43 @@ def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
 def _case_storage(dev, rng, acc, dtype, hkv=2, n=67, d=72):
     k = adversarial_rows(rng, hkv, n, d, dtype)
     v = adversarial_rows(rng, hkv, n, d, dtype)
-    with KVCache(2 * n + 8, hkv, d, dtype=dtype, device=dev) as c:
+    fp8 = dtype in reference.FP8_FORMATS
+    sk = sv = 1.0
+    extra = {}
+    if fp8:
+        sk = np.float32([FP8_SCALES[h % 2] for h in range(hkv)])
+        sv = sk[::-1].copy()
+        extra = {"k_scale": sk, "v_scale": sv}
+    with KVCache(2 * n + 8 + (4 if fp8 else 0), hkv, d, dtype=dtype, device=dev, **extra) as c:
         c.append(k, v)                                    # append.comp
         q = _rand(rng, hkv, 5, d) * np.float32(1e-3)
         c.forward(q, k[:, :5], v[:, :5])                  # the fused store of the attention kernel
         ks, vs = c.read()
-        acc.exact(ks[:, :n], round_to(k, dtype), "append K")
-        acc.exact(vs[:, :n], round_to(v, dtype), "append V")
-        acc.exact(ks[:, n:], round_to(k[:, :5], dtype), "fused store K")
-        acc.exact(vs[:, n:], round_to(v[:, :5], dtype), "fused store V")
+        acc.exact(ks[:, :n], round_to(k, dtype, sk), "append K")
+        acc.exact(vs[:, :n], round_to(v, dtype, sv), "append V")
+        acc.exact(ks[:, n:n + 5], round_to(k[:, :5], dtype, sk), "fused store K")
+        acc.exact(vs[:, n:n + 5], round_to(v[:, :5], dtype, sv), "fused store V")
+        if fp8:
+            # NaN and +-Inf (a numpy input's are refused; a device array's are stored): append
+            # and the fused store, compared as bits (NaN != NaN as values)
+            # (d: a multiple of 16, the width a fp8 cache reads device rows in)
+            x = np.zeros((hkv, 2, d), np.float32)
+            x[:, :, :6] = [np.inf, -np.inf, np.nan, -np.float32(np.nan), 3e38, -0.0]
+            dk, dq = to_device(x, dev), to_device(np.zeros((hkv, 2, d), np.float32), dev)
+            try:
+                c.append(dk, dk)
+                c.forward(dq, dk, dk)
+                words = c._read_stored(np.arange(n + 5, n + 9))
+                for label, got, s in (("K", words[0], sk), ("V", words[1], sv)):
+                    got = got.view(np.uint8)[..., :d].transpose(1, 0, 2)
+                    want = reference.fp8_bits(np.concatenate([x, x], 1), dtype, s[:, None, None])
+                    acc.checked += 1
+                    if not np.array_equal(got, want):
+                        acc.bad.append(f"NaN/Inf {label}: {int((got != want).sum())} stored bytes differ "
+                                       f"from fp8_bits")
+            finally:
+                dk.close()
+                dq.close()
 
 
 def _case_splitk(dev, rng, acc, dtype, repeats, hkv=2, group=8, d=128, length=6000, rows=1):
@@ -362,12 +416,13 @@ def _cases(quick: bool, repeats: int, kernel: str = "tile"):
             out.append(("odd dims 3/1 heads d37 dv24", dtype,
                         lambda dev, rng, acc, dt=dtype: _case_kv_paths(dev, rng, acc, dt, 1, 3, 37, 24, 0, 2, 13, 40)))
             out.append(("paged batch, fork", dtype, lambda dev, rng, acc, dt=dtype: _case_paged(dev, rng, acc, dt)))
-        out.append(("storage bit-exact", dtype, lambda dev, rng, acc, dt=dtype: _case_storage(dev, rng, acc, dt)))
+        out.append(("storage bit-exact", dtype, lambda dev, rng, acc, dt=dtype:
+                    _case_storage(dev, rng, acc, dt, d=80 if dt in reference.FP8_FORMATS else 72)))
     names = ["window+sinks", "mask", "mask per head", "softcap", "alibi"] if not quick else ["mask", "softcap"]
     for name in names:
         out.append((f"variant {name} (+lse)", "float16", lambda dev, rng, acc, n=name: _case_variant(dev, rng, acc, n)))
     out.append(("rope neox partial, rotated q", "float16", lambda dev, rng, acc: _case_rope(dev, rng, acc)))
-    for dtype in (("float16",) if quick else ("float16", "bfloat16", "int8")):
+    for dtype in (("float16",) if quick else ("float16", "bfloat16", "int8", "fp8_e4m3")):
         out.append((f"split-K stress x{repeats}" + (" (chunk)" if rows > 1 else ""), dtype,
                     lambda dev, rng, acc, dt=dtype: _case_splitk(dev, rng, acc, dt, repeats, rows=rows)))
     return out

@@ -10,10 +10,13 @@ handle ``ch = per_word // 4`` float vec4 per word. ``row_scale``: one float32 sc
 row (position and kv head) beside the words (int8). ``matrices``: attn_coopmat.comp may take the
 format -- its float16 matrices hold every stored value exactly (float16: the values themselves;
 int8: the integers -127 .. 127, the scale applied after the product); bfloat16's exponent range
-does not fit in float16, so it stays on attn.comp / attn_lane.comp. ``max_abs``: the largest
+does not fit in float16, so it stays on attn.comp / attn_lane.comp; the fp8 formats do the same
+(see ``head_scale``). ``head_scale``: one float32 scale per kv head for K and one for V, fixed at
+cache creation (the fp8 formats: value = decode(byte) * scale, vkattn.reference.fp8_bits).
+``max_abs``: the largest
 |x| a cache accepts from numpy (a larger value would be stored as Inf: float16 refuses what
 passes its largest value, 65504, as it always has; bfloat16 exactly what rounds to Inf, from
-0x7f7f8000 on); None: any finite value.
+0x7f7f8000 on); None: any finite value (the fp8 formats saturate finite overflow).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ class KVFormat:
     row_scale: bool = False       # a float32 scale per row and kv head
     matrices: bool = True         # attn_coopmat.comp can hold it exactly (see the module docstring)
     max_abs: float | None = None  # numpy inputs above this magnitude are refused
+    head_scale: bool = False      # a float32 scale per kv head (K and V), set at creation (fp8)
 
     @property
     def ch(self) -> int:
@@ -50,6 +54,14 @@ FORMATS = {
     # numpy has no bfloat16: files hold its bits as uint16, the metadata's dtype says "bfloat16"
     "bfloat16": KVFormat("bfloat16", 8, {"KV_F16": 0, "KV_I8": 0, "KV_BF16": 1}, np.uint16,
                          np.dtype(np.uint16), matrices=False, max_abs=BF16_FINITE_INPUT),
+    # 16 per word (four per uint32, low byte first) like int8, read by the kernels in 8-byte units
+    # like int8; files hold the bits as uint8, the metadata's dtype names the format. Not on
+    # attn_coopmat.comp, as bfloat16 (every fp8 value would fit a float16 matrix exactly, the
+    # scale applied after the product as int8's; not built yet)
+    "fp8_e4m3": KVFormat("fp8_e4m3", 16, {"KV_F16": 0, "KV_I8": 0, "KV_FP8": 1}, np.uint8, np.dtype(np.uint8),
+                         matrices=False, head_scale=True),
+    "fp8_e5m2": KVFormat("fp8_e5m2", 16, {"KV_F16": 0, "KV_I8": 0, "KV_FP8": 2}, np.uint8, np.dtype(np.uint8),
+                         matrices=False, head_scale=True),
 }
 DTYPES = tuple(FORMATS)
 

@@ -75,6 +75,9 @@ if int(transformers.__version__.split(".")[0]) < 5:
 NAME = "vkattn"
 BLOCK_SIZE = 16                  # paged stores: tokens per block
 _CACHE_DTYPES = {torch.float16: "float16", torch.float32: "float32", torch.bfloat16: "bfloat16"}
+for _name, _fmt in (("float8_e4m3fn", "fp8_e4m3"), ("float8_e5m2", "fp8_e5m2")):    # torch >= 2.1
+    if hasattr(torch, _name):
+        _CACHE_DTYPES[getattr(torch, _name)] = _fmt
 _HOST_DTYPES = (torch.float32, torch.float16)      # handed to vkattn as they are
 _PENDING = threading.local()     # .layer: the layer whose update() staged rows for the next attention call
 
@@ -91,8 +94,10 @@ class VkattnCache(Cache):
     plus ``max_new_tokens``; a call that would pass it raises :class:`vkattn.CacheFullError`
     before anything is written. batch_size: the most sequences the model runs at once (prompts x
     ``num_beams`` or ``num_return_sequences``); an empty cache also takes fewer. dtype: storage,
-    "float16" (default), "float32", "bfloat16" or "int8" (or torch.float16 / torch.float32 /
-    torch.bfloat16), whatever the model's dtype. device: a :class:`vkattn.Device` (default:
+    "float16" (default), "float32", "bfloat16", "int8", "fp8_e4m3" or "fp8_e5m2" (or torch.float16
+    / torch.float32 / torch.bfloat16 / torch.float8_e4m3fn / torch.float8_e5m2), whatever the
+    model's dtype. k_scale, v_scale: fp8 only, the scales of every layer (a number or
+    (num_kv_heads,) numbers, default 1.0; vkattn.KVCache). device: a :class:`vkattn.Device` (default:
     vkattn's default device).
 
     Works with the attention implementation ``"vkattn"`` only (``import vkattn.hf`` registers
@@ -112,7 +117,8 @@ class VkattnCache(Cache):
     """
 
     def __init__(self, config, max_cache_len: int, batch_size: int = 1, dtype="float16",
-                 device: Device | None = None, prefix_cache: bool = False, prefix_cache_len: int = 0):
+                 device: Device | None = None, prefix_cache: bool = False, prefix_cache_len: int = 0, *,
+                 k_scale=None, v_scale=None):
         if not isinstance(config, transformers.PretrainedConfig):
             raise TypeError(f"config: expected a transformers PretrainedConfig (model.config), got "
                             f"{type(config).__name__}")
@@ -126,7 +132,8 @@ class VkattnCache(Cache):
         if isinstance(dtype, torch.dtype):
             dtype = _CACHE_DTYPES.get(dtype, str(dtype))
         if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise TypeError(f"dtype: expected {dtype_list()} (torch.float16 / torch.float32 / torch.bfloat16), "
+            raise TypeError(f"dtype: expected {dtype_list()} (torch.float16 / torch.float32 / torch.bfloat16 / "
+                            f"torch.float8_e4m3fn / torch.float8_e5m2), "
                             f"got {dtype!r}; bfloat16 models work with any of them (converted at the boundary)")
         text = config.get_text_config(decoder=True)
         hq = text.num_attention_heads
@@ -142,10 +149,11 @@ class VkattnCache(Cache):
         try:
             for kw in layer_kwargs:
                 if batch_size == 1 and not self.prefix_cache:
-                    store = _SingleStore(batch_size, max_cache_len, self.num_kv_heads, self.head_dim, dtype, device)
+                    store = _SingleStore(batch_size, max_cache_len, self.num_kv_heads, self.head_dim, dtype, device,
+                                         scales=(k_scale, v_scale))
                 else:
                     store = _PagedStore(batch_size, max_cache_len, self.num_kv_heads, self.head_dim, dtype, device,
-                                        extra_blocks=-(-prefix_cache_len // BLOCK_SIZE))
+                                        extra_blocks=-(-prefix_cache_len // BLOCK_SIZE), scales=(k_scale, v_scale))
                 layers.append(VkattnLayer(self, store, kw.get("sliding_window")))
         except BaseException:
             for layer in layers:
@@ -590,8 +598,9 @@ def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
 class _SingleStore:
     """Batch 1: one KVCache."""
 
-    def __init__(self, batch_size, capacity, num_kv_heads, head_dim, dtype, device):
-        self.cache = self.kv = KVCache(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+    def __init__(self, batch_size, capacity, num_kv_heads, head_dim, dtype, device, scales=(None, None)):
+        self.cache = self.kv = KVCache(capacity, num_kv_heads, head_dim, dtype=dtype, device=device,
+                                       k_scale=scales[0], v_scale=scales[1])
         self.rows = 1
         self.nbytes = self.cache.nbytes
 
@@ -629,9 +638,11 @@ class _PagedStore:
     ``capacity`` and a reorder can fork every row before the old ones are dropped (one spare
     block per row for a copied partial block)."""
 
-    def __init__(self, batch_size, capacity, num_kv_heads, head_dim, dtype, device, extra_blocks=0):
+    def __init__(self, batch_size, capacity, num_kv_heads, head_dim, dtype, device, extra_blocks=0,
+                 scales=(None, None)):
         blocks = batch_size * (-(-capacity // BLOCK_SIZE) + 1) + extra_blocks
-        self.pool = self.kv = PagedKVCache(blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.pool = self.kv = PagedKVCache(blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype, device=device,
+                                           k_scale=scales[0], v_scale=scales[1])
         self.ids = [self.pool.add_sequence() for _ in range(batch_size)]
         self.nbytes = self.pool.nbytes
 

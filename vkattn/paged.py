@@ -50,14 +50,20 @@ class PagedKVCache(CacheBase):
     tokens for sequence i, ``q`` is (num_qo_heads, sum(n_new), head_dim) and ``k``/``v``
     (num_kv_heads, sum(n_new), head_dim / v_head_dim), sequence i's rows following sequence
     i-1's.
+
+    ``dtype`` "fp8_e4m3" / "fp8_e5m2" takes ``k_scale`` / ``v_scale`` as :class:`KVCache` does:
+    fixed for the pool, so forks, shared prefix blocks, cascade and saved sequences all mean the
+    same values.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  v_head_dim: int | None = None, dtype="float16", device: Device | None = None,
-                 verify: bool | None = None, timestamps: bool = False, rope: RoPE | None = None):
+                 verify: bool | None = None, timestamps: bool = False, rope: RoPE | None = None, *,
+                 k_scale=None, v_scale=None):
         self.num_blocks = check_int("num_blocks", num_blocks, 1)
         self.block_size = check_int("block_size", block_size, 1)
         self._setup(num_kv_heads, head_dim, v_head_dim, dtype, device, verify, timestamps, rope)
+        self._set_scales(k_scale, v_scale)
         self.slots = self.num_blocks * self.block_size
         # row of head h, position j = table[j // bs] * (hkv * bs) + h * bs + j % bs (attn_common.glsl)
         self._head_stride, self._block_stride = self.block_size, self.num_kv_heads * self.block_size

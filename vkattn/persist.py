@@ -13,13 +13,16 @@ A sequence file (format ``vkattn.sequence``, version 1) of ``length`` positions 
     v          (num_kv_heads, length, v_head_dim)  likewise
     k_scale    (num_kv_heads, length) float32      int8 only: the scale of each stored K row
     v_scale    (num_kv_heads, length) float32      int8 only
+                                                   (fp8_e4m3 / fp8_e5m2: k and v as their bits,
+                                                   uint8; the per-kv-head scales in the metadata)
     token_ids  (length,) int64                     optional: the token at each position
 
 K as the cache holds it -- rotated when the cache has a ``rope``, quantised for int8 -- so a load
 writes the same bits back (scatter_slots.comp), with no rotation or quantisation on the way, and
 the round trip is bit-exact. String metadata: ``format``, ``format_version``, ``dtype``,
 ``num_kv_heads``, ``head_dim``, ``v_head_dim``, ``rope`` (JSON: style, base, rotary_dim; or
-``none``), ``length``, ``source`` (KVCache / PagedKVCache), ``block_size`` (a paged source's;
+``none``), for fp8 ``k_scale`` and ``v_scale`` (JSON lists of the num_kv_heads float32 scales,
+exact: a load needs the cache's own, as the stored bytes mean byte * scale), ``length``, ``source`` (KVCache / PagedKVCache), ``block_size`` (a paged source's;
 informational: positions load into any block size or a KVCache), ``vkattn_version`` and
 ``checksum``: ``sha256:`` over every other metadata entry and every tensor's name, dtype, shape
 and bytes, so a damaged byte anywhere is found before anything is written.
@@ -174,8 +177,12 @@ def rope_setting(c) -> str:
 
 def format_meta(c) -> dict:
     """What a load compares: storage dtype, head counts and dims, rotary settings."""
-    return {"dtype": c.dtype, "num_kv_heads": str(c.num_kv_heads), "head_dim": str(c.head_dim),
+    meta = {"dtype": c.dtype, "num_kv_heads": str(c.num_kv_heads), "head_dim": str(c.head_dim),
             "v_head_dim": str(c.v_head_dim), "rope": rope_setting(c)}
+    if c._fp8:      # float32 -> Python float is exact, and so is its repr
+        meta["k_scale"] = json.dumps([float(x) for x in c._scales[0]])
+        meta["v_scale"] = json.dumps([float(x) for x in c._scales[1]])
+    return meta
 
 
 def check_format(meta: dict, c, path: str) -> None:

@@ -1,6 +1,8 @@
 """CPU numpy reference: the definition every device result is checked against."""
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 # Logits elements (float32) one block of ``attention`` holds at a time: long caches with many query
@@ -267,15 +269,172 @@ def round_bfloat16(x):
     return bfloat16_to_float32(bfloat16_bits(x))
 
 
-def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+# The two 8-bit float formats (issue 32), as (mantissa bits P, exponent bias, largest finite bit
+# pattern, largest finite value): "fp8_e4m3" is the "fn" variant (no Inf; 0x7f / 0xff are its only
+# NaNs, so 0x7e = 448 is its largest finite value), "fp8_e5m2" is IEEE-like (0x7c = Inf, 0x7d ..
+# 0x7f NaN; 0x7b = 57344 its largest finite value). The smallest normal exponent is 1 - bias, the
+# subnormals are m * 2^(1 - bias - P), m = 1 .. 2^P - 1 (e4m3: 2^-9 steps, e5m2: 2^-16).
+FP8_FORMATS = {"fp8_e4m3": (3, 7, 0x7E, 448.0), "fp8_e5m2": (2, 15, 0x7B, 57344.0)}
+
+
+def _fp8_kind(fmt: str) -> tuple:
+    try:
+        return FP8_FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"fp8 format must be 'fp8_e4m3' or 'fp8_e5m2', got {fmt!r}") from None
+
+
+def _msb(a: np.ndarray) -> np.ndarray:
+    """Index of the highest set bit of each positive int64 (integer steps only)."""
+    n = np.zeros(a.shape, np.int64)
+    for step in (16, 8, 4, 2, 1):
+        up = (a >> (n + step)) != 0
+        n += np.where(up, step, 0)
+    return n
+
+
+def _significand(bits: np.ndarray) -> tuple:
+    """Positive finite float32 bits (int64, nonzero) -> (m, e), value = m * 2^e with m in
+    [2^23, 2^24): normals take their hidden bit, denormals are shifted up to it."""
+    normal = bits >= 0x00800000
+    lz = np.where(normal, 0, 23 - _msb(np.maximum(bits, 1)))
+    m = np.where(normal, (bits & 0x7FFFFF) | 0x800000, bits << lz)
+    e = np.where(normal, (bits >> 23) - 150, -149 - lz)
+    return m, e
+
+
+def check_fp8_scale(scale, num_kv_heads: int, fmt: str, name: str = "scale") -> np.ndarray:
+    """A fp8 cache's scale argument -> (num_kv_heads,) float32. ``scale``: a number (every kv head)
+    or a sequence / array of num_kv_heads numbers. Each must be a finite float32 > 0 whose product
+    with the format's largest finite value is a finite float32 (so every finite stored value
+    dequantises to a finite float32). Raises TypeError / ValueError naming ``name``."""
+    _, _, _, fmax = _fp8_kind(fmt)
+    listed = isinstance(scale, (list, tuple, np.ndarray))
+    items = np.asarray(scale, dtype=object).ravel() if listed else [scale]
+    if not all(isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) for x in items):
+        raise TypeError(f"{name}: expected a number or {num_kv_heads} numbers (one per kv head), got "
+                        f"{type(scale).__name__}")
+    try:
+        arr = np.asarray(scale, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a number or {num_kv_heads} numbers, got {scale!r}") from None
+    if arr.ndim == 0:
+        arr = np.full(num_kv_heads, float(arr))
+    if arr.shape != (num_kv_heads,):
+        raise ValueError(f"{name}: expected a number or shape ({num_kv_heads},) (one per kv head), got shape "
+                         f"{arr.shape}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        f32 = arr.astype(np.float32)
+        top = f32.astype(np.float64) * fmax
+    bad = ~np.isfinite(arr) | ~(f32 > 0) | ~(top <= float(np.finfo(np.float32).max))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{name}: kv head {i}'s scale {arr[i]!r} must be a finite float32 > 0 with "
+                         f"{fmax:g} * scale finite in float32")
+    return f32
+
+
+def fp8_bits(x, fmt: str, scale=1.0):
+    """x / scale rounded to an 8-bit float: the bits (uint8, x's shape) a ``fmt`` cache stores.
+
+    x: any shape, taken as float32; fmt: "fp8_e4m3" or "fp8_e5m2"; scale: a float32 > 0 (finite),
+    a number or an array that broadcasts against x (a cache: its (num_kv_heads,) scales as
+    scale[:, None, None] for x (num_kv_heads, n, d)). Defined exactly and computed with integer
+    arithmetic on the float32 bits of x and scale (never a float division or cast, whose result
+    could depend on the platform), as shaders/common.glsl ``fp8_encode`` does on the device:
+
+    - the stored value is the exact real quotient x / scale rounded once to the format, to the
+      nearest representable value, ties to even (the quotient is never rounded to float32 first:
+      with significands mx, ms of x and scale, floor(2 mx 2^k / ms) and its remainder give the
+      kept bits, the half bit and a sticky bit exactly);
+    - finite overflow saturates: a quotient past the largest finite value (448 for e4m3, 57344
+      for e5m2) -- even one that would round to e4m3's NaN pattern or e5m2's Inf -- stores
+      +-max finite, for both formats;
+    - Inf: e4m3 (which has no Inf) saturates to +-448; e5m2 keeps +-Inf (0x7c / 0xfc);
+    - NaN: the canonical NaN 0x7f with x's sign (0x7f / 0xff), for both formats;
+    - subnormals are kept (no flush): quotients below 2^(1 - bias) round to multiples of
+      2^(1 - bias - P) (e4m3 2^-9, e5m2 2^-16), and a quotient of at most half the smallest
+      subnormal rounds to zero; float32 denormal inputs take part like any value;
+    - the sign is kept: -0.0 stores 0x80, and a negative x that rounds to zero stores -0.
+
+    A cache stores fp8_bits(x, fmt, its kv head's scale); the value it holds (and attends with) is
+    fp8_to_float32(bits, fmt) * scale (``round_to``).
+    """
+    p, bias, maxbits, _ = _fp8_kind(fmt)
+    xb = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.int64)
+    sb = np.asarray(scale, dtype=np.float32).view(np.uint32).astype(np.int64)
+    xb, sb = np.broadcast_arrays(xb, sb)
+    if ((sb & 0x7FFFFFFF) == 0).any() or (sb >= 0x7F800000).any():
+        raise ValueError("scale must be a finite float32 > 0")
+    sign = (xb >> 24) & 0x80
+    xa = xb & 0x7FFFFFFF
+    emin = 1 - bias
+    mx, ex = _significand(np.maximum(xa, 1))
+    ms, es = _significand(sb)
+    # x / scale = (mx / ms) * 2^d, mx / ms in (1/2, 2): its binade e is d or d - 1
+    d = ex - es
+    e = d - (mx < ms)
+    # in units of the quotient's ulp 2^u (u = max(e, emin) - P), doubled for the half bit:
+    # t = floor(2 x / (scale 2^u)) = floor(mx 2^sh / ms), 0 <= sh <= P + 2 wherever it is used
+    sh = np.clip(d - (np.maximum(e, emin) - p) + 1, 0, p + 2)
+    num = mx << sh
+    t = num // ms
+    sticky = (num - t * ms) != 0
+    k = t >> 1
+    k = k + ((t & 1) & (sticky | (k & 1)))                     # round half to even
+    bits = np.where(e >= emin, (e + bias - 1) << p, 0) + k       # a carry runs into the exponent
+    bits = np.minimum(bits, maxbits)                             # saturate finite overflow
+    bits = np.where(e > (maxbits >> p) - bias, maxbits, bits)    # far past the range (e > emax)
+    bits = np.where(e < emin - p - 1, 0, bits)                   # below half the smallest subnormal
+    bits = np.where(xa == 0, 0, bits)
+    if fmt == "fp8_e5m2":
+        bits = np.where(xa == 0x7F800000, 0x7C, bits)            # Inf stays Inf
+    else:
+        bits = np.where(xa == 0x7F800000, maxbits, bits)         # no Inf: saturate
+    bits = np.where(xa > 0x7F800000, 0x7F, bits)                 # NaN
+    return (bits | sign).astype(np.uint8)
+
+
+def fp8_to_float32(b, fmt: str):
+    """fp8 bits (uint8, any shape) -> their values as float32 (exact: every fp8 value is a float32),
+    unscaled. e4m3: 0x7f / 0xff are NaN; e5m2: exponent field 31 is Inf (mantissa 0) or NaN."""
+    p, bias, _, _ = _fp8_kind(fmt)
+    b = np.asarray(b, dtype=np.uint8).astype(np.uint32)
+    mag = b & np.uint32(0x7F)
+    normal = (mag << np.uint32(23 - p)) + np.uint32((127 - bias) << 23)
+    # subnormal: mag * 2^(1 - bias - p), built in the bits: mag's leading bit becomes the hidden one
+    m = mag.astype(np.int64)
+    lead = _msb(np.maximum(m, 1))
+    sub = ((lead + (1 - bias - p) + 127) << 23) | ((m << (23 - lead)) & 0x7FFFFF)
+    f = np.where(mag >= np.uint32(1 << p), normal, np.where(mag == 0, 0, sub).astype(np.uint32))
+    if fmt == "fp8_e4m3":
+        f = np.where(mag == 0x7F, np.uint32(0x7FC00000), f)
+    else:
+        f = np.where(mag >= 0x7C, np.uint32(0x7F800000) | ((mag & np.uint32(3)) << np.uint32(21)), f)
+    return (f.astype(np.uint32) | ((b & np.uint32(0x80)) << np.uint32(24))).view(np.float32)
+
+
+def round_fp8(x, fmt: str, scale=1.0):
+    """x as a ``fmt`` cache with ``scale`` holds it, as float32: fp8_to_float32(fp8_bits(x, fmt,
+    scale), fmt) * scale (the float32 product, rounded to nearest even)."""
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        return fp8_to_float32(fp8_bits(x, fmt, scale), fmt) * np.asarray(scale, dtype=np.float32)
+
+
+def round_to(x: np.ndarray, dtype: str, scale=1.0) -> np.ndarray:
     """x as the cache stores it, as float32: float16 rounding for a float16 cache, bfloat16
-    rounding (``bfloat16_bits``) for a bfloat16 cache, symmetric per-(head, position) int8
-    quantisation for an int8 cache (``quantize_int8``; x is (heads, n, d)), unchanged for float32."""
+    rounding (``bfloat16_bits``) for a bfloat16 cache, fp8 (``round_fp8``; ``scale``: the cache's
+    (num_kv_heads,) scales of K or V, or one number; x is (heads, n, d)) for a fp8 cache,
+    symmetric per-(head, position) int8 quantisation for an int8 cache (``quantize_int8``; x is
+    (heads, n, d)), unchanged for float32."""
     x = np.asarray(x, dtype=np.float32)
     if dtype == "float16":
         return x.astype(np.float16).astype(np.float32)
     if dtype == "bfloat16":
         return round_bfloat16(x)
+    if dtype in FP8_FORMATS:
+        s = np.asarray(scale, dtype=np.float32)
+        return round_fp8(x, dtype, s.reshape(-1, 1, 1) if s.ndim == 1 else s)
     if dtype == "int8":
         return dequantize_int8(*quantize_int8(x))
     return x
@@ -286,4 +445,5 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
 # only by accumulation order and exp2 vs exp. An int8 cache is compared the same way against the
 # dequantised values it stores (``dequantize_int8``), so it gets the same tolerance: quantisation
 # error is in the reference's inputs, not in the comparison.
-TOLERANCE = {"float32": (2e-5, 2e-4), "float16": (2e-5, 2e-4), "bfloat16": (2e-5, 2e-4), "int8": (2e-5, 2e-4)}
+TOLERANCE = {"float32": (2e-5, 2e-4), "float16": (2e-5, 2e-4), "bfloat16": (2e-5, 2e-4), "int8": (2e-5, 2e-4),
+             "fp8_e4m3": (2e-5, 2e-4), "fp8_e5m2": (2e-5, 2e-4)}

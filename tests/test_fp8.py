@@ -1,0 +1,271 @@
+"""fp8 K/V storage ("fp8_e4m3", "fp8_e5m2"): four bytes per uint32, each value / its kv head's
+scale rounded once to the format (vkattn.reference.fp8_bits, integer arithmetic in
+shaders/common.glsl), decoded exactly inside every kernel that reads the cache and multiplied by
+the scale (K: after the dot product; V: into the softmax weight).
+
+Parity: the device result against the reference computed on the values the cache holds -- read
+back, and checked bit for bit against reference.round_to(x, fmt, scales) -- with the float32
+tolerances, since the decode is exact. Odd and round head dims, odd lengths, GQA, per-head
+scales, both caches, forks, prefix sharing and cascade, persistence; bad scales are refused
+before anything is allocated. Adversarial rounding cases are in test_exact.py.
+"""
+import numpy as np
+import pytest
+
+import vkattn
+from conftest import assert_close, rand_kv, rand_q
+from test_coopmat import GPU, planning
+from vkattn import tuning
+from vkattn._attn import StorageFormat, attn_pipeline
+from vkattn._base import appends_first
+from vkattn.reference import FP8_FORMATS, attention, fp8_bits, round_to
+
+KERNELS = ["lane", "tile"]
+FP8 = ["fp8_e4m3", "fp8_e5m2"]
+# max abs error vs float32 attention on the unrounded N(0, 1) inputs (scale 1/16: the values sit
+# in the normal range), per format: e4m3 keeps 3 mantissa bits, e5m2 2
+FP8_E2E = {"fp8_e4m3": 0.2, "fp8_e5m2": 0.4}
+
+
+def bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def assert_stored(stored, x, cache, which):
+    scale = cache.k_scale if which == "k" else cache.v_scale
+    want = round_to(x, cache.dtype, scale)
+    bad = np.argwhere(bits(stored) != bits(want))
+    assert bad.size == 0, f"{len(bad)} stored values differ from round_to's, first at {bad[:4].tolist()}"
+
+
+def scales(hkv, seed):
+    """Per-head scales that are not powers of two (so a division would round)."""
+    return (np.float32(0.05) + np.arange(hkv, dtype=np.float32) * np.float32(0.0371 + seed * 0.01)).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("hkv,group,d,dv,past", [(2, 4, 64, 64, 131), (1, 3, 37, 37, 57), (3, 1, 40, 24, 200),
+                                                 (2, 4, 128, 128, 260), (2, 3, 37, 29, 0)])
+def test_fp8_append_forward_decode(device, rng, monkeypatch, fmt, kernel, hkv, group, d, dv, past):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.KVCache(300, hkv, d, dv, dtype=fmt, device=device, k_scale=scales(hkv, 0), v_scale=scales(hkv, 1))
+    k0, v0 = rand_kv(rng, cache, max(past, 1))
+    if past:
+        cache.append(k0, v0)                                  # append.comp rounds
+    else:
+        k0, v0 = k0[:, :0], v0[:, :0]
+    k1, v1 = rand_kv(rng, cache, 11)
+    q1 = rand_q(rng, cache, group, 11)
+    out1 = cache.forward(q1, k1, v1)                          # fused append (a chunk over the past, or a prefill)
+    k2, v2 = rand_kv(rng, cache, 1)
+    q2 = rand_q(rng, cache, group, 1)
+    out2 = cache.forward(q2, k2, v2)                          # decode (split-K)
+    ks, vs = cache.read()
+    kf, vf = np.concatenate([k0, k1, k2], axis=1), np.concatenate([v0, v1, v2], axis=1)
+    assert_stored(ks, kf, cache, "k")
+    assert_stored(vs, vf, cache, "v")
+    n1 = past + 11
+    assert_close(out1, attention(q1, ks[:, :n1], vs[:, :n1]), fmt)
+    assert_close(out2, attention(q2, ks, vs), fmt)
+    q3 = rand_q(rng, cache, group, 5)
+    assert_close(cache.attend(q3, causal=False), attention(q3, ks, vs, causal=False), fmt)
+    # the scales are applied: the stored values are not the unscaled fp8 values
+    assert not np.array_equal(ks, round_to(kf, fmt, 1.0))
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fp8_lengths_prefill_and_long_decode(device, rng, monkeypatch, fmt, kernel):
+    # lengths 1 .. 300: a one-row prefill, a long prompt over FUSED_APPEND_MAX_ROWS rows
+    # (appended first, then attended), decode steps with split-K across the whole past
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "8")
+    hkv, d = 2, 64
+    cache = vkattn.KVCache(310, hkv, d, dtype=fmt, device=device, k_scale=0.0625, v_scale=[0.03, 0.07])
+    allk, allv = [], []
+    for n in (1, tuning.FUSED_APPEND_MAX_ROWS + 45, 300 - 1 - tuning.FUSED_APPEND_MAX_ROWS - 45 - 3, 1, 1, 1):
+        k, v = rand_kv(rng, cache, n)
+        q = rand_q(rng, cache, 4, n)
+        out = cache.forward(q, k, v)
+        allk.append(k)
+        allv.append(v)
+        ks, vs = cache.read()
+        assert_stored(ks[:, -n:], k, cache, "k")
+        assert_close(out, attention(q, ks, vs), fmt)
+    assert cache.length == 300
+    kf = np.concatenate(allk, axis=1)
+    assert np.abs(out - attention(q, kf, np.concatenate(allv, axis=1))).max() < FP8_E2E[fmt]
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fp8_rope_is_rounded_after_rotation(device, rng, monkeypatch, fmt, kernel):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    rope = vkattn.RoPE(style="neox", rotary_dim=32)
+    cache = vkattn.KVCache(64, 2, 48, dtype=fmt, device=device, rope=rope, k_scale=[0.1, 0.3])
+    k, v = rand_kv(rng, cache, 21)
+    cache.append(k[:, :13], v[:, :13])                        # append.comp with ROPE_K
+    q = rand_q(rng, cache, 2, 8)
+    out = cache.forward(q, k[:, 13:], v[:, 13:], rope_q=True)  # the fused store rotates too
+    ks, vs = cache.read()
+    rotated = vkattn.reference.rope(k, np.arange(21), rotary_dim=32)
+    # within one fp8 step of the rounded rotation (the rotation's own float rounding may cross a tie)
+    p = FP8_FORMATS[fmt][0]
+    np.testing.assert_allclose(ks, round_to(rotated, fmt, cache.k_scale), rtol=2.0 ** -p, atol=1e-6)
+    assert_stored(vs, v, cache, "v")
+    qr = vkattn.reference.rope(q, np.arange(13, 21), rotary_dim=32)
+    assert_close(out, attention(qr, ks, vs), fmt)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fp8_paged_batch_fork_and_variants(device, rng, monkeypatch, fmt, kernel):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    pool = vkattn.PagedKVCache(40, 8, 2, 40, 24, dtype=fmt, device=device, k_scale=[0.2, 0.07], v_scale=0.11)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    counts = [21, 6]
+    k = rng.standard_normal((2, 27, 40)).astype(np.float32)
+    v = rng.standard_normal((2, 27, 24)).astype(np.float32)
+    q = rng.standard_normal((6, 27, 40)).astype(np.float32)
+    out = pool.forward([a, b], q, k, v, n_new=counts)          # a ragged chunked prefill
+    for sid, rows in ((a, slice(0, 21)), (b, slice(21, 27))):
+        ks, vs = pool.read(sid)
+        assert_stored(ks, k[:, rows], pool, "k")
+        assert_stored(vs, v[:, rows], pool, "v")
+        assert_close(out[:, rows], attention(q[:, rows], ks, vs), fmt)
+    c = pool.fork(a)                                           # copies the partial block's rows
+    assert all(np.array_equal(bits(x), bits(y)) for x, y in zip(pool.read(a), pool.read(c)))
+    q = rng.standard_normal((6, 3, 40)).astype(np.float32)
+    k = rng.standard_normal((2, 3, 40)).astype(np.float32)
+    v = rng.standard_normal((2, 3, 24)).astype(np.float32)
+    out, lse = pool.forward([a, b, c], q, k, v, window=9, n_sink=1, softcap=4.0, return_lse=True)  # batch decode
+    for i, sid in enumerate((a, b, c)):
+        ks, vs = pool.read(sid)
+        ref, ref_lse = attention(q[:, i:i + 1], ks, vs, window=9, n_sink=1, softcap=4.0, return_lse=True)
+        assert_close(out[:, i:i + 1], ref, fmt)
+        np.testing.assert_allclose(lse[:, i:i + 1], ref_lse, atol=2e-5, rtol=2e-4)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_cascade_and_prefix_cache(device, rng, monkeypatch, fmt):
+    # sequences sharing a cached prefix decode by cascade: the shared blocks attended once
+    monkeypatch.setenv("VKATTN_CASCADE", "1")
+    bs, hkv, d = 4, 2, 32
+    pool = vkattn.PagedKVCache(64, bs, hkv, d, dtype=fmt, device=device, k_scale=[0.09, 0.4], v_scale=[0.3, 0.02])
+    prompt = list(range(100, 117))                             # 17 tokens: 4 full blocks
+    k = rng.standard_normal((hkv, 17, d)).astype(np.float32)
+    v = rng.standard_normal((hkv, 17, d)).astype(np.float32)
+    a = pool.add_sequence()
+    pool.forward([a], rng.standard_normal((4, 17, d)).astype(np.float32), k, v, n_new=[17], token_ids=[prompt])
+    b = pool.add_sequence(token_ids=prompt + [7])              # takes the cached blocks
+    assert pool.length(b) == 16 and pool.block_table(b)[:4] == pool.block_table(a)[:4]
+    kb, vb = pool.read(b)
+    assert_stored(kb, k[:, :16], pool, "k")
+    assert_stored(vb, v[:, :16], pool, "v")
+    q = rng.standard_normal((4, 3, d)).astype(np.float32)
+    kn = rng.standard_normal((hkv, 3, d)).astype(np.float32)
+    out = pool.forward([a, b], q, kn, kn, n_new=[1, 2])
+    assert "merge_lse" in pool._last_rec.ops                    # the cascade ran
+    for sid, rows in ((a, slice(0, 1)), (b, slice(1, 3))):
+        ks, vs = pool.read(sid)
+        assert_close(out[:, rows], attention(q[:, rows], ks, vs), fmt)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_save_load_round_trip(device, rng, tmp_path, fmt):
+    ksc, vsc = [0.015, 0.5], 0.125
+    cache = vkattn.KVCache(64, 2, 40, 24, dtype=fmt, device=device, k_scale=ksc, v_scale=vsc)
+    k, v = rand_kv(rng, cache, 37)
+    k[0, 0, :4] = [0.0, -0.0, 1e-40, -1e9]                      # -0, a denormal, a saturated value
+    cache.append(k, v)
+    path = tmp_path / "fp8.safetensors"
+    cache.save(path, token_ids=np.arange(37))
+    info = vkattn.cache_file_info(path)
+    assert info["dtype"] == fmt and info["length"] == 37
+    from safetensors.numpy import load_file
+    t = load_file(str(path))
+    assert t["k"].dtype == np.uint8 and t["k"].shape == (2, 37, 40)
+    assert np.array_equal(t["k"], fp8_bits(k, fmt, cache.k_scale[:, None, None]))
+    other = vkattn.KVCache(50, 2, 40, 24, dtype=fmt, device=device, k_scale=ksc, v_scale=vsc)
+    ids = other.load(path)
+    assert ids.tolist() == list(range(37))
+    for x, y in zip(cache.read(), other.read()):
+        assert np.array_equal(bits(x), bits(y))
+    q = rand_q(rng, cache, 2, 1)
+    assert np.array_equal(cache.attend(q), other.attend(q))
+    # other scales mean other values: refused, the cache unchanged
+    wrong = vkattn.KVCache(64, 2, 40, 24, dtype=fmt, device=device, k_scale=ksc, v_scale=0.25)
+    with pytest.raises(vkattn.CacheFileMismatchError, match="v_scale"):
+        wrong.load(path)
+    assert wrong.length == 0
+    with pytest.raises(vkattn.CacheFileMismatchError, match=f"dtype is {fmt} in the file but float16"):
+        vkattn.KVCache(64, 2, 40, 24, dtype="float16", device=device).load(path)
+    pool = vkattn.PagedKVCache(16, 8, 2, 40, 24, dtype=fmt, device=device, k_scale=ksc, v_scale=vsc)
+    sid, _ = pool.load_sequence(path)
+    assert all(np.array_equal(bits(x), bits(y)) for x, y in zip(cache.read(), pool.read(sid)))
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_bad_scales_and_input(device, rng, fmt):
+    fmax = FP8_FORMATS[fmt][3]
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e-46, [1.0], [1.0, 2.0, 3.0], [1.0, -2.0],
+                3.4e38 / fmax * 2):
+        for key in ("k_scale", "v_scale"):
+            with pytest.raises(ValueError, match=key):
+                vkattn.KVCache(16, 2, 8, dtype=fmt, device=device, **{key: bad})
+            with pytest.raises(ValueError, match=key):
+                vkattn.PagedKVCache(4, 4, 2, 8, dtype=fmt, device=device, **{key: bad})
+    for bad in ("1.0", None.__class__, True):
+        with pytest.raises(TypeError, match="k_scale"):
+            vkattn.KVCache(16, 2, 8, dtype=fmt, device=device, k_scale=bad)
+    with pytest.raises(ValueError, match="only the fp8 formats"):
+        vkattn.KVCache(16, 2, 8, dtype="float16", device=device, k_scale=0.5)
+    cache = vkattn.KVCache(16, 1, 8, dtype=fmt, device=device, k_scale=2.0)
+    assert cache.k_scale.tolist() == [2.0] and cache.v_scale.tolist() == [1.0]
+    s = cache.k_scale
+    s[0] = 5.0                                                 # a copy
+    assert cache.k_scale.tolist() == [2.0]
+    k = np.zeros((1, 2, 8), np.float32)
+    k[0, 0, :3] = [3e38, -1e30, fmax * 2 + 1]                  # finite overflow saturates (no range check)
+    cache.append(k, k)
+    ks, vs = cache.read()
+    assert ks[0, 0, :3].tolist() == [2 * fmax, -2 * fmax, 2 * fmax] and vs[0, 0, :3].tolist() == [fmax, -fmax, fmax]
+    nan = np.full((1, 1, 8), np.nan, np.float32)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        cache.append(nan, np.zeros_like(nan))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        cache.forward(np.zeros((1, 1, 8), np.float32), nan, np.zeros_like(nan))
+    assert cache.length == 2 and np.array_equal(bits(cache.read()[0]), bits(ks))   # nothing written
+
+
+def test_fp8_memory_and_format_table(device):
+    f16 = vkattn.KVCache(1024, 8, 128, dtype="float16", device=device)
+    e4 = vkattn.KVCache(1024, 8, 128, dtype="fp8_e4m3", device=device)
+    e5 = vkattn.KVCache(1024, 8, 128, dtype="fp8_e5m2", device=device)
+    assert e4.bytes_per_token == e5.bytes_per_token == f16.bytes_per_token // 2 == 8 * 2 * 128
+    assert e4._ch == 4 and e4._defines == {"KV_F16": 0, "KV_I8": 0, "KV_FP8": 1}
+    assert e5._defines["KV_FP8"] == 2 and not e4._matrices
+    assert f16.k_scale is None
+
+
+def test_planner_never_picks_coopmat_for_fp8(device, monkeypatch):
+    # the stated fallback, as bfloat16's: prefill and chunks of a fp8 cache go to attn.comp (GPUs)
+    # or attn_lane.comp (CPU drivers) even where attn_coopmat.comp is available or forced, and a
+    # forward keeps its fused append
+    monkeypatch.delenv("VKATTN_KERNEL", raising=False)
+    gpu = planning(device, monkeypatch, **GPU)
+    monkeypatch.setattr(gpu, "coopmat_pays", lambda: True)
+    f16 = StorageFormat(8, 128, dtype="float16")
+    for fmt in FP8:
+        f8 = StorageFormat(8, 128, dtype=fmt)
+        for forced in ("", "coopmat"):
+            if forced:
+                monkeypatch.setenv("VKATTN_KERNEL", forced)
+            for rows in (2, 17, 512):
+                assert attn_pipeline(gpu, f16, 32, rows, 0, 1, 0, 4096, False)[0].kernel == "coopmat"
+                cfg, pipe = attn_pipeline(gpu, f8, 32, rows, 0, 1, 0, 4096, False)
+                assert cfg.kernel == "tile" and pipe.shader == "attn" and pipe.defines["KV_FP8"] in (1, 2)
+            assert not appends_first(gpu, 5, 5, f8._ch, f8._matrices)
+            assert not tuning.coopmat_takes(gpu, 64, f8._ch, f8._matrices)
+        monkeypatch.delenv("VKATTN_KERNEL", raising=False)

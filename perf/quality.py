@@ -93,7 +93,8 @@ def _next_token_logits(model, ids, chunk: int, **kw):
     out = []
     with torch.no_grad():
         for a in range(0, T, step):
-            out.append(model(input_ids=ids[None, a:a + step], use_cache="past_key_values" in kw, **kw).logits[0].float())
+            logits = model(input_ids=ids[None, a:a + step], use_cache="past_key_values" in kw, **kw).logits
+            out.append(logits[0].float())
     return torch.cat(out)[:-1]
 
 
@@ -217,7 +218,8 @@ def nll(logits, ids):
     """Negative log-likelihood of each next token: logits (T - 1, vocab), ids (T,) -> (T - 1,)
     float64 (log-softmax in float64)."""
     import torch
-    lse = torch.cat([torch.logsumexp(logits[a:a + KL_ROWS].double(), dim=-1) for a in range(0, logits.shape[0], KL_ROWS)])
+    lse = torch.cat([torch.logsumexp(logits[a:a + KL_ROWS].double(), dim=-1)
+                     for a in range(0, logits.shape[0], KL_ROWS)])
     return lse - logits.gather(1, ids[1:, None])[:, 0].double()
 
 
@@ -359,7 +361,8 @@ def main(argv=None) -> int:
             "| reads stored") if check else ""
     dash = " | ---: | ---: | ---: | --- |" if check else " |"
     none = " | - | - | - | - |" if check else " |"
-    print(f"| K/V cache | perplexity | ratio to float32 | target | mean KL(float32 ‖ format) | max KL | seconds{host} |")
+    print(f"| K/V cache | perplexity | ratio to float32 | target | mean KL(float32 ‖ format) | max KL "
+          f"| seconds{host} |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---:" + dash)
     print(f"| eager, no cache (sanity) | {eager['ppl']:.4f} | {eager['ppl'] / ref['ppl']:.5f} | - "
           f"| {ref['kl_mean']:.2e} (eager ‖ float32 cache) | {ref['kl_max']:.2e} | {eager['seconds']:.1f}{none}")

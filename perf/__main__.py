@@ -3,7 +3,8 @@ perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py)
 ``python -m perf gpu``: the GPU compiler report (perf/gpu.py), without a GPU.
 ``python -m perf gpubench``: the perf cases on a Vulkan GPU (perf/gpubench.py, ``make gpu-bench``).
 ``python -m perf llama [DIR]``: llama.cpp's flash attention compiled like vkattn's (perf/llama_cpp.py).
-``python -m perf model``: the whole-model example (SmolLM2 on the device) against transformers eager (perf/model.py)."""
+``python -m perf model``: the whole-model example (SmolLM2 on the device) against transformers eager (perf/model.py).
+``python -m perf quality``: perplexity and KL of each K/V cache format on SmolLM2 through vkattn.hf (perf/quality.py)."""
 from __future__ import annotations
 
 import sys
@@ -31,6 +32,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["model"]:           # the whole-model example against transformers eager
         from . import model
         return model.main(argv[1:])
+    if argv[:1] == ["quality"]:         # each cache format's perplexity / KL on a real model
+        from . import quality
+        return quality.main(argv[1:])
     if argv == ["features"]:            # what the features kp leaves off would change (compiler study)
         from . import features
         return features.main()

@@ -463,7 +463,11 @@ NUMERICS_PROBES = [("float16 encode", {"MODE": 0, "KV_F16": 1}),
                    ("float16 decode (integer)", {"MODE": 1, "KV_F16": 1, "HALF_NATIVE": 0}),
                    ("int8 scale + quantise", {"MODE": 2, "KV_F16": 0, "KV_I8": 1}),
                    ("bfloat16 encode", {"MODE": 0, "KV_F16": 0, "KV_I8": 0, "KV_BF16": 1}),
-                   ("bfloat16 decode", {"MODE": 1, "KV_F16": 0, "KV_I8": 0, "KV_BF16": 1})]
+                   ("bfloat16 decode", {"MODE": 1, "KV_F16": 0, "KV_I8": 0, "KV_BF16": 1}),
+                   ("fp8_e4m3 encode", {"MODE": 3, "KV_F16": 0, "KV_FP8": 1}),
+                   ("fp8_e4m3 decode", {"MODE": 4, "KV_F16": 0, "KV_FP8": 1}),
+                   ("fp8_e5m2 encode", {"MODE": 3, "KV_F16": 0, "KV_FP8": 2}),
+                   ("fp8_e5m2 decode", {"MODE": 4, "KV_F16": 0, "KV_FP8": 2})]
 # the GPU kernels' float16 decode (attn.comp: unpackHalf2x16, or folded into v_fma_mix): exact for
 # normal halves and zeros on any driver, half subnormals as the driver's float16 denormal mode says;
 # reported, not flagged (the integer decode costs the key loop 70 -> 390 VALU on navi21, RESULTS.md)

@@ -147,8 +147,10 @@ ivec2 fp8_prep(float scale) { return f32_significand(floatBitsToUint(scale)); }
 // x / scale rounded once to fp8, nearest even, as the exact real quotient: with significands mx,
 // ms (in [2^23, 2^24)) the quotient is (mx / ms) 2^d, in binade e = d or d - 1; in units of half
 // its ulp 2^u (u = max(e, EMIN) - P) t = floor(mx 2^sh / ms), sh = d - u + 1 in [0, P + 2]
-// wherever the result is used, so mx << sh < 2^29 and the integer division and remainder are
-// exact on every conforming driver (no float division, reciprocal or rounding mode involved).
+// wherever the result is used, so mx << sh < 2^29 and t < 2^(P + 3). t and the remainder come
+// from a restoring long division over those P + 3 bits (compare, subtract, shift): exact, and no
+// division instruction at all -- a driver lowers GLSL's integer `/` through a float reciprocal
+// (RADV: v_rcp_iflag_f32), exact by the spec but outside what the numerics audit can check.
 // k = t / 2 rounded half to even by the half bit (t odd) and the sticky remainder; the bits are
 // (biased exponent - 1) << P plus k, so a rounding carry runs into the exponent. Finite overflow
 // saturates to the largest finite value; Inf: e4m3 saturates, e5m2 keeps Inf; NaN -> 0x7f; the
@@ -160,9 +162,14 @@ uint fp8_encode(float x, ivec2 s) {
     const int d = q.y - s.y;
     const int e = d - (mx < ms ? 1 : 0);
     const int sh = clamp(d - (max(e, FP8_EMIN) - FP8_P) + 1, 0, FP8_P + 2);
-    const uint num = mx << sh;
-    const uint t = num / ms;
-    const uint sticky = num - t * ms != 0u ? 1u : 0u;
+    uint r = mx << sh, t = 0u;
+    for (int i = FP8_P + 2; i >= 0; --i) {
+        const uint dv = ms << uint(i);
+        const bool ge = r >= dv;
+        r -= ge ? dv : 0u;
+        t |= ge ? 1u << uint(i) : 0u;
+    }
+    const uint sticky = r != 0u ? 1u : 0u;
     uint k = t >> 1;
     k += (t & 1u) & (sticky | (k & 1u));
     uint bits = (e >= FP8_EMIN ? uint(e + FP8_BIAS - 1) << FP8_P : 0u) + k;

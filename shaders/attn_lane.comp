@@ -116,6 +116,25 @@ float new_row_scale(bool is_k, uint h, uint nr) {
 #endif
 }
 
+#if KV_Q4
+// q4: block c of new row nr with its own scale (common.glsl layout); the last block also zeroes
+// the row's unused scale components
+void store_q4(bool is_k, uint row, uint h, uint nr, uint c) {
+    const float scale = q4_scale(fresh_amax(is_k, h, nr, c));
+    const uvec4 w = fresh_word(is_k, h, nr, c, scale);
+    const uint d4 = is_k ? DK4 : DV4, base = row * Q4_ROW(d4) + d4 + c / 4u;
+    if (is_k) {
+        kc[row * Q4_ROW(DK4) + c] = w;
+        kc[base][c % 4u] = floatBitsToUint(scale);
+        if (c == DK4 - 1u) for (uint z = c % 4u + 1u; z < 4u; ++z) kc[base][z] = 0u;
+    } else {
+        vc[row * Q4_ROW(DV4) + c] = w;
+        vc[base][c % 4u] = floatBitsToUint(scale);
+        if (c == DV4 - 1u) for (uint z = c % 4u + 1u; z < 4u; ++z) vc[base][z] = 0u;
+    }
+}
+#endif
+
 // per-invocation state: its slice of the NQ scaled queries and accumulators, softmax state
 vec4 q[NQ * KPL * CH];
 vec4 acc[NQ * VPL * CH];
@@ -129,11 +148,22 @@ uint hh;            // its kv head
 // chunk (lane + i*WG) of cache row `row` of K or V; of this call's new rows, these are the
 // chunks this lane stored itself (main)
 uvec4 k_chunk(uint row, uint i) {
-    return kc[row * DK4 + min(gl_LocalInvocationID.x + i * WG, DK4 - 1u)];
+    return kc[row * Q4_ROW(DK4) + min(gl_LocalInvocationID.x + i * WG, DK4 - 1u)];
 }
 
 uvec4 v_chunk(uint row, uint i) {
-    return vc[row * DV4 + min(gl_LocalInvocationID.x + i * WG, DV4 - 1u)];
+    return vc[row * Q4_ROW(DV4) + min(gl_LocalInvocationID.x + i * WG, DV4 - 1u)];
+}
+
+// KV_Q4: the scale of block (lane + i*WG) of a cache row's K or V (common.glsl layout)
+float block_scale(bool is_k, uint row, uint i) {
+#if KV_Q4
+    const uint c = min(gl_LocalInvocationID.x + i * WG, (is_k ? DK4 : DV4) - 1u);
+    return is_k ? uintBitsToFloat(kc[row * Q4_ROW(DK4) + DK4 + c / 4u][c % 4u])
+                : uintBitsToFloat(vc[row * Q4_ROW(DV4) + DV4 + c / 4u][c % 4u]);
+#else
+    return 1.0;
+#endif
 }
 
 // KV_I8: the scale of a cache row's K or V; KV_FP8: of its kv head (1 otherwise)
@@ -173,6 +203,10 @@ void consume_block(uint j0, uint k1) {
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
             vec4 t[CH];
             unpack_chunk(k_chunk(row, i), t);
+#if KV_Q4
+            const float bs = block_scale(true, row, i);
+            [[unroll]] for (uint e = 0u; e < CH; ++e) t[e] *= bs;
+#endif
             [[unroll]] for (uint e = 0u; e < CH; ++e)   // zero past the row's end (constant-folded)
                 kx[i * CH + e] = (DK4 % WG != 0u && lane + i * WG >= DK4) ? vec4(0.0) : t[e];
         }
@@ -219,6 +253,10 @@ void consume_block(uint j0, uint k1) {
         [[unroll]] for (uint i = 0u; i < VPL; ++i) {
             vec4 t[CH];
             unpack_chunk(v_chunk(row, i), t);
+#if KV_Q4
+            const float bs = block_scale(false, row, i);
+            [[unroll]] for (uint e = 0u; e < CH; ++e) t[e] *= bs;
+#endif
             [[unroll]] for (uint e = 0u; e < CH; ++e) vx[(b * VPL + i) * CH + e] = t[e];
         }
     }
@@ -298,11 +336,19 @@ void main() {
             const float vsc = new_row_scale(false, h, nr);
             [[unroll]] for (uint i = 0u; i < KPL; ++i) {
                 const uint c = lane + i * WG;
+#if KV_Q4
+                if (c < DK4) store_q4(true, row, h, nr, c);
+#else
                 if (c < DK4) kc[row * DK4 + c] = fresh_word(true, h, nr, c, ksc);
+#endif
             }
             [[unroll]] for (uint i = 0u; i < VPL; ++i) {
                 const uint c = lane + i * WG;
+#if KV_Q4
+                if (c < DV4) store_q4(false, row, h, nr, c);
+#else
                 if (c < DV4) vc[row * DV4 + c] = fresh_word(false, h, nr, c, vsc);
+#endif
             }
 #if KV_I8
             kscale[row] = ksc;   // every lane stores (and later reads) the same value

@@ -371,24 +371,23 @@ void store_unit_q4(bool is_k, uint row, uint nr, uint u) {
 
 void store_unit(bool is_k, uint row, uint nr, uint u, float scale) {
 #if KV_Q4
-    store_unit_q4(is_k, row, nr, u);
-    return;
-#endif
+    store_unit_q4(is_k, row, nr, u);          // its own block scale, not the row's
+#else
     vec4 y[UV];
     [[unroll]] for (uint e = 0u; e < UV; ++e) y[e] = fresh_vec4(is_k, hh, nr, u * UV + e);
 #if KV_I8
     const uvec2 w = uvec2(pack_i8x4(quantise(y[0], scale)), pack_i8x4(quantise(y[1], scale)));
     if (is_k) kc2[row * DK4 * 2u + u] = w;
     else vc2[row * DV4 * 2u + u] = w;
-#elif KV_Q4
 #elif KV_FP8
     const ivec2 sp = fp8_prep(scale);
     const uvec2 w = uvec2(fp8_pack4(y[0], sp), fp8_pack4(y[1], sp));
     if (is_k) kc2[row * DK4 * 2u + u] = w;
     else vc2[row * DV4 * 2u + u] = w;
-#elif !KV_Q4
+#else
     if (is_k) kc[row * DK4 + u] = pack_chunk(y);
     else vc[row * DV4 + u] = pack_chunk(y);
+#endif
 #endif
 }
 

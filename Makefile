@@ -43,7 +43,7 @@ PLATFORM := tests/test_attention.py tests/test_variants.py tests/test_int8.py te
 	tests/test_persist.py tests/test_prefix_paged.py tests/test_sharing.py tests/test_reference.py \
 	tests/test_errors.py tests/test_device.py tests/test_driverfix.py tests/test_gpu_compile.py \
 	tests/test_gpu_report.py tests/test_check.py tests/test_coopmat.py tests/test_coopmat_rounding.py \
-	tests/test_spirv.py tests/test_measure.py tests/test_demo.py tests/test_install.py tests/test_bfloat16.py tests/test_fp8.py \
+	tests/test_spirv.py tests/test_measure.py tests/test_demo.py tests/test_install.py tests/test_bfloat16.py tests/test_fp8.py tests/test_q4.py \
 	tests/test_device_path.py tests/test_fast_path.py
 test-platform: setup
 	$(PY) -m pytest -q -n auto --dist worksteal $(PLATFORM)
@@ -62,7 +62,7 @@ test-platform-core: setup
 # memory), and the parity tests of both kernels with lavapipe's subgroup at 4 lanes (issue 20) and
 # with the staging copies a discrete GPU takes (VKATTN_HOST_MEMORY=staging: lavapipe's memory is
 # host-visible, so the suite itself runs without them; vkattn/_kp.py)
-PARITY := tests/test_attention.py tests/test_variants.py tests/test_int8.py tests/test_paged.py tests/test_subgroup.py tests/test_bfloat16.py tests/test_fp8.py
+PARITY := tests/test_attention.py tests/test_variants.py tests/test_int8.py tests/test_paged.py tests/test_subgroup.py tests/test_bfloat16.py tests/test_fp8.py tests/test_q4.py
 test-noshuffle: setup
 	VKATTN_KERNEL=tile VKATTN_TILE_CLUSTER=1 $(PY) -m pytest -q -n auto --dist worksteal $(PARITY) -k "not lane"
 

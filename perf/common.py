@@ -82,7 +82,7 @@ class Shape:
             raise PerfConfigError(f"VKATTN_PERF_HEADS={heads} must be a multiple of VKATTN_PERF_KV_HEADS={kv}")
         d = env_int("VKATTN_PERF_HEAD_DIM", 128)
         return cls(heads=heads, kv_heads=kv, head_dim=d, v_head_dim=env_int("VKATTN_PERF_V_HEAD_DIM", d),
-                   dtype=env_choice("VKATTN_PERF_DTYPE", "float16", ("float16", "float32", "int8", "bfloat16", "fp8_e4m3", "fp8_e5m2")),
+                   dtype=env_choice("VKATTN_PERF_DTYPE", "float16", ("float16", "float32", "int8", "bfloat16", "fp8_e4m3", "fp8_e5m2", "q4")),
                    qlen=env_int("VKATTN_PERF_QLEN", 512), capacity=env_int("VKATTN_PERF_CAPACITY", None),
                    iters=env_int("VKATTN_PERF_ITERS", 20), warmup=env_int("VKATTN_PERF_WARMUP", 3, minimum=0))
 

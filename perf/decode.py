@@ -3,8 +3,9 @@ capacity; and the decode step of a model (``forward``: store the token's K/V row
 then attend all L, one submission; the cache is rolled back by one position before each call).
 Reports effective K/V bandwidth (K/V bytes of the live length read per call / time). For the
 longest context the same two calls also run on the other formats the shape's is compared with
-(COMPARE: int8, and for a 16-bit format the other one; for a fp8 format float16, int8 and the
-other fp8), so float16, bfloat16, int8 and fp8 decode are compared in one run, on the same data
+(COMPARE: int8, and for a 16-bit format the other one, float16 also q4; for a fp8 format
+float16, int8 and the other fp8; for q4 float16 and int8), so float16, bfloat16, int8, fp8 and q4
+decode are compared in one run, on the same data
 (fp8 caches with the default scale 1.0). Then ``attend`` at the longest context on those formats
 again, timed in alternated rounds (ROUNDS, the order reversed every other round; each format's
 median and min over all its calls), so a machine whose load changes during the run slows them
@@ -26,8 +27,9 @@ from .common import PerfConfigError, Row, Shape, check, env_int_list, selected, 
 DEFAULT_CONTEXT = [512, 4096]
 ROUNDS = 4
 # the formats a shape's dtype is compared with at the longest context, in this order
-COMPARE = {"float32": ("int8",), "float16": ("bfloat16", "int8"), "bfloat16": ("float16", "int8"), "int8": (),
-           "fp8_e4m3": ("float16", "int8", "fp8_e5m2"), "fp8_e5m2": ("float16", "int8", "fp8_e4m3")}
+COMPARE = {"float32": ("int8",), "float16": ("bfloat16", "int8", "q4"), "bfloat16": ("float16", "int8"), "int8": (),
+           "fp8_e4m3": ("float16", "int8", "fp8_e5m2"), "fp8_e5m2": ("float16", "int8", "fp8_e4m3"),
+           "q4": ("float16", "int8")}
 
 
 def capacities(shape: Shape, L: int) -> list:
@@ -114,9 +116,9 @@ def _alternated(shape: Shape, device, rng, L: int, dtypes: tuple) -> list:
 
 def token_bytes_of(shape: Shape, dtype: str) -> int:
     """K/V bytes per position of a ``dtype`` cache of ``shape`` (vkattn.formats: 16-byte words,
-    int8 with a float32 scale per row)."""
+    int8 with a float32 scale per row, q4 with its rows' scale words)."""
     f = FORMATS[dtype]
-    words = -(-shape.head_dim // f.per_word) + -(-shape.v_head_dim // f.per_word)
+    words = f.row_words(-(-shape.head_dim // f.per_word)) + f.row_words(-(-shape.v_head_dim // f.per_word))
     return shape.kv_heads * (16 * words + (8 if f.row_scale else 0))
 
 

@@ -11,6 +11,7 @@
 //   rope_tab: ROPE_K: rotary table row r for the position of new row r (rope.glsl)
 //   kscale, vscale: KV_I8: float32 scale of each cache row (common.glsl, quantise), written;
 //            KV_FP8: float32 scale of each kv head (HKV floats), read
+//   KV_Q4  : rows of Q4_ROW(DK4) / Q4_ROW(DV4) words (common.glsl), each block's scale in the row
 //   HKV    : kv heads (KV_FP8: new row hr = h * n + r belongs to kv head h, n = count / HKV)
 // numpy:  K[rows] = k_new.astype(storage);  V[rows] = v_new.astype(storage)
 //         (ROPE_K: k_new = reference.rope(k_new, positions) first)
@@ -73,6 +74,40 @@ void main() {
         }
         if (is_k) kscale[row] = scale;
         else vscale[row] = scale;
+    }
+#elif KV_Q4
+    // invocation i: block (word) c of new row hr, for K and for V, as below; it writes the block's
+    // word and its scale's component of the row's scale words (the last block also zeroes the
+    // unused components, so a row's bytes are fully defined)
+    const uint NC = DK4 > DV4 ? DK4 : DV4;
+    for (uint i = gl_GlobalInvocationID.x; i < count * NC; i += stride) {
+        const uint c = i % NC, hr = i / NC;
+        const uint row = dst[1u + 2u * hr], t = dst[2u + 2u * hr];
+        vec4 x[CH];
+        for (uint pass = 0u; pass < 2u; ++pass) {
+            const bool is_k = pass == 0u;
+            const uint d4 = is_k ? DK4 : DV4;
+            if (c >= d4) continue;
+            float amax = 0.0;
+            for (uint e = 0u; e < CH; ++e) {
+                x[e] = new_val(is_k, hr, c * CH + e, t);
+                amax = max(amax, vmax_abs(x[e]));
+            }
+            const float scale = q4_scale(amax);
+            const uvec3 qp = quant_prep(scale);
+            for (uint e = 0u; e < CH; ++e) x[e] = quantise_q4(x[e], qp);
+            const uint base = row * Q4_ROW(d4);
+            const uvec4 w = pack_chunk(x);
+            if (is_k) {
+                kc[base + c] = w;
+                kc[base + DK4 + c / 4u][c % 4u] = floatBitsToUint(scale);
+                if (c == DK4 - 1u) for (uint z = c % 4u + 1u; z < 4u; ++z) kc[base + DK4 + c / 4u][z] = 0u;
+            } else {
+                vc[base + c] = w;
+                vc[base + DV4 + c / 4u][c % 4u] = floatBitsToUint(scale);
+                if (c == DV4 - 1u) for (uint z = c % 4u + 1u; z < 4u; ++z) vc[base + DV4 + c / 4u][z] = 0u;
+            }
+        }
     }
 #else
     // invocation i: chunk c of new row hr, for K (c < DK4) and for V (c < DV4), so a subgroup never

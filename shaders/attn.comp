@@ -98,7 +98,26 @@ layout(std430, binding = 12) buffer VS { float vscale[]; };
 // A thread loads a row in units: the 16-byte storage word (float16: 8 values, float32: 4), or for
 // int8 and fp8 half a word (8 bytes, 8 values), so such a key costs a thread no more registers
 // than a float16 one. UV: float vec4 per unit; DKU, DVU: units per K, V row.
-#if KV_I8 || KV_FP8
+#if KV_Q4
+// q4: a unit is one uint (8 values); block u / 4 of the row holds its scale (common.glsl layout)
+#define UV 2u
+layout(std430, binding = 0) buffer KC1 { uint kc1[]; };   // the same buffers by 4 bytes
+layout(std430, binding = 1) buffer VC1 { uint vc1[]; };
+void k_load(uint row, uint u, out vec4 x[UV]) {
+    const uint base = row * Q4_ROW(DK4) * 4u;
+    unpack_q4x8(kc1[base + u], x[0], x[1]);
+    const float s = uintBitsToFloat(kc1[base + DK4 * 4u + u / 4u]);
+    x[0] *= s;
+    x[1] *= s;
+}
+void v_load(uint row, uint u, out vec4 x[UV]) {
+    const uint base = row * Q4_ROW(DV4) * 4u;
+    unpack_q4x8(vc1[base + u], x[0], x[1]);
+    const float s = uintBitsToFloat(vc1[base + DV4 * 4u + u / 4u]);
+    x[0] *= s;
+    x[1] *= s;
+}
+#elif KV_I8 || KV_FP8
 #define UV 2u
 layout(std430, binding = 0) buffer KC2 { uvec2 kc2[]; };   // the same buffers by 8 bytes
 layout(std430, binding = 1) buffer VC2 { uvec2 vc2[]; };
@@ -114,6 +133,10 @@ void unpack_unit(uvec2 w, out vec4 x[UV]) { x[0] = unpack_i8x4(w.x); x[1] = unpa
 uvec4 k_unit(uint row, uint u) { return kc[row * DK4 + u]; }
 uvec4 v_unit(uint row, uint u) { return vc[row * DV4 + u]; }
 void unpack_unit(uvec4 w, out vec4 x[UV]) { unpack_chunk(w, x); }
+#endif
+#if !KV_Q4
+void k_load(uint row, uint u, out vec4 x[UV]) { unpack_unit(k_unit(row, u), x); }
+void v_load(uint row, uint u, out vec4 x[UV]) { unpack_unit(v_unit(row, u), x); }
 #endif
 
 #include "attn_common.glsl"
@@ -241,7 +264,7 @@ void consume(uint lo, uint hi) {
             rows[i] = cache_row(sq.bt, hh, min(js[i], hi - 1u));
             [[unroll]] for (uint w = 0u; w < KW; ++w) {
                 vec4 t[UV];
-                unpack_unit(k_unit(rows[i], my_unit(w, DKU)), t);
+                k_load(rows[i], my_unit(w, DKU), t);
                 [[unroll]] for (uint e = 0u; e < UV; ++e)
                     kx[(i * KW + w) * UV + e] = unit_ok(w, DKU) ? t[e] : vec4(0.0);
             }
@@ -301,7 +324,7 @@ void consume(uint lo, uint hi) {
 #endif
             [[unroll]] for (uint w = 0u; w < VW; ++w) {
                 vec4 t[UV];
-                unpack_unit(v_unit(rows[i], my_unit(w, DVU)), t);
+                v_load(rows[i], my_unit(w, DVU), t);
                 [[unroll]] for (uint r = 0u; r < RPT; ++r) {
                     const float pw = p[r * KB + i] * vsc;
                     [[unroll]] for (uint e = 0u; e < UV; ++e)
@@ -321,7 +344,35 @@ float unit_amax(bool is_k, uint nr, uint u) {
     return a;
 }
 
+#if KV_Q4
+// q4: unit u's block scale from the block's 32 new values (every thread storing a unit of the
+// block computes and stores the same scale), its 8 values quantised; the last unit also zeroes
+// the unused scale components
+void store_unit_q4(bool is_k, uint row, uint nr, uint u) {
+    const uint b = u / 4u, d4 = is_k ? DK4 : DV4;
+    float amax = 0.0;
+    [[unroll]] for (uint e = 0u; e < CH; ++e) amax = max(amax, vmax_abs(fresh_vec4(is_k, hh, nr, b * CH + e)));
+    const float scale = q4_scale(amax);
+    const uvec3 qp = quant_prep(scale);
+    const uint w = pack_q4x8(quantise_q4(fresh_vec4(is_k, hh, nr, u * UV), qp),
+                             quantise_q4(fresh_vec4(is_k, hh, nr, u * UV + 1u), qp));
+    const uint base = row * Q4_ROW(d4) * 4u;
+    if (is_k) {
+        kc1[base + u] = w;
+        kc1[base + DK4 * 4u + b] = floatBitsToUint(scale);
+        if (u == DK4 * 4u - 1u) for (uint z = b + 1u; z < (DK4 + 3u) / 4u * 4u; ++z) kc1[base + DK4 * 4u + z] = 0u;
+    } else {
+        vc1[base + u] = w;
+        vc1[base + DV4 * 4u + b] = floatBitsToUint(scale);
+        if (u == DV4 * 4u - 1u) for (uint z = b + 1u; z < (DV4 + 3u) / 4u * 4u; ++z) vc1[base + DV4 * 4u + z] = 0u;
+    }
+}
+#endif
+
 void store_unit(bool is_k, uint row, uint nr, uint u, float scale) {
+#if KV_Q4
+    store_unit_q4(is_k, row, nr, u);          // its own block scale, not the row's
+#else
     vec4 y[UV];
     [[unroll]] for (uint e = 0u; e < UV; ++e) y[e] = fresh_vec4(is_k, hh, nr, u * UV + e);
 #if KV_I8
@@ -336,6 +387,7 @@ void store_unit(bool is_k, uint row, uint nr, uint u, float scale) {
 #else
     if (is_k) kc[row * DK4 + u] = pack_chunk(y);
     else vc[row * DV4 + u] = pack_chunk(y);
+#endif
 #endif
 }
 

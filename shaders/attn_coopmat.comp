@@ -73,10 +73,12 @@
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #include "common.glsl"
-#if KV_BF16 || KV_FP8
+#if KV_BF16 || KV_FP8 || KV_Q4
 // bfloat16's exponent range does not fit in float16 matrices: such caches never come here
 // (vkattn.formats: matrices=False; tuning.coopmat_config falls back to attn.comp / attn_lane.comp).
-// fp8 caches take the same fallback (their values would fit float16 exactly; not built yet)
+// fp8 caches take the same fallback (their values would fit float16 exactly; not built yet), and
+// q4 (its integers fit float16 exactly, but a scale per 32 values would need a rescale inside
+// each matrix product; not built)
 #error "attn_coopmat.comp takes float16 and int8 storage only"
 #endif
 

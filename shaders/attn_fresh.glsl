@@ -38,6 +38,8 @@ uvec4 fresh_word(bool is_k, uint h, uint nr, uint c, float scale) {
         y[e] = fresh_vec4(is_k, h, nr, c * CH + e);
 #if KV_I8
         y[e] = quantise(y[e], scale);
+#elif KV_Q4
+        y[e] = quantise_q4(y[e], quant_prep(scale));
 #endif
     }
 #if KV_FP8

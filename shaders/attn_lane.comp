@@ -61,10 +61,23 @@ layout(std430, binding = 12) buffer VS { float vscale[]; };
 
 const uint WG = gl_WorkGroupSize.x;
 const uint NQ = G * BQ;                  // query vectors of this workgroup, qv = g * BQ + i
-const uint KPL = (DK4 + WG - 1u) / WG;   // K chunks per lane
-const uint VPL = (DV4 + WG - 1u) / WG;   // V chunks per lane
-const uint PK = DK4 * CH;
-const uint PV = DV4 * CH;
+// a lane's chunk: a storage word (LCH float vec4), or for q4 half a block (8 bytes, 16 values;
+// LCH 4), so a d-128 q4 row spreads over 8 lanes as a float16 row's 16 words do
+#if KV_Q4
+#define LCH 4u
+const uint LK4 = DK4 * 2u, LV4 = DV4 * 2u;     // chunks per K, V row
+layout(std430, binding = 0) buffer KC2 { uvec2 kc2[]; };   // the same buffers by 8 and 4 bytes
+layout(std430, binding = 1) buffer VC2 { uvec2 vc2[]; };
+layout(std430, binding = 0) buffer KC1 { uint kc1[]; };
+layout(std430, binding = 1) buffer VC1 { uint vc1[]; };
+#else
+#define LCH CH
+const uint LK4 = DK4, LV4 = DV4;
+#endif
+const uint KPL = (LK4 + WG - 1u) / WG;   // K chunks per lane
+const uint VPL = (LV4 + WG - 1u) / WG;   // V chunks per lane
+const uint PK = LK4 * LCH;
+const uint PV = LV4 * LCH;
 
 Seq sq;             // this workgroup's sequence
 
@@ -116,9 +129,33 @@ float new_row_scale(bool is_k, uint h, uint nr) {
 #endif
 }
 
+#if KV_Q4
+// q4: chunk c (half of block c / 2) of new row nr, with the block's scale (every lane storing a
+// half of the block computes it from the block's 32 values, so no barrier); the last chunk also
+// zeroes the row's unused scale slots
+void store_q4(bool is_k, uint row, uint h, uint nr, uint c) {
+    const uint b = c / 2u, d4 = is_k ? DK4 : DV4;
+    const float scale = q4_scale(fresh_amax(is_k, h, nr, b));
+    const uvec3 qp = quant_prep(scale);
+    vec4 y[4];
+    [[unroll]] for (uint e = 0u; e < 4u; ++e) y[e] = quantise_q4(fresh_vec4(is_k, h, nr, c * 4u + e), qp);
+    const uvec2 w = uvec2(pack_q4x8(y[0], y[1]), pack_q4x8(y[2], y[3]));
+    const uint base = row * Q4_ROW(d4), sc = (base + d4) * 4u;
+    if (is_k) {
+        kc2[base * 2u + c] = w;
+        kc1[sc + b] = floatBitsToUint(scale);
+        if (c == 2u * DK4 - 1u) for (uint z = b + 1u; z < (DK4 + 3u) / 4u * 4u; ++z) kc1[sc + z] = 0u;
+    } else {
+        vc2[base * 2u + c] = w;
+        vc1[sc + b] = floatBitsToUint(scale);
+        if (c == 2u * DV4 - 1u) for (uint z = b + 1u; z < (DV4 + 3u) / 4u * 4u; ++z) vc1[sc + z] = 0u;
+    }
+}
+#endif
+
 // per-invocation state: its slice of the NQ scaled queries and accumulators, softmax state
-vec4 q[NQ * KPL * CH];
-vec4 acc[NQ * VPL * CH];
+vec4 q[NQ * KPL * LCH];
+vec4 acc[NQ * VPL * LCH];
 float m[NQ], l[NQ];
 uint vis_end[NQ];   // key j < vis_end[qv] passes the causal rule (0: no such row)
 uint qpos[NQ];      // position of the row
@@ -128,12 +165,23 @@ uint hh;            // its kv head
 
 // chunk (lane + i*WG) of cache row `row` of K or V; of this call's new rows, these are the
 // chunks this lane stored itself (main)
-uvec4 k_chunk(uint row, uint i) {
-    return kc[row * DK4 + min(gl_LocalInvocationID.x + i * WG, DK4 - 1u)];
-}
-
-uvec4 v_chunk(uint row, uint i) {
-    return vc[row * DV4 + min(gl_LocalInvocationID.x + i * WG, DV4 - 1u)];
+// chunk (lane + i*WG) of cache row `row` of K or V; of this call's new rows, these are the
+// chunks this lane stored itself (main). bs: q4 its block's scale (t holds the integers, the
+// caller applies the scale to a partial dot product or to the softmax weight), 1 otherwise
+void load_chunk(bool is_k, uint row, uint i, out vec4 t[LCH], out float bs) {
+    const uint c = min(gl_LocalInvocationID.x + i * WG, (is_k ? LK4 : LV4) - 1u);
+#if KV_Q4
+    // half a block: 16 integers and the block's scale
+    const uint base = row * Q4_ROW(is_k ? DK4 : DV4);
+    const uvec2 w = is_k ? kc2[base * 2u + c] : vc2[base * 2u + c];
+    const float s = uintBitsToFloat(is_k ? kc1[(base + DK4) * 4u + c / 2u] : vc1[(base + DV4) * 4u + c / 2u]);
+    unpack_q4x8(w.x, t[0], t[1]);
+    unpack_q4x8(w.y, t[2], t[3]);
+    bs = s;
+#else
+    unpack_chunk(is_k ? kc[row * DK4 + c] : vc[row * DV4 + c], t);
+    bs = 1.0;
+#endif
 }
 
 // KV_I8: the scale of a cache row's K or V; KV_FP8: of its kv head (1 otherwise)
@@ -169,20 +217,33 @@ void consume_block(uint j0, uint k1) {
         const uint j = min(j0 + b, kl);
         const uint row = key_row(j, b, row_l);
         const float ksc = row_scale(true, row);
-        vec4 kx[KPL * CH];
+        vec4 kx[KPL * LCH];
+        float kbs[KPL];
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
-            vec4 t[CH];
-            unpack_chunk(k_chunk(row, i), t);
-            [[unroll]] for (uint e = 0u; e < CH; ++e)   // zero past the row's end (constant-folded)
-                kx[i * CH + e] = (DK4 % WG != 0u && lane + i * WG >= DK4) ? vec4(0.0) : t[e];
+            vec4 t[LCH];
+            load_chunk(true, row, i, t, kbs[i]);
+            [[unroll]] for (uint e = 0u; e < LCH; ++e)   // zero past the row's end (constant-folded)
+                kx[i * LCH + e] = (LK4 % WG != 0u && lane + i * WG >= LK4) ? vec4(0.0) : t[e];
         }
         // each score is one register chain over the lane's K slice (q comes from memory)
         [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
             float s = 0.0;
-            [[unroll]] for (uint x = 0u; x < KPL * CH; ++x) {
-                const vec4 qq = q[qv * KPL * CH + x];
+#if KV_Q4
+            // q4: each chunk's integer dot product times its block's scale
+            [[unroll]] for (uint i = 0u; i < KPL; ++i) {
+                float si = 0.0;
+                [[unroll]] for (uint e = 0u; e < LCH; ++e) {
+                    const vec4 qq = q[(qv * KPL + i) * LCH + e], kk = kx[i * LCH + e];
+                    si = fma(qq.x, kk.x, fma(qq.y, kk.y, fma(qq.z, kk.z, fma(qq.w, kk.w, si))));
+                }
+                s = fma(si, kbs[i], s);
+            }
+#else
+            [[unroll]] for (uint x = 0u; x < KPL * LCH; ++x) {
+                const vec4 qq = q[qv * KPL * LCH + x];
                 s = fma(qq.x, kx[x].x, fma(qq.y, kx[x].y, fma(qq.z, kx[x].z, fma(qq.w, kx[x].w, s))));
             }
+#endif
             d[qv][b] = KV_I8 != 0 || KV_FP8 != 0 ? s * ksc : s;
         }
     }
@@ -210,25 +271,31 @@ void consume_block(uint j0, uint k1) {
     // register: the carried accumulator is read and written once per block, and no partial sum
     // goes through memory (llvmpipe splits fma into a multiply and an add, and a sum kept in
     // memory adds a load and a store to each)
-    vec4 vx[WG * VPL * CH];
-    float vsc[WG];
+    vec4 vx[WG * VPL * LCH];
+    float vsc[WG], vbs[WG * VPL];       // row (int8) or kv head (fp8) scales; q4 block scales
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
         const uint j = min(j0 + b, kl);
         const uint row = key_row(j, b, row_l);
         vsc[b] = row_scale(false, row);
         [[unroll]] for (uint i = 0u; i < VPL; ++i) {
-            vec4 t[CH];
-            unpack_chunk(v_chunk(row, i), t);
-            [[unroll]] for (uint e = 0u; e < CH; ++e) vx[(b * VPL + i) * CH + e] = t[e];
+            vec4 t[LCH];
+            load_chunk(false, row, i, t, vbs[b * VPL + i]);
+            [[unroll]] for (uint e = 0u; e < LCH; ++e) vx[(b * VPL + i) * LCH + e] = t[e];
         }
     }
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
         float p[WG];
         [[unroll]] for (uint b = 0u; b < WG; ++b) p[b] = subgroupShuffle(pl[qv], b) * vsc[b];
-        [[unroll]] for (uint y = 0u; y < VPL * CH; ++y) {
+        [[unroll]] for (uint y = 0u; y < VPL * LCH; ++y) {
             vec4 sum = vec4(0.0);
-            [[unroll]] for (uint b = 0u; b < WG; ++b) sum = fma(vec4(p[b]), vx[b * VPL * CH + y], sum);
-            const uint x = qv * VPL * CH + y;
+#if KV_Q4
+            // q4: the weight times the chunk's block scale (once per chunk after unrolling)
+            [[unroll]] for (uint b = 0u; b < WG; ++b)
+                sum = fma(vec4(p[b] * vbs[b * VPL + y / LCH]), vx[b * VPL * LCH + y], sum);
+#else
+            [[unroll]] for (uint b = 0u; b < WG; ++b) sum = fma(vec4(p[b]), vx[b * VPL * LCH + y], sum);
+#endif
+            const uint x = qv * VPL * LCH + y;
             acc[x] = fma(acc[x], vec4(alpha[qv]), sum);
         }
     }
@@ -260,9 +327,9 @@ void write_out(uint qv, uint row) {
     const uint lane = gl_LocalInvocationID.x;
     const float inv = l[qv] > 0.0 ? 1.0 / l[qv] : 0.0;
     [[unroll]] for (uint i = 0u; i < VPL; ++i)
-        [[unroll]] for (uint e = 0u; e < CH; ++e) {
-            const uint d = ((lane + i * WG) * CH + e) * 4u;
-            const vec4 y = acc[(qv * VPL + i) * CH + e] * inv;
+        [[unroll]] for (uint e = 0u; e < LCH; ++e) {
+            const uint d = ((lane + i * WG) * LCH + e) * 4u;
+            const vec4 y = acc[(qv * VPL + i) * LCH + e] * inv;
             if (DV % 4u == 0u) {         // whole vec4 stores (constant-folded choice)
                 if (d < DV) outbuf4[(row * DV + d) / 4u] = y;
             } else {
@@ -288,7 +355,7 @@ void main() {
     if (sq.n_new > 0u) {
         // fused append: every workgroup of the sequence stores all its new rows (identical values
         // from each), lane l the chunks l, l+WG, .. -- the very chunks it reads back as keys
-        // (k_chunk, v_chunk), so the key loop needs no barrier and no second path for new keys.
+        // (load_chunk), so the key loop needs no barrier and no second path for new keys.
         // A per-call value, not a specialisation: attend and forward share one pipeline. The row
         // loop tests at its end (see consume_range)
         uint r = 0u;
@@ -298,11 +365,19 @@ void main() {
             const float vsc = new_row_scale(false, h, nr);
             [[unroll]] for (uint i = 0u; i < KPL; ++i) {
                 const uint c = lane + i * WG;
+#if KV_Q4
+                if (c < LK4) store_q4(true, row, h, nr, c);
+#else
                 if (c < DK4) kc[row * DK4 + c] = fresh_word(true, h, nr, c, ksc);
+#endif
             }
             [[unroll]] for (uint i = 0u; i < VPL; ++i) {
                 const uint c = lane + i * WG;
+#if KV_Q4
+                if (c < LV4) store_q4(false, row, h, nr, c);
+#else
                 if (c < DV4) vc[row * DV4 + c] = fresh_word(false, h, nr, c, vsc);
+#endif
             }
 #if KV_I8
             kscale[row] = ksc;   // every lane stores (and later reads) the same value
@@ -325,15 +400,15 @@ void main() {
         const uint qbase = ((h * G + g) * R + sq.q_start + min(r, sq.q_len - 1u)) * PK;   // padding rows: in bounds
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
             const uint c = lane + i * WG;
-            [[unroll]] for (uint e = 0u; e < CH; ++e) {
-                const uint u = c * CH + e;
-                vec4 x = (c < DK4 && ok) ? qbuf[qbase + u] : vec4(0.0);
-                if (HAS(F_ROPE_Q) && c < DK4 && ok)
+            [[unroll]] for (uint e = 0u; e < LCH; ++e) {
+                const uint u = c * LCH + e;
+                vec4 x = (c < LK4 && ok) ? qbuf[qbase + u] : vec4(0.0);
+                if (HAS(F_ROPE_Q) && c < LK4 && ok)
                     x = rope_rotate(x, qbuf[qbase + rope_partner(u)], u, sq.rope_row + qpos[qv] - sq.rope_pos);
-                q[(qv * KPL + i) * CH + e] = x * qscale;
+                q[(qv * KPL + i) * LCH + e] = x * qscale;
             }
         }
-        [[unroll]] for (uint i = 0u; i < VPL * CH; ++i) acc[qv * VPL * CH + i] = vec4(0.0);
+        [[unroll]] for (uint i = 0u; i < VPL * LCH; ++i) acc[qv * VPL * LCH + i] = vec4(0.0);
     }
 
     const uint a = min(kend, sq.kstart + sp * sq.chunk), b = min(kend, a + sq.chunk);
@@ -364,8 +439,8 @@ void main() {
             const uint base = (sp * nrows + row) * PV;
             [[unroll]] for (uint i = 0u; i < VPL; ++i) {
                 const uint c = lane + i * WG;
-                if (c < DV4)
-                    [[unroll]] for (uint e = 0u; e < CH; ++e) part[base + c * CH + e] = acc[(qv * VPL + i) * CH + e];
+                if (c < LV4)
+                    [[unroll]] for (uint e = 0u; e < LCH; ++e) part[base + c * LCH + e] = acc[(qv * VPL + i) * LCH + e];
             }
             if (lane == 0u) mlbuf[sp * nrows + row] = vec2(m[qv], l[qv]);
         }
@@ -397,15 +472,15 @@ void main() {
         float mx = NEG_INF;
         for (uint s = 0u; s < gl_NumWorkGroups.x; ++s) mx = max(mx, mlbuf[s * nrows + row].x);
         float lt = 0.0;
-        [[unroll]] for (uint i = 0u; i < VPL * CH; ++i) acc[qv * VPL * CH + i] = vec4(0.0);
+        [[unroll]] for (uint i = 0u; i < VPL * LCH; ++i) acc[qv * VPL * LCH + i] = vec4(0.0);
         for (uint s = 0u; s < gl_NumWorkGroups.x; ++s) {
             const vec2 ms = mlbuf[s * nrows + row];
             const float wgt = mx == NEG_INF ? 0.0 : exp2(ms.x - mx);   // 0 for a split that saw nothing
             lt += wgt * ms.y;
             const uint base = (s * nrows + row) * PV;
             [[unroll]] for (uint i = 0u; i < VPL; ++i)
-                [[unroll]] for (uint e = 0u; e < CH; ++e)
-                    acc[(qv * VPL + i) * CH + e] += wgt * part[base + min(lane + i * WG, DV4 - 1u) * CH + e];
+                [[unroll]] for (uint e = 0u; e < LCH; ++e)
+                    acc[(qv * VPL + i) * LCH + e] += wgt * part[base + min(lane + i * WG, LV4 - 1u) * LCH + e];
         }
         m[qv] = mx;
         l[qv] = lt;

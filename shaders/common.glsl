@@ -16,6 +16,12 @@
 //              kv head for K and one for V, fixed at cache creation, in the kscale / vscale
 //              buffers (HKV floats each); value = decode(byte) * scale, applied by the kernels
 //              after the dot product (K) and to the softmax weight (V), as int8's row scales.
+//   KV_Q4 = 1: a uvec4 holds one block of 32 values as 4-bit two's complement integers -7 .. 7
+//              (8 nibbles per uint, low nibble first; block b of a row covers elements 32b ..
+//              32b+31, zeros past the head dim), vkattn.reference.quantize_q4. A row is DK4 such
+//              data words followed by (DK4 + 3) / 4 scale words: block b's float32 scale is the bits
+//              of component b % 4 of scale word b / 4 (unused components 0); value = q * scale.
+//              Q4_ROW(D4) is the row's stride in words.
 //   otherwise: a uvec4 holds 4 float32 bit patterns.
 // One format define is 1 (vkattn.formats.FORMATS lists them); a format sets CH below and its
 // load (unpack_chunk) and store (pack_chunk), and the kernels follow from those.
@@ -42,6 +48,18 @@
 #if KV_FP8 > 2
 #error "KV_FP8 is 1 (e4m3) or 2 (e5m2)"
 #endif
+#ifndef KV_Q4
+#define KV_Q4 0
+#endif
+#if KV_Q4 && (KV_F16 || KV_I8 || KV_BF16 || KV_FP8)
+#error "KV_Q4 excludes the other formats"
+#endif
+// words per stored row of D4 data words (q4: the scale words after them)
+#if KV_Q4
+#define Q4_ROW(d4) ((d4) + ((d4) + 3u) / 4u)
+#else
+#define Q4_ROW(d4) (d4)
+#endif
 #ifndef HALF_NATIVE
 #define HALF_NATIVE 0   // 1: unpackHalf2x16 (GPUs convert halves in one instruction, or fold the
 #endif                  // conversion into v_fma_mix): exact for normal halves and zeros, half
@@ -49,7 +67,9 @@
                         // exact on every driver (lavapipe, append). The integer form on RADV navi21
                         // costs the decode key loop 70 -> 390 VALU and 2 waves: not used on GPUs.
 
-#if KV_I8 || KV_FP8
+#if KV_Q4
+#define CH 8u
+#elif KV_I8 || KV_FP8
 #define CH 4u
 #elif KV_F16 || KV_BF16
 #define CH 2u
@@ -220,10 +240,24 @@ uint pack_i8x4(vec4 x) {
     return b.x | (b.y << 8) | (b.z << 16) | (b.w << 24);
 }
 
+// eight nibbles (low first) <-> two float vec4 of integers -8 .. 7 (the cache holds -7 .. 7)
+void unpack_q4x8(uint w, out vec4 a, out vec4 b) {
+    a = vec4((ivec4(w) << ivec4(28, 24, 20, 16)) >> 28);
+    b = vec4((ivec4(w) << ivec4(12, 8, 4, 0)) >> 28);
+}
+
+uint pack_q4x8(vec4 a, vec4 b) {
+    const uvec4 x = uvec4(ivec4(a) & 0xf), y = uvec4(ivec4(b) & 0xf);
+    return x.x | (x.y << 4) | (x.z << 8) | (x.w << 12) | (y.x << 16) | (y.y << 20) | (y.z << 24) | (y.w << 28);
+}
+
 // (KV_I8: the int8 values, still to be multiplied by the row's scale; KV_FP8: the fp8 values,
-// still to be multiplied by the kv head's scale)
+// still to be multiplied by the kv head's scale; KV_Q4: the block's integers, still to be
+// multiplied by its scale)
 void unpack_chunk(uvec4 w, out vec4 x[CH]) {
-#if KV_I8
+#if KV_Q4
+    for (uint e = 0u; e < 4u; ++e) unpack_q4x8(w[e], x[2u * e], x[2u * e + 1u]);
+#elif KV_I8
     for (uint e = 0u; e < 4u; ++e) x[e] = unpack_i8x4(w[e]);
 #elif KV_FP8
     for (uint e = 0u; e < 4u; ++e) x[e] = fp8x4_to_float(w[e]);
@@ -245,7 +279,9 @@ void unpack_chunk(uvec4 w, out vec4 x[CH]) {
 // CH float vec4 -> uvec4 storage word (fp16, bf16: round to nearest even; KV_I8: x holds the
 // quantised integers -127 .. 127, see quantise; KV_FP8: see pack_chunk_fp8, not this)
 uvec4 pack_chunk(vec4 x[CH]) {
-#if KV_I8 || KV_FP8
+#if KV_Q4
+    return uvec4(pack_q4x8(x[0], x[1]), pack_q4x8(x[2], x[3]), pack_q4x8(x[4], x[5]), pack_q4x8(x[6], x[7]));
+#elif KV_I8 || KV_FP8
     return uvec4(pack_i8x4(x[0]), pack_i8x4(x[1]), pack_i8x4(x[2]), pack_i8x4(x[3]));
 #elif KV_BF16
     const uvec4 a = float_to_bf16(x[0]), b = float_to_bf16(x[1]);
@@ -332,3 +368,23 @@ vec4 quantise(vec4 x, float scale) { return quantise_prep(x, quant_prep(scale));
 // a driver that flushes denormals changes the row maximum only where it is a float32 denormal,
 // which quant_scale treats as a zero row either way
 float vmax_abs(vec4 x) { const vec4 a = abs(x); return max(max(a.x, a.y), max(a.z, a.w)); }
+
+// KV_Q4 block scale (numpy: vkattn.reference.quantize_q4): amax / 7 correctly rounded to float32,
+// by quant_scale's integer construction with the divisor 7 (amax = m * 2^(e - 150)): e >= 4, a
+// normal scale with significand q = round(m * 2^k / 7), k = 3, or 2 where m * 2^3 / 7 reaches
+// 2^24 (m >= 7 * 2^21 = 14680064); e <= 3, the scale in units of 2^-149 is round(m * 2^(e-1) / 7),
+// its own bit pattern. 7 is odd: no ties. amax 0 or a float32 denormal: 0 (a zero block).
+float q4_scale(float amax) {
+    const uint a = floatBitsToUint(amax) & 0x7fffffffu;
+    if (a < 0x00800000u) return 0.0;
+    const uint e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;
+    const uint k = e >= 4u ? (m < 14680064u ? 3u : 2u) : e - 1u;
+    const uint n = m << k;                                          // < 2^27
+    uint q = n / 7u;                                                // exact (a constant divisor)
+    q += n - q * 7u >= 4u ? 1u : 0u;
+    return uintBitsToFloat(e >= 4u ? ((e - k - 1u) << 23) + q : q);
+}
+
+// KV_Q4: x / scale rounded half to even, exactly (quantise1's integer construction), clamped to
+// -7 .. 7 (|x| <= amax keeps the quotient below 7.5 anyway; scale 0: 0)
+vec4 quantise_q4(vec4 x, uvec3 p) { return clamp(quantise_prep(x, p), vec4(-7.0), vec4(7.0)); }

@@ -26,7 +26,7 @@ def test_check_quick_passes_here(device, tmp_path, capsys):
     assert f"prefill  : {tuning.coopmat_choice(device)}" in out
     starred = {c["kernel"] for c in rep["cases"] if c["kernel"].endswith("*")}
     assert starred == {rep["default_kernel"] + "*", rep["prefill_kernel"] + "*"}
-    assert {c["dtype"] for c in rep["cases"]} == {"float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"}
+    assert {c["dtype"] for c in rep["cases"]} == {"float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "q4"}
     assert any(c["dtype"] == "bfloat16" and c["name"].startswith("storage bit-exact") for c in rep["cases"])
     assert all(c["checked"] > 0 for c in rep["cases"])
     assert rep["device"]["name"] == device.name and rep["default_kernel"] in ("tile", "lane")

@@ -182,7 +182,7 @@ def generate(argv) -> int:
     p.add_argument("--prompt-len", type=int, default=128, help="random prompt tokens when there is no tokenizer")
     p.add_argument("--tokens", type=int, default=64, help="new tokens to generate (greedy)")
     p.add_argument("--batch", type=int, default=1, help="prompts; above 1 they are left-padded to ragged lengths")
-    p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"),
+    p.add_argument("--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "q4"),
                    help="vkattn cache storage (float32: the tokens should match eager exactly)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the random model")
     args = p.parse_args(argv)

@@ -20,7 +20,7 @@ from .checks import check_int
 from .compiler import compile_shader
 from .errors import DeviceLimitError
 from .formats import FORMATS
-from .reference import bfloat16_to_float32, fp8_to_float32
+from .reference import bfloat16_to_float32, fp8_to_float32, q4_words_to_float32
 from .tuning import MIN_CHUNK, WORKGROUP, attention_config
 
 _LOG2E = 1.4426950408889634
@@ -503,7 +503,9 @@ def set_storage(c) -> None:
     accepted from numpy (``_max_abs``: (limit, dtype) or None) and whether attn_coopmat.comp may
     take it (``_matrices``). float32: 4 per word; float16 and bfloat16: 8 (two per uint32); int8:
     16 (four per uint32) plus one float32 scale per row (common.glsl); fp8: 16 (four per uint32),
-    ``_fp8`` set, a float32 scale per kv head for K and for V (the cache's ``_scales``)."""
+    ``_fp8`` set, a float32 scale per kv head for K and for V (the cache's ``_scales``); q4: 32
+    (one block) per data word, ``_q4`` set, ``_rk4``/``_rv4`` the stored words per row (data and
+    scale words; ``_dk4``/``_dv4`` count the data words, as the kernels' value layout)."""
     fmt = FORMATS[c.dtype]
     c._fmt = fmt
     c._f16, c._i8, c._bf16 = c.dtype == "float16", c.dtype == "int8", c.dtype == "bfloat16"
@@ -511,6 +513,8 @@ def set_storage(c) -> None:
     c._ch = fmt.ch
     c._dk4 = -(-c.head_dim // fmt.per_word)
     c._dv4 = -(-c.v_head_dim // fmt.per_word)
+    c._q4 = fmt.block_scale
+    c._rk4, c._rv4 = fmt.row_words(c._dk4), fmt.row_words(c._dv4)   # stored words per row
     c._defines = dict(fmt.defines)
     c._matrices = fmt.matrices
     c._max_abs = None if fmt.max_abs is None else (fmt.max_abs, fmt.name)
@@ -531,18 +535,20 @@ class StorageFormat:
 
 
 def token_bytes(c) -> int:
-    return c.num_kv_heads * (16 * (c._dk4 + c._dv4) + (8 if c._i8 else 0))
+    return c.num_kv_heads * (16 * (c._rk4 + c._rv4) + (8 if c._i8 else 0))
 
 
 def unpack_rows(c, words: np.ndarray, scales, d: int) -> np.ndarray:
     """Stored words (..., d4*4) uint32 -> float32 (..., d) values as the kernels see them.
-    ``scales``: int8 (...) per row; fp8 the (num_kv_heads,) scales of K or V, words (n,
+    q4: words (..., rows words * 4) hold the block scales themselves. ``scales``: int8 (...) per row; fp8 the (num_kv_heads,) scales of K or V, words (n,
     num_kv_heads, d4*4); otherwise unused."""
     if c._fp8:
         with np.errstate(over="ignore", under="ignore", invalid="ignore"):
             return fp8_to_float32(words.view(np.uint8)[..., :d], c.dtype) * scales[:, None]
     if c._i8:
         return words.view(np.int8)[..., :d].astype(np.float32) * scales[..., None]
+    if c._q4:
+        return q4_words_to_float32(words, d)
     if c._bf16:
         return bfloat16_to_float32(words.view(np.uint16)[..., :d])
     vals = words.view(np.float16) if c._f16 else words.view(np.float32)

@@ -69,7 +69,7 @@ class CacheBase:
         positions) if one buffer would pass the device's limit."""
         dev = self.device
         limit = min(dev.max_storage_buffer_range, dev.max_memory_allocation_size or dev.max_storage_buffer_range)
-        unit_bytes = unit * self.num_kv_heads * 16 * max(self._dk4, self._dv4)
+        unit_bytes = unit * self.num_kv_heads * 16 * max(self._rk4, self._rv4)
         need = unit_bytes * (positions // unit)
         if need > limit:
             raise DeviceLimitError(
@@ -77,8 +77,8 @@ class CacheBase:
                 f"per buffer, so the largest {name} for this shape is {limit // unit_bytes}")
         be = dev.backend
         rows = self.num_kv_heads * positions
-        self._k = be.buffer(rows * 4 * self._dk4, np.uint32, host_visible=False, name="k_cache")
-        self._v = be.buffer(rows * 4 * self._dv4, np.uint32, host_visible=False, name="v_cache")
+        self._k = be.buffer(rows * 4 * self._rk4, np.uint32, host_visible=False, name="k_cache")
+        self._v = be.buffer(rows * 4 * self._rv4, np.uint32, host_visible=False, name="v_cache")
         if self._fp8:                    # fp8: one float32 scale per kv head for K and for V, fixed
             self._ks = be.buffer(self.num_kv_heads, np.float32, name="k_scale")
             self._vs = be.buffer(self.num_kv_heads, np.float32, name="v_scale")
@@ -224,14 +224,14 @@ class CacheBase:
         return k, v
 
     def _read_stored(self, slots: np.ndarray) -> tuple:
-        """The rows at ``slots`` exactly as stored, copies: K words (n, num_kv_heads, _dk4 * 4)
-        uint32, V words (n, num_kv_heads, _dv4 * 4) uint32, and int8 the K and V scales
+        """The rows at ``slots`` exactly as stored, copies: K words (n, num_kv_heads, _rk4 * 4)
+        uint32, V words (n, num_kv_heads, _rv4 * 4) uint32, and int8 the K and V scales
         (n, num_kv_heads) float32 (else None, None); READ_ROWS per submission. A one-off plan
         sized for min(n, READ_ROWS) positions, destroyed afterwards: saving a many-layer model
         holds one readback buffer at a time, not one per layer."""
         hkv, n = self.num_kv_heads, len(slots)
-        kw = np.zeros((n, hkv, self._dk4 * 4), np.uint32)
-        vw = np.zeros((n, hkv, self._dv4 * 4), np.uint32)
+        kw = np.zeros((n, hkv, self._rk4 * 4), np.uint32)
+        vw = np.zeros((n, hkv, self._rv4 * 4), np.uint32)
         ks = np.zeros((n, hkv), np.float32) if self._i8 else None
         vs = np.zeros((n, hkv), np.float32) if self._i8 else None
         if n:
@@ -336,8 +336,8 @@ class _SlotReadPlan:
 
     def words(self, slots: np.ndarray) -> tuple:
         """The rows of up to READ_ROWS ``slots`` as stored, views of the readback buffers (valid
-        until the next run): K words (n, num_kv_heads, _dk4 * 4) uint32, V words (n,
-        num_kv_heads, _dv4 * 4), and int8 the K and V scales (n, num_kv_heads) float32 (else
+        until the next run): K words (n, num_kv_heads, _rk4 * 4) uint32, V words (n,
+        num_kv_heads, _rv4 * 4), and int8 the K and V scales (n, num_kv_heads) float32 (else
         None, None)."""
         c, n = self.c, len(slots)
         p = self.params.view()
@@ -348,8 +348,8 @@ class _SlotReadPlan:
         hkv = c.num_kv_heads
         ks = self.oks.view()[: n * hkv].reshape(n, hkv) if c._i8 else None
         vs = self.ovs.view()[: n * hkv].reshape(n, hkv) if c._i8 else None
-        kw = self.ok.view()[: n * hkv * c._dk4 * 4].reshape(n, hkv, c._dk4 * 4)
-        vw = self.ov.view()[: n * hkv * c._dv4 * 4].reshape(n, hkv, c._dv4 * 4)
+        kw = self.ok.view()[: n * hkv * c._rk4 * 4].reshape(n, hkv, c._rk4 * 4)
+        vw = self.ov.view()[: n * hkv * c._rv4 * 4].reshape(n, hkv, c._rv4 * 4)
         return kw, vw, ks, vs
 
     def destroy(self) -> None:
@@ -443,7 +443,7 @@ def slot_buffers(c, rows: int, what: str) -> tuple:
     scales (one word each for other dtypes)."""
     be, hkv = c.device.backend, c.num_kv_heads
     n = rows * hkv
-    return (be.buffer(n * c._dk4 * 4, np.uint32, name=f"{what}_k"), be.buffer(n * c._dv4 * 4, np.uint32, name=f"{what}_v"),
+    return (be.buffer(n * c._rk4 * 4, np.uint32, name=f"{what}_k"), be.buffer(n * c._rv4 * 4, np.uint32, name=f"{what}_v"),
             be.buffer(1 + n, np.uint32, name=f"{what}_rows"),
             be.buffer(n if c._i8 else 1, np.float32, name=f"{what}_kscale"),
             be.buffer(n if c._i8 else 1, np.float32, name=f"{what}_vscale"))
@@ -461,8 +461,8 @@ def slot_rows(c, slots) -> np.ndarray:
 def gather_pipeline(dev, c) -> Pipeline:
     """gather_slots.comp of _SlotReadPlan for the storage format ``c`` (a cache or StorageFormat):
     one pipeline per format (the rows come from the host)."""
-    groups = grid_groups(READ_ROWS * c.num_kv_heads * max(c._dk4, c._dv4), dev)
-    return Pipeline("gather_slots", "gather_slots", {"KV_I8": int(c._i8)}, (WORKGROUP, c._dk4, c._dv4),
+    groups = grid_groups(READ_ROWS * c.num_kv_heads * max(c._rk4, c._rv4), dev)
+    return Pipeline("gather_slots", "gather_slots", {"KV_I8": int(c._i8)}, (WORKGROUP, c._rk4, c._rv4),
                     (groups, 1, 1), 9)
 
 

@@ -13,7 +13,7 @@ picks it there (tuning.coopmat_wanted: on GPUs whose speed probe times it faster
 prefill and chunk calls of its cases, decode goes to the device's other kernel), the ones vkattn
 picks by default marked ``*``:
 
-- float32, float16, bfloat16, int8 and fp8 (e4m3, e5m2; scale 1.0) caches: decode (split-K, merged on the device), a causal prefill
+- float32, float16, bfloat16, int8, fp8 (e4m3, e5m2; scale 1.0) and q4 caches: decode (split-K, merged on the device), a causal prefill
   from an empty cache, a chunk over a past (fused append), a long prompt (appended first, then
   attended), odd head dims with ``v_head_dim != head_dim``, non-causal attend;
 - variants on float16: window + sinks, broadcast and per-head masks, softcap, ALiBi, LSE,
@@ -24,8 +24,12 @@ picks by default marked ``*``:
   largest value, denormals, -0; int8 rows whose quotients land on .5; fp8 with per-head scales
   whose reciprocal is inexact: quotients exactly on the midpoints between fp8 values (ties both
   ways) and one float32 either side, saturation past the largest value, subnormals, half the
-  smallest subnormal, float32 denormals, -0, and through a device array NaN and +-Inf) appended
-  and read back, compared bit for bit with ``reference.round_to`` / ``reference.fp8_bits``;
+  smallest subnormal, float32 denormals, -0, and through a device array NaN and +-Inf; q4
+  blocks of 32 whose quotients land on .5 (ties both ways) and one float32 either side, the
+  block's max at the clamp (7) or at -amax only, zero, denormal-only and -0 blocks, subnormal
+  scales and denormal elements, a last partial block (d 72)) appended and read back, compared bit
+  for bit with ``reference.round_to`` / ``reference.fp8_bits`` (q4: also the stored row words,
+  scales included, with ``reference.q4_words``);
 - a split-K stress: a long decode split over many workgroups (coopmat: a 7-row chunk over the
   same past), repeated, every repetition equal bit for bit to the first and within tolerance of
   the reference.
@@ -53,7 +57,7 @@ from .array import to_device
 from ._vkinfo import VulkanUnavailableError
 from .reference import TOLERANCE, attention, round_to
 
-DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "q4")
 # the fp8 storage case's per-head scales: the reciprocal of neither is a float32 (a division or
 # a reciprocal multiply would round the quotient before fp8 does)
 FP8_SCALES = (0.0137, 0.375)
@@ -274,7 +278,7 @@ def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
     denormals; bfloat16 ties (even and odd kept halves) and their float32 neighbours, mantissas
     that carry into the exponent, the largest bfloat16 and the float32 just below its rounding
     to Inf, float32 denormals (bfloat16 keeps them) and signed zeros; int8 rows whose x / scale
-    lands on .5 and near it, tiny and zero rows."""
+    lands on .5 and near it, tiny and zero rows; q4 blocks of 32 (see ``_q4_block``)."""
     x = rng.standard_normal((hkv, n, d)).astype(np.float32)
     flat = x.reshape(-1, d)
     if dtype == "float16":
@@ -325,6 +329,11 @@ def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
             hx[:min(pool.size, hx.size)] = pool[:hx.size]
             hx *= np.where(rng.random(hx.size) < 0.5, -1, 1).astype(np.float32)
         return x
+    if dtype == "q4":
+        for r in range(flat.shape[0]):
+            for b in range(0, d, 32):
+                flat[r, b:b + 32] = _q4_block(rng, (r * 7 + b // 32) % 8)[:min(32, d - b)]
+        return x
     if dtype == "int8":
         for r in range(flat.shape[0]):
             kind = r % 4
@@ -340,6 +349,38 @@ def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
             flat[r] = row
         return x
     return x
+
+
+def _q4_block(rng, kind: int) -> np.ndarray:
+    """32 float32 values of an adversarial q4 block: kinds 0-2 quotients x / scale exactly on
+    k + 1/2 (scale 3 * 2^-e, not a power of two; ties round to the even neighbour, down or up) and
+    one float32 above / below; 3 the max at the clamp held only by -amax; 4 a zero block with -0;
+    5 denormal elements only (a zero block); 6 a subnormal scale with denormal elements; 7 a
+    random block whose amax / 7 is not amax * float32(1 / 7)."""
+    if kind <= 3:
+        e = int(rng.choice([-3, 0, 9, 60, 120]))
+        scale = 3.0 * 2.0 ** -e
+        blk = ((rng.integers(-7, 7, 32) + 0.5) * scale).astype(np.float32)
+        if kind == 1:
+            blk = np.nextafter(blk, np.float32(np.inf))
+        elif kind == 2:
+            blk = np.nextafter(blk, np.float32(-np.inf))
+        blk[rng.integers(0, 32)] = np.float32(21.0 * scale) * np.float32(-1 if kind == 3 else 1)
+        return blk
+    if kind == 4:
+        return np.where(rng.random(32) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+    if kind == 5:
+        return rng.integers(1, 0x800000, 32, dtype=np.uint32).view(np.float32) * np.float32(1)
+    if kind == 6:
+        blk = rng.integers(1, 0x800000, 32, dtype=np.uint32).view(np.float32).copy()
+        blk[0] = np.float32(3 * 2.0 ** -126)
+        return blk
+    while True:
+        a = np.float32(rng.uniform(0.01, 10))
+        if a * np.float32(1 / 7) != a / np.float32(7):
+            blk = (rng.uniform(-1, 1, 32) * a).astype(np.float32)
+            blk[rng.integers(0, 32)] = a
+            return blk
 
 
 def _case_storage(dev, rng, acc, dtype, hkv=2, n=67, d=72):
@@ -361,6 +402,13 @@ def _case_storage(dev, rng, acc, dtype, hkv=2, n=67, d=72):
         acc.exact(vs[:, :n], round_to(v, dtype, sv), "append V")
         acc.exact(ks[:, n:n + 5], round_to(k[:, :5], dtype, sk), "fused store K")
         acc.exact(vs[:, n:n + 5], round_to(v[:, :5], dtype, sv), "fused store V")
+        if dtype == "q4":                                 # the row words: nibbles, scales, zero padding
+            kw, vw, _, _ = c._read_stored(np.arange(n + 5))
+            for label, got, x in (("K", kw, k), ("V", vw, v)):
+                want = reference.q4_words(*reference.quantize_q4(np.concatenate([x, x[:, :5]], 1))).transpose(1, 0, 2)
+                acc.checked += 1
+                if not np.array_equal(got, want):
+                    acc.bad.append(f"q4 {label}: {int((got != want).sum())} stored words differ from q4_words")
         if fp8:
             # NaN and +-Inf (a numpy input's are refused; a device array's are stored): append
             # and the fused store, compared as bits (NaN != NaN as values)
@@ -422,7 +470,7 @@ def _cases(quick: bool, repeats: int, kernel: str = "tile"):
     for name in names:
         out.append((f"variant {name} (+lse)", "float16", lambda dev, rng, acc, n=name: _case_variant(dev, rng, acc, n)))
     out.append(("rope neox partial, rotated q", "float16", lambda dev, rng, acc: _case_rope(dev, rng, acc)))
-    for dtype in (("float16",) if quick else ("float16", "bfloat16", "int8", "fp8_e4m3")):
+    for dtype in (("float16",) if quick else ("float16", "bfloat16", "int8", "fp8_e4m3", "q4")):
         out.append((f"split-K stress x{repeats}" + (" (chunk)" if rows > 1 else ""), dtype,
                     lambda dev, rng, acc, dt=dtype: _case_splitk(dev, rng, acc, dt, repeats, rows=rows)))
     return out

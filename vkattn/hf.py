@@ -94,7 +94,7 @@ class VkattnCache(Cache):
     plus ``max_new_tokens``; a call that would pass it raises :class:`vkattn.CacheFullError`
     before anything is written. batch_size: the most sequences the model runs at once (prompts x
     ``num_beams`` or ``num_return_sequences``); an empty cache also takes fewer. dtype: storage,
-    "float16" (default), "float32", "bfloat16", "int8", "fp8_e4m3" or "fp8_e5m2" (or torch.float16
+    "float16" (default), "float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2" or "q4" (or torch.float16
     / torch.float32 / torch.bfloat16 / torch.float8_e4m3fn / torch.float8_e5m2), whatever the
     model's dtype. k_scale, v_scale: fp8 only, the scales of every layer (a number or
     (num_kv_heads,) numbers, default 1.0; vkattn.KVCache). device: a :class:`vkattn.Device` (default:

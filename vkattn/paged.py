@@ -520,7 +520,7 @@ class _CopyPlan:
         self.c = c
         # a block is [num_kv_heads, block_size] rows: the whole block is copied (uvec4 words of K
         # and V, and with int8 one scale per row); rows past those the caller needs are unused
-        self.bk, self.bv = c.num_kv_heads * c.block_size * c._dk4, c.num_kv_heads * c.block_size * c._dv4
+        self.bk, self.bv = c.num_kv_heads * c.block_size * c._rk4, c.num_kv_heads * c.block_size * c._rv4
         self.bs = c.num_kv_heads * c.block_size if c._i8 else 0
         self.params = be.buffer(12, np.uint32, name="copy_params")
         pipe = copy_pipeline(c.device, c)
@@ -540,7 +540,7 @@ class _CopyPlan:
 
 def copy_pipeline(dev, c) -> Pipeline:
     """copy_rows.comp of _CopyPlan (fork / truncate of a shared partial block)."""
-    per_block = c._block_size * c.num_kv_heads * max(c._dk4, c._dv4)
+    per_block = c._block_size * c.num_kv_heads * max(c._rk4, c._rv4)
     return Pipeline("copy_rows", "copy_rows", {}, (WORKGROUP,), (grid_groups(per_block, dev), 1, 1), 5)
 
 

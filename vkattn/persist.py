@@ -15,6 +15,9 @@ A sequence file (format ``vkattn.sequence``, version 1) of ``length`` positions 
     v_scale    (num_kv_heads, length) float32      int8 only
                                                    (fp8_e4m3 / fp8_e5m2: k and v as their bits,
                                                    uint8; the per-kv-head scales in the metadata)
+                                                   (q4: k (num_kv_heads, length, 4 * row words) and
+                                                   v likewise, uint32: the stored row words, data
+                                                   words then the block scales, common.glsl)
     token_ids  (length,) int64                     optional: the token at each position
 
 K as the cache holds it -- rotated when the cache has a ``rope``, quantised for int8 -- so a load
@@ -220,8 +223,9 @@ def stored_tensors(c, slots: np.ndarray, prefix: str = "") -> dict:
     int8 also ``k_scale``/``v_scale`` (num_kv_heads, n) float32; names prefixed with ``prefix``."""
     kw, vw, ks, vs = c._read_stored(np.asarray(slots, np.int64))
     bits, dt = _BITS[c.dtype], _DTYPE[c.dtype]
-    out = {prefix + "k": np.ascontiguousarray(kw.view(bits)[..., :c.head_dim].transpose(1, 0, 2)).view(dt),
-           prefix + "v": np.ascontiguousarray(vw.view(bits)[..., :c.v_head_dim].transpose(1, 0, 2)).view(dt)}
+    dk, dv = (c._rk4 * 4, c._rv4 * 4) if c._q4 else (c.head_dim, c.v_head_dim)   # q4: the whole rows
+    out = {prefix + "k": np.ascontiguousarray(kw.view(bits)[..., :dk].transpose(1, 0, 2)).view(dt),
+           prefix + "v": np.ascontiguousarray(vw.view(bits)[..., :dv].transpose(1, 0, 2)).view(dt)}
     if c._i8:
         out[prefix + "k_scale"] = np.ascontiguousarray(ks.view(np.uint32).T).view(np.float32)
         out[prefix + "v_scale"] = np.ascontiguousarray(vs.view(np.uint32).T).view(np.float32)
@@ -231,7 +235,8 @@ def stored_tensors(c, slots: np.ndarray, prefix: str = "") -> dict:
 def expected_tensors(c, n: int, prefix: str = "") -> dict:
     """{name: (dtype, shape)} of ``n`` positions of cache ``c``'s format."""
     hkv, dt = c.num_kv_heads, _DTYPE[c.dtype]
-    want = {prefix + "k": (dt, (hkv, n, c.head_dim)), prefix + "v": (dt, (hkv, n, c.v_head_dim))}
+    dk, dv = (c._rk4 * 4, c._rv4 * 4) if c._q4 else (c.head_dim, c.v_head_dim)
+    want = {prefix + "k": (dt, (hkv, n, dk)), prefix + "v": (dt, (hkv, n, dv))}
     if c._i8:
         want[prefix + "k_scale"] = (np.dtype(np.float32), (hkv, n))
         want[prefix + "v_scale"] = (np.dtype(np.float32), (hkv, n))
@@ -263,10 +268,11 @@ def write_stored(c, slots: np.ndarray, tensors: dict, prefix: str = "") -> None:
     if not n:
         return
     bits = _BITS[c.dtype]
-    kw = np.zeros((n, hkv, c._dk4 * 4), np.uint32)     # rows padded with zeros, as append leaves them
-    vw = np.zeros((n, hkv, c._dv4 * 4), np.uint32)
-    kw.view(bits)[..., :c.head_dim] = tensors[prefix + "k"].view(bits).transpose(1, 0, 2)
-    vw.view(bits)[..., :c.v_head_dim] = tensors[prefix + "v"].view(bits).transpose(1, 0, 2)
+    kw = np.zeros((n, hkv, c._rk4 * 4), np.uint32)     # rows padded with zeros, as append leaves them
+    vw = np.zeros((n, hkv, c._rv4 * 4), np.uint32)
+    dk, dv = (c._rk4 * 4, c._rv4 * 4) if c._q4 else (c.head_dim, c.v_head_dim)
+    kw.view(bits)[..., :dk] = tensors[prefix + "k"].view(bits).transpose(1, 0, 2)
+    vw.view(bits)[..., :dv] = tensors[prefix + "v"].view(bits).transpose(1, 0, 2)
     ks = vs = None
     if c._i8:
         ks = np.ascontiguousarray(tensors[prefix + "k_scale"].view(np.uint32).T)
@@ -302,7 +308,7 @@ class _ScatterPlan:
                     .dispatch(self.prog).build(c.timestamps))
 
     def run(self, slots, kw, vw, ks, vs) -> None:
-        """kw (n, num_kv_heads, _dk4 * 4) uint32, vw likewise, ks/vs (n, num_kv_heads) uint32
+        """kw (n, num_kv_heads, _rk4 * 4) uint32, vw likewise, ks/vs (n, num_kv_heads) uint32
         scale bits (int8) or None; n <= rows."""
         c, hkv, n = self.c, self.c.num_kv_heads, len(slots)
         p = self.params.view()
@@ -323,8 +329,8 @@ class _ScatterPlan:
 def scatter_pipeline(dev, c) -> Pipeline:
     """scatter_slots.comp of _ScatterPlan for the storage format ``c``: one pipeline per format,
     the grid of gather_slots.comp."""
-    groups = grid_groups(READ_ROWS * c.num_kv_heads * max(c._dk4, c._dv4), dev)
-    return Pipeline("scatter_slots", "scatter_slots", {"KV_I8": int(c._i8)}, (WORKGROUP, c._dk4, c._dv4),
+    groups = grid_groups(READ_ROWS * c.num_kv_heads * max(c._rk4, c._rv4), dev)
+    return Pipeline("scatter_slots", "scatter_slots", {"KV_I8": int(c._i8)}, (WORKGROUP, c._rk4, c._rv4),
                     (groups, 1, 1), 9)
 
 

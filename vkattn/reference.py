@@ -215,6 +215,85 @@ def quantize_int8(x):
     return q, scale
 
 
+Q4_BLOCK = 32     # values per q4 block (one 16-byte word of nibbles)
+
+
+def quantize_q4(x):
+    """q4 quantisation, blocks of 32 values per (head, token): x (heads, n, d) float, taken as
+    float32. Returns q (heads, n, d) int8 in -7 .. 7 and scale (heads, n, ceil(d / 32)) float32.
+
+    Block b covers x[..., 32b : 32b + 32]; a last partial block (d not a multiple of 32) is the
+    values there are (the zeros the cache pads it with cannot raise its max |x|). Defined
+    exactly, so that every device stores the same bits (shaders/common.glsl ``q4_scale`` /
+    ``quantise_q4``, integer arithmetic): amax = max |x| over the block; a block whose amax is 0 or
+    a float32 denormal (< 2^-126, which a GPU may flush to 0) gets scale 0 and q 0. Otherwise scale
+    = amax / 7 correctly rounded to float32 (round half to even; numpy's float32 division), and
+    q = the integer nearest the exact quotient x / scale, ties to even, clipped to -7 .. 7
+    (symmetric, as int8's -127 .. 127: q(-x) = -q(x), and amax is stored as 7 exactly; |x| <=
+    amax keeps the quotient below 7.5, so the clip never changes a value). The float64 quotient
+    is exact enough for rint: both operands have 24-bit significands, so a quotient that is not
+    exactly a .5 tie lies more than 2^-28 (at 8) from one, far beyond float64's rounding error.
+    -0.0 is stored as 0. Non-finite x: ValueError (the caches refuse it at the door).
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 3:
+        raise ValueError(f"x must be (heads, n, d), got shape {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError("x must be finite")
+    h, n, d = x.shape
+    nb = -(-d // Q4_BLOCK)
+    xp = np.zeros((h, n, nb * Q4_BLOCK), np.float32)
+    xp[..., :d] = x
+    blocks = xp.reshape(h, n, nb, Q4_BLOCK)
+    amax = np.abs(blocks).max(axis=-1) if nb else np.zeros((h, n, 0), np.float32)
+    with np.errstate(under="ignore"):
+        scale = np.where(amax >= np.finfo(np.float32).tiny, amax / np.float32(7), np.float32(0))
+    scale = scale.astype(np.float32, copy=False)
+    safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float64)
+    q = np.clip(np.rint(blocks.astype(np.float64) / safe[..., None]), -7, 7).astype(np.int8)
+    return q.reshape(h, n, nb * Q4_BLOCK)[..., :d], scale
+
+
+def dequantize_q4(q, scale):
+    """q (heads, n, d) int8 and scale (heads, n, ceil(d / 32)) -> q * (its block's scale) as
+    float32 (heads, n, d), each product rounded once to float32 (as the kernels compute it)."""
+    q = np.asarray(q)
+    scale = np.asarray(scale, dtype=np.float32)
+    if q.ndim != 3 or scale.shape != q.shape[:2] + (-(-q.shape[2] // Q4_BLOCK),):
+        raise ValueError(f"q shape {q.shape} and scale shape {scale.shape} must be (heads, n, d) and "
+                         f"(heads, n, ceil(d / 32))")
+    per_value = np.repeat(scale, Q4_BLOCK, axis=-1)[..., :q.shape[2]]
+    return q.astype(np.float32) * per_value
+
+
+def q4_words(q, scale):
+    """The stored rows: q (..., d) int8 in -8 .. 7 and scale (..., nb) float32, nb = ceil(d / 32)
+    -> (..., 4 * (nb + ceil(nb / 4))) uint32: nb data words of 8 nibbles per uint32 (low first,
+    zeros past d), then the scale words (block b's float32 bits at uint32 4 * nb + b, unused 0)."""
+    q = np.asarray(q, np.int8)
+    scale = np.asarray(scale, np.float32)
+    nb = scale.shape[-1]
+    nib = np.zeros(q.shape[:-1] + (nb * Q4_BLOCK,), np.uint32)
+    nib[..., :q.shape[-1]] = q.astype(np.int32) & 0xF
+    nib = nib.reshape(q.shape[:-1] + (nb * 4, 8)) << (4 * np.arange(8, dtype=np.uint32))
+    out = np.zeros(q.shape[:-1] + (4 * (nb + (nb + 3) // 4),), np.uint32)
+    out[..., :nb * 4] = np.bitwise_or.reduce(nib, axis=-1)
+    out[..., nb * 4:nb * 5] = scale.view(np.uint32)
+    return out
+
+
+def q4_words_to_float32(words, d: int):
+    """Stored q4 rows (..., 4 * (nb + ceil(nb / 4))) uint32 -> (..., d) float32 values, each the
+    nibble's integer times its block's scale (float32 product), nb = ceil(d / 32)."""
+    words = np.asarray(words, np.uint32)
+    nb = -(-d // Q4_BLOCK)
+    data = words[..., :nb * 4, None] >> (4 * np.arange(8, dtype=np.uint32))
+    q = ((data & 0xF).astype(np.int32) ^ 8) - 8                   # sign-extend the nibble
+    q = q.reshape(words.shape[:-1] + (nb * Q4_BLOCK,))[..., :d].astype(np.float32)
+    scale = words[..., nb * 4:nb * 5].view(np.float32)
+    return q * np.repeat(scale, Q4_BLOCK, axis=-1)[..., :d]
+
+
 def dequantize_int8(q, scale):
     """q (heads, n, d) int8 and scale (heads, n) -> q * scale as float32 (heads, n, d)."""
     q = np.asarray(q)
@@ -426,7 +505,7 @@ def round_to(x: np.ndarray, dtype: str, scale=1.0) -> np.ndarray:
     rounding (``bfloat16_bits``) for a bfloat16 cache, fp8 (``round_fp8``; ``scale``: the cache's
     (num_kv_heads,) scales of K or V, or one number; x is (heads, n, d)) for a fp8 cache,
     symmetric per-(head, position) int8 quantisation for an int8 cache (``quantize_int8``; x is
-    (heads, n, d)), unchanged for float32."""
+    (heads, n, d)), q4 block quantisation for a q4 cache (``quantize_q4``), unchanged for float32."""
     x = np.asarray(x, dtype=np.float32)
     if dtype == "float16":
         return x.astype(np.float16).astype(np.float32)
@@ -437,6 +516,8 @@ def round_to(x: np.ndarray, dtype: str, scale=1.0) -> np.ndarray:
         return round_fp8(x, dtype, s.reshape(-1, 1, 1) if s.ndim == 1 else s)
     if dtype == "int8":
         return dequantize_int8(*quantize_int8(x))
+    if dtype == "q4":
+        return dequantize_q4(*quantize_q4(x))
     return x
 
 
@@ -446,4 +527,4 @@ def round_to(x: np.ndarray, dtype: str, scale=1.0) -> np.ndarray:
 # dequantised values it stores (``dequantize_int8``), so it gets the same tolerance: quantisation
 # error is in the reference's inputs, not in the comparison.
 TOLERANCE = {"float32": (2e-5, 2e-4), "float16": (2e-5, 2e-4), "bfloat16": (2e-5, 2e-4), "int8": (2e-5, 2e-4),
-             "fp8_e4m3": (2e-5, 2e-4), "fp8_e5m2": (2e-5, 2e-4)}
+             "fp8_e4m3": (2e-5, 2e-4), "fp8_e5m2": (2e-5, 2e-4), "q4": (2e-5, 2e-4)}

@@ -1,0 +1,280 @@
+"""q4 K/V storage: blocks of 32 values per (kv head, position), each block a float32 scale (its
+max |x| / 7, correctly rounded) and 32 4-bit integers -7 .. 7 (vkattn.reference.quantize_q4,
+integer arithmetic in shaders/common.glsl), the scales in the row after its data words; every
+kernel that reads the cache dequantises a block as integer * scale.
+
+Parity: the device result against the reference computed on the values the cache holds -- read
+back, and checked bit for bit against reference.round_to(x, "q4") -- with the float32
+tolerances. Head dims that are and are not multiples of 32 (a last partial block), odd lengths,
+GQA, both kernels, split-K decode, prefill, chunks over a past, forks, prefix sharing and
+cascade, persistence; non-finite input refused with nothing written. Adversarial rounding cases
+are in test_exact.py.
+"""
+import numpy as np
+import pytest
+
+import vkattn
+from conftest import assert_close, rand_kv, rand_q
+from test_coopmat import GPU, planning
+from vkattn import tuning
+from vkattn._attn import StorageFormat, attn_pipeline
+from vkattn._base import appends_first
+from vkattn.reference import attention, dequantize_q4, q4_words, q4_words_to_float32, quantize_q4, round_to
+
+KERNELS = ["lane", "tile"]
+
+
+def bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def assert_stored(stored, x):
+    want = round_to(x, "q4")
+    bad = np.argwhere(bits(stored) != bits(want))
+    assert bad.size == 0, f"{len(bad)} stored values differ from round_to's, first at {bad[:4].tolist()}"
+
+
+def test_reference_definition():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 5, 70)).astype(np.float32)
+    x[0, 0, 32:64] = 0.0                                          # a zero block
+    x[0, 1, :32] = 1e-39                                          # a denormal amax: a zero block
+    q, s = quantize_q4(x)
+    assert q.shape == (2, 5, 70) and q.dtype == np.int8 and s.shape == (2, 5, 3) and s.dtype == np.float32
+    assert np.abs(q).max() == 7 and q.min() >= -7
+    amax = np.abs(np.pad(x, ((0, 0), (0, 0), (0, 26)))).reshape(2, 5, 3, 32).max(-1)
+    assert s[0, 0, 1] == 0 and s[0, 1, 0] == 0 and not q[0, 1, :32].any()
+    live = amax >= np.finfo(np.float32).tiny
+    assert np.array_equal(s[live], amax[live] / np.float32(7))
+    # the block's max sits at 7 exactly; negation is symmetric
+    for h, n, b in zip(*np.nonzero(live)):
+        blk = x[h, n, 32 * b:32 * b + 32]
+        assert np.abs(q[h, n, 32 * b + np.abs(blk).argmax()]) == 7
+    q2, s2 = quantize_q4(-x)
+    assert np.array_equal(q2, -q) and np.array_equal(s2, s)
+    # stored words round-trip and decode to dequantize_q4
+    w = q4_words(q, s)
+    assert w.shape == (2, 5, 4 * (3 + 1)) and not w[..., 4 * 3 + 3].any()   # the unused scale slot
+    assert np.array_equal(bits(q4_words_to_float32(w, 70)), bits(dequantize_q4(q, s)))
+    with pytest.raises(ValueError, match="finite"):
+        quantize_q4(np.full((1, 1, 4), np.inf, np.float32))
+    with pytest.raises(ValueError, match="heads, n, d"):
+        quantize_q4(np.zeros((4, 4), np.float32))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("hkv,group,d,dv,past", [(2, 4, 64, 64, 131), (1, 3, 37, 37, 57), (3, 1, 37, 72, 200),
+                                                 (2, 4, 128, 128, 260), (8, 1, 72, 40, 0), (3, 1, 128, 64, 9)])
+def test_q4_append_forward_decode(device, rng, monkeypatch, kernel, hkv, group, d, dv, past):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.KVCache(300, hkv, d, dv, dtype="q4", device=device)
+    k0, v0 = rand_kv(rng, cache, max(past, 1))
+    if past:
+        cache.append(k0, v0)                                  # append.comp quantises
+    else:
+        k0, v0 = k0[:, :0], v0[:, :0]
+    k1, v1 = rand_kv(rng, cache, 11)
+    q1 = rand_q(rng, cache, group, 11)
+    out1 = cache.forward(q1, k1, v1)                          # fused append (a chunk over the past, or a prefill)
+    k2, v2 = rand_kv(rng, cache, 1)
+    q2 = rand_q(rng, cache, group, 1)
+    out2 = cache.forward(q2, k2, v2)                          # decode (split-K)
+    ks, vs = cache.read()
+    kf, vf = np.concatenate([k0, k1, k2], axis=1), np.concatenate([v0, v1, v2], axis=1)
+    assert_stored(ks, kf)
+    assert_stored(vs, vf)
+    n1 = past + 11
+    assert_close(out1, attention(q1, ks[:, :n1], vs[:, :n1]), "q4")
+    assert_close(out2, attention(q2, ks, vs), "q4")
+    q3 = rand_q(rng, cache, group, 5)
+    assert_close(cache.attend(q3, causal=False), attention(q3, ks, vs, causal=False), "q4")
+    # quantised, and not to one scale per row: the stored values differ from int8's
+    assert not np.array_equal(ks, kf) and not np.array_equal(ks, round_to(kf, "int8"))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_q4_lengths_prefill_and_long_decode(device, rng, monkeypatch, kernel):
+    # lengths 1 .. 300: a one-row prefill, a long prompt over FUSED_APPEND_MAX_ROWS rows
+    # (appended first, then attended), decode steps with split-K across the whole past
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "8")
+    hkv, d = 2, 64
+    cache = vkattn.KVCache(310, hkv, d, dtype="q4", device=device)
+    allk, allv = [], []
+    for n in (1, tuning.FUSED_APPEND_MAX_ROWS + 45, 300 - 1 - tuning.FUSED_APPEND_MAX_ROWS - 45 - 3, 1, 1, 1):
+        k, v = rand_kv(rng, cache, n)
+        q = rand_q(rng, cache, 4, n)
+        out = cache.forward(q, k, v)
+        allk.append(k)
+        allv.append(v)
+        ks, vs = cache.read()
+        assert_stored(ks[:, -n:], k)
+        assert_stored(vs[:, -n:], v)
+        assert_close(out, attention(q, ks, vs), "q4")
+    assert cache.length == 300
+    # against float32 attention on the unquantised inputs: 4 bits per value, a loose bound
+    kf, vf = np.concatenate(allk, axis=1), np.concatenate(allv, axis=1)
+    assert np.abs(out - attention(q, kf, vf)).max() < 0.5
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_q4_rope_is_quantised_after_rotation(device, rng, monkeypatch, kernel):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    rope = vkattn.RoPE(style="neox", rotary_dim=32)
+    cache = vkattn.KVCache(64, 2, 48, dtype="q4", device=device, rope=rope)
+    k, v = rand_kv(rng, cache, 21)
+    cache.append(k[:, :13], v[:, :13])                        # append.comp with ROPE_K
+    q = rand_q(rng, cache, 2, 8)
+    out = cache.forward(q, k[:, 13:], v[:, 13:], rope_q=True)  # the fused store rotates too
+    ks, vs = cache.read()
+    rotated = vkattn.reference.rope(k, np.arange(21), rotary_dim=32)
+    # within one step of the quantised rotation (the rotation's own float rounding may cross a tie)
+    _, s = quantize_q4(rotated)
+    step = np.repeat(s, 32, axis=-1)[..., :48]
+    assert np.all(np.abs(ks - round_to(rotated, "q4")) <= step * 1.0001)
+    assert_stored(vs, v)
+    qr = vkattn.reference.rope(q, np.arange(13, 21), rotary_dim=32)
+    assert_close(out, attention(qr, ks, vs), "q4")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_q4_paged_batch_fork_and_variants(device, rng, monkeypatch, kernel):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    pool = vkattn.PagedKVCache(40, 8, 2, 40, 24, dtype="q4", device=device)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    counts = [21, 6]
+    k = rng.standard_normal((2, 27, 40)).astype(np.float32)
+    v = rng.standard_normal((2, 27, 24)).astype(np.float32)
+    q = rng.standard_normal((6, 27, 40)).astype(np.float32)
+    out = pool.forward([a, b], q, k, v, n_new=counts)          # a ragged chunked prefill
+    for sid, rows in ((a, slice(0, 21)), (b, slice(21, 27))):
+        ks, vs = pool.read(sid)
+        assert_stored(ks, k[:, rows])
+        assert_stored(vs, v[:, rows])
+        assert_close(out[:, rows], attention(q[:, rows], ks, vs), "q4")
+    c = pool.fork(a)                                           # copies the partial block's rows
+    assert all(np.array_equal(bits(x), bits(y)) for x, y in zip(pool.read(a), pool.read(c)))
+    q = rng.standard_normal((6, 3, 40)).astype(np.float32)
+    k = rng.standard_normal((2, 3, 40)).astype(np.float32)
+    v = rng.standard_normal((2, 3, 24)).astype(np.float32)
+    out, lse = pool.forward([a, b, c], q, k, v, window=9, n_sink=1, softcap=4.0, return_lse=True)  # batch decode
+    for i, sid in enumerate((a, b, c)):
+        ks, vs = pool.read(sid)
+        ref, ref_lse = attention(q[:, i:i + 1], ks, vs, window=9, n_sink=1, softcap=4.0, return_lse=True)
+        assert_close(out[:, i:i + 1], ref, "q4")
+        np.testing.assert_allclose(lse[:, i:i + 1], ref_lse, atol=2e-5, rtol=2e-4)
+    # the fork diverged: a's and c's new rows differ, their shared past does not
+    ka, kc = pool.read(a)[0], pool.read(c)[0]
+    assert np.array_equal(bits(ka[:, :21]), bits(kc[:, :21])) and not np.array_equal(ka[:, 21], kc[:, 21])
+
+
+def test_q4_cascade_and_prefix_cache(device, rng, monkeypatch):
+    # sequences sharing a cached prefix decode by cascade: the shared blocks attended once
+    monkeypatch.setenv("VKATTN_CASCADE", "1")
+    bs, hkv, d = 4, 2, 40
+    pool = vkattn.PagedKVCache(64, bs, hkv, d, dtype="q4", device=device)
+    prompt = list(range(100, 117))                             # 17 tokens: 4 full blocks
+    k = rng.standard_normal((hkv, 17, d)).astype(np.float32)
+    v = rng.standard_normal((hkv, 17, d)).astype(np.float32)
+    a = pool.add_sequence()
+    pool.forward([a], rng.standard_normal((4, 17, d)).astype(np.float32), k, v, n_new=[17], token_ids=[prompt])
+    b = pool.add_sequence(token_ids=prompt + [7])              # takes the cached blocks
+    assert pool.length(b) == 16 and pool.block_table(b)[:4] == pool.block_table(a)[:4]
+    kb, vb = pool.read(b)
+    assert_stored(kb, k[:, :16])
+    assert_stored(vb, v[:, :16])
+    q = rng.standard_normal((4, 3, d)).astype(np.float32)
+    kn = rng.standard_normal((hkv, 3, d)).astype(np.float32)
+    out = pool.forward([a, b], q, kn, kn, n_new=[1, 2])
+    assert "merge_lse" in pool._last_rec.ops                    # the cascade ran
+    for sid, rows in ((a, slice(0, 1)), (b, slice(1, 3))):
+        ks, vs = pool.read(sid)
+        assert_close(out[:, rows], attention(q[:, rows], ks, vs), "q4")
+
+
+def test_q4_save_load_round_trip(device, rng, tmp_path):
+    cache = vkattn.KVCache(64, 2, 40, 72, dtype="q4", device=device)
+    k, v = rand_kv(rng, cache, 37)
+    k[0, 0, :4] = [0.0, -0.0, 1e-40, -1e9]                      # -0, a denormal, the block's max
+    k[1, 2, 32:] = 0.0                                          # a zero (partial) block
+    cache.append(k, v)
+    path = tmp_path / "q4.safetensors"
+    cache.save(path, token_ids=np.arange(37))
+    info = vkattn.cache_file_info(path)
+    assert info["dtype"] == "q4" and info["length"] == 37
+    from safetensors.numpy import load_file
+    t = load_file(str(path))
+    # the stored row words: 2 data words + 1 scale word (K, d 40), 3 + 1 (V, d 72)
+    assert t["k"].dtype == np.uint32 and t["k"].shape == (2, 37, 12) and t["v"].shape == (2, 37, 16)
+    assert np.array_equal(t["k"], q4_words(*quantize_q4(k)))
+    assert np.array_equal(t["v"], q4_words(*quantize_q4(v)))
+    other = vkattn.KVCache(50, 2, 40, 72, dtype="q4", device=device)
+    ids = other.load(path)
+    assert ids.tolist() == list(range(37))
+    for x, y in zip(cache.read(), other.read()):
+        assert np.array_equal(bits(x), bits(y))
+    q = rand_q(rng, cache, 2, 1)
+    assert np.array_equal(cache.attend(q), other.attend(q))
+    with pytest.raises(vkattn.CacheFileMismatchError, match="dtype is q4 in the file but int8"):
+        vkattn.KVCache(64, 2, 40, 72, dtype="int8", device=device).load(path)
+    pool = vkattn.PagedKVCache(16, 8, 2, 40, 72, dtype="q4", device=device)
+    sid, _ = pool.load_sequence(path)
+    assert all(np.array_equal(bits(x), bits(y)) for x, y in zip(cache.read(), pool.read(sid)))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_q4_bad_input_refused(device, rng, monkeypatch, kernel):
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.KVCache(16, 1, 40, dtype="q4", device=device)
+    k, v = rand_kv(rng, cache, 2)
+    cache.append(k, v)
+    before = [bits(x).copy() for x in cache.read()]
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.zeros((1, 1, 40), np.float32)
+        x[0, 0, 33] = bad
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            cache.append(x, np.zeros_like(x))
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            cache.forward(np.zeros((1, 1, 40), np.float32), np.zeros_like(x), x)
+    with pytest.raises(ValueError):
+        cache.append(np.zeros((1, 1, 39), np.float32), np.zeros((1, 1, 40), np.float32))
+    with pytest.raises(TypeError, match="dtype"):
+        vkattn.KVCache(16, 1, 40, dtype="int4", device=device)
+    with pytest.raises(ValueError, match="only the fp8 formats"):
+        vkattn.KVCache(16, 1, 40, dtype="q4", device=device, k_scale=0.5)
+    assert cache.length == 2 and all(np.array_equal(bits(x), b) for x, b in zip(cache.read(), before))
+    # large finite values are taken: no range limit (the scale is float32)
+    big = np.full((1, 1, 40), 3e38, np.float32)
+    cache.append(big, -big)
+    ks, vs = cache.read()
+    assert np.all(ks[0, 2] == round_to(big, "q4")[0, 0]) and np.all(vs[0, 2] == -ks[0, 2])
+
+
+def test_q4_memory_and_format_table(device):
+    f16 = vkattn.KVCache(1024, 8, 128, dtype="float16", device=device)
+    q4 = vkattn.KVCache(1024, 8, 128, dtype="q4", device=device)
+    # d 128: 4 blocks of 16 bytes and one 16-byte scale word per row: 80 bytes against 256
+    assert q4.bytes_per_token == 8 * 2 * 80 and f16.bytes_per_token == 8 * 2 * 256
+    assert q4._ch == 8 and q4._dk4 == 4 and q4._rk4 == 5 and q4._defines == {"KV_F16": 0, "KV_I8": 0, "KV_Q4": 1}
+    assert not q4._matrices and q4.k_scale is None
+    odd = vkattn.KVCache(16, 1, 37, 72, dtype="q4", device=device)
+    assert (odd._dk4, odd._rk4, odd._dv4, odd._rv4) == (2, 3, 3, 4)
+
+
+def test_planner_never_picks_coopmat_for_q4(device, monkeypatch):
+    # the stated fallback, as bfloat16's and fp8's: prefill and chunks go to attn.comp (GPUs) or
+    # attn_lane.comp (CPU drivers) even where attn_coopmat.comp is available or forced
+    monkeypatch.delenv("VKATTN_KERNEL", raising=False)
+    gpu = planning(device, monkeypatch, **GPU)
+    monkeypatch.setattr(gpu, "coopmat_pays", lambda: True)
+    f16 = StorageFormat(8, 128, dtype="float16")
+    q4 = StorageFormat(8, 128, dtype="q4")
+    for forced in ("", "coopmat"):
+        if forced:
+            monkeypatch.setenv("VKATTN_KERNEL", forced)
+        for rows in (2, 17, 512):
+            assert attn_pipeline(gpu, f16, 32, rows, 0, 1, 0, 4096, False)[0].kernel == "coopmat"
+            cfg, pipe = attn_pipeline(gpu, q4, 32, rows, 0, 1, 0, 4096, False)
+            assert cfg.kernel == "tile" and pipe.shader == "attn" and pipe.defines["KV_Q4"] == 1
+        assert not appends_first(gpu, 5, 5, q4._ch, q4._matrices)
+        assert not tuning.coopmat_takes(gpu, 64, q4._ch, q4._matrices)

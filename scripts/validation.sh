@@ -134,7 +134,7 @@ khronos_validation.gpuav_enable = true
 khronos_validation.gpuav_shader_instrumentation = true
 khronos_validation.gpuav_descriptor_checks = true"
       run_pass gpuav tests/gpuav_probe.py 'VUID-vkCmdDispatch-None-02706|VUID-vkCmdDispatch-storageBuffers-06936' \
-        "${VKATTN_GPUAV_KERNELS:-lane and (int8 or mask);lane and not (int8 or mask);tile;coopmat}" \
+        "${VKATTN_GPUAV_KERNELS:-lane and (int8 or mask or q4);lane and not (int8 or mask or q4);tile;coopmat}" \
         tests/test_bounds.py --durations=5 || rc=1 ;;
     *) echo "validation: unknown pass '$pass' in VKATTN_VALIDATION (sync, gpuav)" >&2; exit 2 ;;
   esac

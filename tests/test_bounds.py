@@ -71,10 +71,12 @@ def test_mask_at_the_end_of_aux(device, rng, kernel, hkv, group, d, s, per_head)
     np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
 
 
-# float32 and bfloat16 storage are not attn_coopmat.comp's (they fall back to the lane/tile kernel,
-# swept there): those pairs are not generated
-@pytest.mark.parametrize("kernel,dtype", [(k, dt) for dt in ("float16", "float32", "int8", "bfloat16") for k in KERNELS
-                                          if not (k == "coopmat" and dt in ("float32", "bfloat16"))],
+# float32, bfloat16, fp8 and q4 storage are not attn_coopmat.comp's (they fall back to the lane/tile
+# kernel, swept there): those pairs are not generated. fp8_e5m2 shares e4m3's every buffer access
+# (the format define changes the arithmetic only)
+@pytest.mark.parametrize("kernel,dtype", [(k, dt) for dt in ("float16", "float32", "int8", "bfloat16", "fp8_e4m3", "q4")
+                                          for k in KERNELS
+                                          if not (k == "coopmat" and dt in ("float32", "bfloat16", "fp8_e4m3", "q4"))],
                          indirect=["kernel"])
 def test_every_variant_odd_shapes(device, rng, kernel, dtype, tmp_path):
     # head_dim 37 / v_head_dim 29: rows end inside a storage word; RoPE on 16 of 37 dims; window +
@@ -83,12 +85,13 @@ def test_every_variant_odd_shapes(device, rng, kernel, dtype, tmp_path):
     # per-head mask, read() (gather_slots.comp), save and load (scatter_slots.comp)
     hkv, group, d, dv = 2, 2, 37, 29
     hq = hkv * group
-    # int8 without RoPE: its rotated quantising store multiplies the instrumented loads, and
+    # int8, q4 and fp8 without RoPE: their rotated quantising stores multiplies the instrumented loads, and
     # lavapipe builds every compute shader as an LLVM coroutine whose frame analysis grows with the
     # blocks GPU-AV adds (7.4 min for this case cold with RoPE); RoPE's reads are covered by the others
-    rotary = 0 if dtype == "int8" else 16
+    rotary = 0 if dtype in ("int8", "q4", "fp8_e4m3") else 16
     cfg = vkattn.RoPE(style="neox", rotary_dim=rotary) if rotary else None
-    cache = vkattn.KVCache(300, hkv, d, v_head_dim=dv, dtype=dtype, device=device, rope=cfg)
+    scales = dict(k_scale=[0.5, 3.0], v_scale=[2.0, 0.25]) if dtype.startswith("fp8") else {}   # per kv head
+    cache = vkattn.KVCache(300, hkv, d, v_head_dim=dv, dtype=dtype, device=device, rope=cfg, **scales)
     slopes = np.linspace(0.02, 0.4, hq).astype(np.float32)
     cache.append(rand(rng, hkv, 93, d), rand(rng, hkv, 93, dv))
 
@@ -111,7 +114,7 @@ def test_every_variant_odd_shapes(device, rng, kernel, dtype, tmp_path):
     assert cache.read()[0].shape == (hkv, 98, d)
     # save and load (scatter_slots.comp) of rows that end inside a storage word: the same bits back
     cache.save(tmp_path / "odd.safetensors")
-    other = vkattn.KVCache(100, hkv, d, v_head_dim=dv, dtype=dtype, device=device, rope=cfg)
+    other = vkattn.KVCache(100, hkv, d, v_head_dim=dv, dtype=dtype, device=device, rope=cfg, **scales)
     other.load(tmp_path / "odd.safetensors")
     assert all(np.array_equal(a, b) for a, b in zip(cache.read(), other.read()))
 

@@ -11,7 +11,9 @@
 #          there: this pass runs a sweep chosen for it, not the whole suite; one pytest process per
 #          kernel of VKATTN_GPUAV_KERNELS (pytest -k expressions separated by ';', one process each;
 #          default: the lane kernel's cases in two halves, tile, coopmat; the coopmat cases skip where
-#          the device has no cooperative matrices).
+#          the device has no cooperative matrices). fp8 on the lane kernel is left out of the default
+#          for time (its GPU-AV compile took 20 min on the loaded 2-core machine; 0 messages there,
+#          session 18): fp8 on tile and q4 on both kernels stay; "fp8 and lane" runs it by hand.
 # VKATTN_VALIDATION=sync or =gpuav runs one pass (default: both). Arguments go to the sync pass's
 # pytest (e.g. a test selection).
 set -uo pipefail
@@ -134,7 +136,7 @@ khronos_validation.gpuav_enable = true
 khronos_validation.gpuav_shader_instrumentation = true
 khronos_validation.gpuav_descriptor_checks = true"
       run_pass gpuav tests/gpuav_probe.py 'VUID-vkCmdDispatch-None-02706|VUID-vkCmdDispatch-storageBuffers-06936' \
-        "${VKATTN_GPUAV_KERNELS:-lane and (int8 or mask or q4);lane and not (int8 or mask or q4);tile;coopmat}" \
+        "${VKATTN_GPUAV_KERNELS:-lane and (int8 or mask);lane and not (int8 or mask or fp8);tile;coopmat}" \
         tests/test_bounds.py --durations=5 || rc=1 ;;
     *) echo "validation: unknown pass '$pass' in VKATTN_VALIDATION (sync, gpuav)" >&2; exit 2 ;;
   esac

@@ -352,7 +352,7 @@ def test_errors_name_the_argument():
         VkattnCache({"num_hidden_layers": 2}, 64)
     with pytest.raises(TypeError, match="dtype: .*bfloat16 models work"):
         VkattnCache(model.config, 64, dtype=torch.float64)
-    with pytest.raises(TypeError, match="dtype: expected 'float32', 'float16', 'int8' or 'bfloat16'"):
+    with pytest.raises(TypeError, match="dtype: expected 'float32', 'float16', 'int8', 'bfloat16', 'fp8_e4m3', 'fp8_e5m2' or 'q4'"):
         VkattnCache(model.config, 64, dtype="bf16")
     with pytest.raises(ValueError, match="max_cache_len"):
         VkattnCache(model.config, 0)

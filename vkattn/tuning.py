@@ -431,7 +431,8 @@ def tile_decode_shape(device, ch: int = 2) -> tuple:
     format of ``ch`` float vec4 per storage word: TILE_DECODE_NVIDIA on NVIDIA's GPUs for the 16-
     and 32-bit formats, where float16 was timed faster; int8 (ch 4), whose sweep rows were no
     faster, and every other device (1, TILE_KB_DECODE)."""
-    if not device.is_software and getattr(device.info, "vendor_id", 0) == NVIDIA_VENDOR and ch != 4:
+    vendor = getattr(getattr(device, "info", None), "vendor_id", 0)     # (a planner stub may carry no info)
+    if not device.is_software and vendor == NVIDIA_VENDOR and ch != 4:
         return TILE_DECODE_NVIDIA
     return 1, TILE_KB_DECODE
 

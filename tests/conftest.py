@@ -115,3 +115,28 @@ def variant_args(name, rng, hq, s, total):
                     alibi_slopes=np.linspace(0.01, 0.3, hq).astype(np.float32),
                     mask=rng.standard_normal((s, total)).astype(np.float32)),
     }[name]
+
+
+def append_chunk_decode(rng, cache, group: int, past: int):
+    """A quantising format's paths in one sequence: ``past`` rows through append.comp (none: the
+    chunk is a prefill), an 11-row chunk through the fused append, a split-K decode step, then an
+    attend-only call (5 rows, not causal) over what is stored. Returns (ks, vs) as read back, the
+    exact rows (kf, vf), and [(q, out, n_keys), ...] of the chunk and the decode step; the attend
+    call is checked here against the reference on the stored values."""
+    k0, v0 = rand_kv(rng, cache, max(past, 1))
+    if past:
+        cache.append(k0, v0)
+    else:
+        k0, v0 = k0[:, :0], v0[:, :0]
+    k1, v1 = rand_kv(rng, cache, 11)
+    q1 = rand_q(rng, cache, group, 11)
+    out1 = cache.forward(q1, k1, v1)
+    k2, v2 = rand_kv(rng, cache, 1)
+    q2 = rand_q(rng, cache, group, 1)
+    out2 = cache.forward(q2, k2, v2)
+    ks, vs = cache.read()
+    kf, vf = np.concatenate([k0, k1, k2], axis=1), np.concatenate([v0, v1, v2], axis=1)
+    q3 = rand_q(rng, cache, group, 5)
+    assert_close(cache.attend(q3, causal=False), attention(q3, ks, vs, causal=False), cache.dtype)
+    return ks, vs, kf, vf, [(q1, out1, past + 11), (q2, out2, past + 12)]
+

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import vkattn
-from conftest import assert_close, rand_kv, rand_q
+from conftest import append_chunk_decode, assert_close, rand_kv, rand_q
 from test_coopmat import GPU, planning
 from vkattn import tuning
 from vkattn._attn import StorageFormat, attn_pipeline
@@ -50,26 +50,11 @@ def scales(hkv, seed):
 def test_fp8_append_forward_decode(device, rng, monkeypatch, fmt, kernel, hkv, group, d, dv, past):
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     cache = vkattn.KVCache(300, hkv, d, dv, dtype=fmt, device=device, k_scale=scales(hkv, 0), v_scale=scales(hkv, 1))
-    k0, v0 = rand_kv(rng, cache, max(past, 1))
-    if past:
-        cache.append(k0, v0)                                  # append.comp rounds
-    else:
-        k0, v0 = k0[:, :0], v0[:, :0]
-    k1, v1 = rand_kv(rng, cache, 11)
-    q1 = rand_q(rng, cache, group, 11)
-    out1 = cache.forward(q1, k1, v1)                          # fused append (a chunk over the past, or a prefill)
-    k2, v2 = rand_kv(rng, cache, 1)
-    q2 = rand_q(rng, cache, group, 1)
-    out2 = cache.forward(q2, k2, v2)                          # decode (split-K)
-    ks, vs = cache.read()
-    kf, vf = np.concatenate([k0, k1, k2], axis=1), np.concatenate([v0, v1, v2], axis=1)
+    ks, vs, kf, vf, calls = append_chunk_decode(rng, cache, group, past)   # append, fused chunk, decode, attend
     assert_stored(ks, kf, cache, "k")
     assert_stored(vs, vf, cache, "v")
-    n1 = past + 11
-    assert_close(out1, attention(q1, ks[:, :n1], vs[:, :n1]), fmt)
-    assert_close(out2, attention(q2, ks, vs), fmt)
-    q3 = rand_q(rng, cache, group, 5)
-    assert_close(cache.attend(q3, causal=False), attention(q3, ks, vs, causal=False), fmt)
+    for q, out, n in calls:
+        assert_close(out, attention(q, ks[:, :n], vs[:, :n]), fmt)
     # the scales are applied: the stored values are not the unscaled fp8 values
     assert not np.array_equal(ks, round_to(kf, fmt, 1.0))
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import vkattn
-from conftest import assert_close, rand_kv, rand_q
+from conftest import append_chunk_decode, assert_close, rand_kv, rand_q
 from test_coopmat import GPU, planning
 from vkattn import tuning
 from vkattn._attn import StorageFormat, attn_pipeline
@@ -68,26 +68,11 @@ def test_reference_definition():
 def test_q4_append_forward_decode(device, rng, monkeypatch, kernel, hkv, group, d, dv, past):
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     cache = vkattn.KVCache(300, hkv, d, dv, dtype="q4", device=device)
-    k0, v0 = rand_kv(rng, cache, max(past, 1))
-    if past:
-        cache.append(k0, v0)                                  # append.comp quantises
-    else:
-        k0, v0 = k0[:, :0], v0[:, :0]
-    k1, v1 = rand_kv(rng, cache, 11)
-    q1 = rand_q(rng, cache, group, 11)
-    out1 = cache.forward(q1, k1, v1)                          # fused append (a chunk over the past, or a prefill)
-    k2, v2 = rand_kv(rng, cache, 1)
-    q2 = rand_q(rng, cache, group, 1)
-    out2 = cache.forward(q2, k2, v2)                          # decode (split-K)
-    ks, vs = cache.read()
-    kf, vf = np.concatenate([k0, k1, k2], axis=1), np.concatenate([v0, v1, v2], axis=1)
+    ks, vs, kf, vf, calls = append_chunk_decode(rng, cache, group, past)   # append, fused chunk, decode, attend
     assert_stored(ks, kf)
     assert_stored(vs, vf)
-    n1 = past + 11
-    assert_close(out1, attention(q1, ks[:, :n1], vs[:, :n1]), "q4")
-    assert_close(out2, attention(q2, ks, vs), "q4")
-    q3 = rand_q(rng, cache, group, 5)
-    assert_close(cache.attend(q3, causal=False), attention(q3, ks, vs, causal=False), "q4")
+    for q, out, n in calls:
+        assert_close(out, attention(q, ks[:, :n], vs[:, :n]), "q4")
     # quantised, and not to one scale per row: the stored values differ from int8's
     assert not np.array_equal(ks, kf) and not np.array_equal(ks, round_to(kf, "int8"))
 

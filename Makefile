@@ -33,42 +33,48 @@ test: setup            # both cores: llvmpipe compiles each new pipeline on one 
 test-validation: setup
 	bash scripts/validation.sh
 
-# what a second platform adds (Debian 13: Python 3.13, numpy 2, Mesa 25 / 26): the tests whose
-# result depends on the Vulkan driver, the shader compiler, Python or numpy. Left to the host's
-# whole suite (docs/platforms.md says why): the hf tests (torch's CPU wheel is the host's only),
-# pure-Python bookkeeping (paging, prefix state machines, planner arithmetic, perf's settings,
-# the package structure) and the long randomised runs (fuzz, soak).
-PLATFORM := tests/test_attention.py tests/test_variants.py tests/test_int8.py tests/test_paged.py \
-	tests/test_subgroup.py tests/test_rope.py tests/test_exact.py tests/test_cascade.py tests/test_bounds.py \
-	tests/test_persist.py tests/test_prefix_paged.py tests/test_sharing.py tests/test_reference.py \
-	tests/test_errors.py tests/test_device.py tests/test_driverfix.py tests/test_gpu_compile.py \
-	tests/test_gpu_report.py tests/test_check.py tests/test_coopmat.py tests/test_coopmat_rounding.py \
-	tests/test_spirv.py tests/test_measure.py tests/test_demo.py tests/test_install.py tests/test_bfloat16.py tests/test_fp8.py tests/test_q4.py \
-	tests/test_device_path.py tests/test_fast_path.py
+# What a second platform adds (Debian 13: Python 3.13, numpy 2, LLVM 19, glslang 15): the tests whose
+# result depends on the Vulkan driver, the shader compiler, Python or numpy, each run where it adds
+# something (docs/testing.md has the table and the reasons). Mesa 26 (trixie-backports): the
+# kernels' parity core and the device-array path on LLVM 19 and numpy 2, the cooperative-matrix
+# kernel (its only implementation CI has), the GPU compilers of Mesa 26's drm shims (RADV gfx1100 /
+# gfx1201, NVK), glslang 15's modules, numpy 2's reference and bit-exact storage, the self-test with
+# every kernel (test_check's coopmat-forced run). Left to the host's whole suite: the hf tests
+# (torch's CPU wheel is the host's only), pure-Python bookkeeping, the long randomised runs, and
+# the other formats' and variants' parity (their code is the same SPIR-V on every driver; the
+# self-test and test_exact check each format's decode, prefill and stored bits on each driver).
+PLATFORM := tests/test_attention.py tests/test_exact.py tests/test_coopmat.py tests/test_coopmat_rounding.py \
+	tests/test_check.py tests/test_gpu_compile.py tests/test_gpu_report.py tests/test_spirv.py \
+	tests/test_device_path.py tests/test_reference.py tests/test_errors.py tests/test_device.py tests/test_driverfix.py
 test-platform: setup
-	$(PY) -m pytest -q -n auto --dist worksteal $(PLATFORM)
+	$(PY) -m pytest -q -n auto --dist worksteal $(PLATFORM) \
+		-k "not test_check_quick_passes_here and not test_check_fails_on_a_wrong_result"
 
-# CI runs the whole PLATFORM set on Debian 13 with trixie-backports' Mesa 26 (make test-platform),
-# and on the stock Mesa 25, a slower lavapipe on the same LLVM 19 (about 4x Mesa 26's test time
-# here), what its own driver decides (test-platform-core): its driver workaround, the self-test
-# over every kernel path and format, bit-exact storage, the kernels' parity core, device limits
-# and errors (docs/testing.md)
-PLATFORM_CORE := tests/test_attention.py tests/test_exact.py tests/test_check.py tests/test_driverfix.py \
-	tests/test_device.py tests/test_errors.py
+# Debian 13's stock Mesa 25 (its own lavapipe build, the one a Debian 13 user gets): what its driver
+# decides -- the AVX-512 workaround, the self-test over every kernel path and format
+# (test_check), bit-exact storage of every format, device limits and errors -- and the set-up
+# commands on Python 3.13 (make install into another venv, make demo)
+PLATFORM_CORE := tests/test_check.py tests/test_exact.py tests/test_driverfix.py tests/test_device.py \
+	tests/test_errors.py tests/test_install.py tests/test_demo.py
 test-platform-core: setup
 	$(PY) -m pytest -q -n auto --dist worksteal $(PLATFORM_CORE)
 
 # the parity tests of attn.comp with its no-shuffle path forced (clusters sum through shared
 # memory), and the parity tests of both kernels with lavapipe's subgroup at 4 lanes (issue 20) and
 # with the staging copies a discrete GPU takes (VKATTN_HOST_MEMORY=staging: lavapipe's memory is
-# host-visible, so the suite itself runs without them; vkattn/_kp.py)
-PARITY := tests/test_attention.py tests/test_variants.py tests/test_int8.py tests/test_paged.py tests/test_subgroup.py tests/test_bfloat16.py tests/test_fp8.py tests/test_q4.py
+# host-visible, so the suite itself runs without them; vkattn/_kp.py). The storage formats change
+# the loads, not the reductions: at subgroup 4 the lane kernel's format reads run once each (their
+# append / forward / decode shapes), the no-shuffle path needs none of them
+PARITY := tests/test_attention.py tests/test_variants.py tests/test_int8.py tests/test_paged.py tests/test_subgroup.py
+FORMATS := tests/test_bfloat16.py tests/test_fp8.py tests/test_q4.py
 test-noshuffle: setup
 	VKATTN_KERNEL=tile VKATTN_TILE_CLUSTER=1 $(PY) -m pytest -q -n auto --dist worksteal $(PARITY) -k "not lane"
 
 test-subgroup4: setup
 	LP_NATIVE_VECTOR_WIDTH=128 VKATTN_HOST_MEMORY=staging $(PY) -m pytest -q -n auto --dist worksteal $(PARITY) \
 		tests/test_device_path.py tests/test_cascade.py
+	LP_NATIVE_VECTOR_WIDTH=128 VKATTN_HOST_MEMORY=staging $(PY) -m pytest -q -n auto --dist worksteal $(FORMATS) \
+		-k "append_forward_decode and lane and not e5m2"
 
 # attn_coopmat.comp (cooperative matrices): its parity tests under the Khronos layer's
 # synchronization validation (less the tests that rerun the self-test with a wrong reference and

@@ -4,16 +4,16 @@
 # reported first):
 #   sync   the whole pytest suite with synchronization validation on (probe: tests/sync_probe.py,
 #          a racy sequence that must give SYNC-HAZARD-READ-AFTER-WRITE)
-#   gpuav  tests/test_bounds.py (odd shapes, every dtype and variant, paged batches, every kernel)
-#          with GPU-assisted validation's buffer bounds checks on (probe: tests/gpuav_probe.py, an
-#          out-of-bounds read that must give VUID-vkCmdDispatch-None-02706): every kernel stays
-#          inside its buffers. GPU-AV instruments every buffer access, so lavapipe compiles slowly
-#          there: this pass runs a sweep chosen for it, not the whole suite; one pytest process per
-#          kernel of VKATTN_GPUAV_KERNELS (pytest -k expressions separated by ';', one process each;
-#          default: the lane kernel's cases in two halves, tile, coopmat; the coopmat cases skip where
-#          the device has no cooperative matrices). fp8 on the lane kernel is left out of the default
-#          for time (its GPU-AV compile took 20 min on the loaded 2-core machine; 0 messages there,
-#          session 18): fp8 on tile and q4 on both kernels stay; "fp8 and lane" runs it by hand.
+#   gpuav  tests/test_bounds.py's GPU-AV sweep (`-m gpuav`: each buffer-access pattern once, odd
+#          shapes, every storage layout, the variants, paged batches, every kernel; GPUAV_SWEEP there
+#          says which cases and why) with GPU-assisted validation's buffer bounds checks on (probe:
+#          tests/gpuav_probe.py, an out-of-bounds read that must give VUID-vkCmdDispatch-None-02706):
+#          every kernel stays inside its buffers. GPU-AV instruments every buffer access, so lavapipe
+#          compiles slowly there: one pytest process per kernel of VKATTN_GPUAV_KERNELS (pytest -k
+#          expressions separated by ';', one process each; default lane, tile, coopmat, whose cases
+#          skip where the device has no cooperative matrices). VKATTN_GPUAV_MARK (default gpuav; ""
+#          for every case of tests/test_bounds.py) picks the cases: VKATTN_GPUAV_MARK= runs the whole
+#          module by hand (about 30 CPU-minutes cold on a 2-core machine without AVX-512).
 # VKATTN_VALIDATION=sync or =gpuav runs one pass (default: both). Arguments go to the sync pass's
 # pytest (e.g. a test selection).
 set -uo pipefail
@@ -136,8 +136,8 @@ khronos_validation.gpuav_enable = true
 khronos_validation.gpuav_shader_instrumentation = true
 khronos_validation.gpuav_descriptor_checks = true"
       run_pass gpuav tests/gpuav_probe.py 'VUID-vkCmdDispatch-None-02706|VUID-vkCmdDispatch-storageBuffers-06936' \
-        "${VKATTN_GPUAV_KERNELS:-lane and (int8 or mask);lane and not (int8 or mask or fp8);tile;coopmat}" \
-        tests/test_bounds.py --durations=5 || rc=1 ;;
+        "${VKATTN_GPUAV_KERNELS:-lane;tile;coopmat}" \
+        -m "${VKATTN_GPUAV_MARK-gpuav}" tests/test_bounds.py --durations=5 || rc=1 ;;
     *) echo "validation: unknown pass '$pass' in VKATTN_VALIDATION (sync, gpuav)" >&2; exit 2 ;;
   esac
 done

@@ -8,6 +8,30 @@ import vkattn
 from vkattn.reference import TOLERANCE, attention, round_to
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpuav: a case of the GPU-assisted validation sweep (tests/test_bounds.py "
+                            "GPUAV_SWEEP; scripts/validation.sh runs -m gpuav)")
+
+
+def pytest_collection_modifyitems(config, items):
+    # a module's GPUAV_SWEEP ({test function: [parameter ids]}) marks those cases gpuav; an id that
+    # names no collected case is an error, so the sweep cannot silently shrink
+    named = {}
+    for item in items:
+        sweep = getattr(item.module, "GPUAV_SWEEP", None)
+        if sweep is None:
+            continue
+        fn, _, ids = item.name.partition("[")
+        named.setdefault(item.module.__name__, (sweep, set()))
+        if ids.rstrip("]") in sweep.get(fn, ()):
+            item.add_marker(pytest.mark.gpuav)
+            named[item.module.__name__][1].add((fn, ids.rstrip("]")))
+    for mod, (sweep, found) in named.items():
+        missing = [f"{fn}[{i}]" for fn, ids in sweep.items() for i in ids if (fn, i) not in found]
+        if missing and not config.getoption("keyword") and not config.getoption("markexpr"):
+            raise pytest.UsageError(f"{mod}.GPUAV_SWEEP names cases that do not exist: {missing}")
+
+
 @pytest.fixture(scope="session")
 def device():
     return vkattn.default_device()

@@ -26,6 +26,30 @@ from vkattn.reference import attention, rope, round_to
 KERNELS = ["lane", "tile", "coopmat"]    # coopmat: prefill and chunks (decode: the device's other kernel)
 LSE_TOL = dict(atol=2e-5, rtol=2e-4)
 
+# The cases scripts/validation.sh runs under GPU-assisted validation (`-m gpuav`; every case here
+# also runs as a parity test in the suite). Lavapipe compiles each instrumented pipeline cold, 1-5
+# min apiece on a 2-core machine without AVX-512, so the sweep takes each buffer-access pattern once:
+# - every storage layout on both kernels' odd-shape case: 32-bit (float32), 16-bit (float16;
+#   bfloat16 reads the same words), bytes with a row scale (int8), bytes with a head scale
+#   (fp8_e4m3; e5m2 differs in arithmetic only), 4-bit blocks with their scale inside the row (q4),
+#   except float32 on the lane kernel (plain words; the tile kernel's float32 case and the lane
+#   kernel's float16 one bound its reads) and fp8 on the lane kernel (int8's byte addressing, and the
+#   head scale the tile kernel's case reads: its GPU-AV compile alone took 12 min, session 18);
+# - the variants' own buffers (mask words, ALiBi slopes, sinks, the aux block) with float16 and
+#   float32 (test_every_variant_odd_shapes turns them on there only; they do not depend on storage);
+# - paged block tables: float16 on the lane kernel, int8 (row scales through the table) on tile;
+# - the mask ending at the aux buffer's last word: per head on both kernels, group 3 (padding query
+#   vectors) on tile;
+# - attn_coopmat.comp's float16 and int8 cases where the device has cooperative matrices (Mesa 26).
+GPUAV_SWEEP = {
+    "test_every_variant_odd_shapes": ["lane-float16", "lane-int8", "lane-q4",
+                                      "tile-float16", "tile-float32", "tile-int8", "tile-fp8_e4m3", "tile-q4",
+                                      "coopmat-float16", "coopmat-int8"],
+    "test_paged_batch_fork_read": ["lane-float16", "tile-int8", "coopmat-float16", "coopmat-int8"],
+    "test_mask_at_the_end_of_aux": ["lane-2-2-64-3-True", "tile-2-2-64-3-True", "tile-1-3-24-2-True",
+                                    "coopmat-1-3-24-2-True"],
+}
+
 
 @pytest.fixture(params=KERNELS)
 def kernel(request, monkeypatch):
@@ -80,7 +104,9 @@ def test_mask_at_the_end_of_aux(device, rng, kernel, hkv, group, d, s, per_head)
                          indirect=["kernel"])
 def test_every_variant_odd_shapes(device, rng, kernel, dtype, tmp_path):
     # head_dim 37 / v_head_dim 29: rows end inside a storage word; RoPE on 16 of 37 dims; window +
-    # sinks + softcap + ALiBi + mask in one call (one pipeline), with the log-sum-exp; append.comp
+    # sinks + softcap + ALiBi + mask in one call (one pipeline; float16 and float32 only: those
+    # buffers do not depend on the storage format, and they double an instrumented pipeline's
+    # compile), with the log-sum-exp; append.comp
     # (append), a prefill with a past whose tile has padding rows, split-K decode steps with a
     # per-head mask, read() (gather_slots.comp), save and load (scatter_slots.comp)
     hkv, group, d, dv = 2, 2, 37, 29
@@ -89,6 +115,7 @@ def test_every_variant_odd_shapes(device, rng, kernel, dtype, tmp_path):
     # lavapipe builds every compute shader as an LLVM coroutine whose frame analysis grows with the
     # blocks GPU-AV adds (7.4 min for this case cold with RoPE); RoPE's reads are covered by the others
     rotary = 0 if dtype in ("int8", "q4", "fp8_e4m3") else 16
+    variants = dtype in ("float16", "float32")
     cfg = vkattn.RoPE(style="neox", rotary_dim=rotary) if rotary else None
     scales = dict(k_scale=[0.5, 3.0], v_scale=[2.0, 0.25]) if dtype.startswith("fp8") else {}   # per kv head
     cache = vkattn.KVCache(300, hkv, d, v_head_dim=dv, dtype=dtype, device=device, rope=cfg, **scales)
@@ -100,7 +127,7 @@ def test_every_variant_odd_shapes(device, rng, kernel, dtype, tmp_path):
         total = cache.length + s
         mask = rand(rng, *((hq,) if mask_heads else ()), s, total)
         mask[..., :: 7] = -np.inf
-        kw = dict(window=19, n_sink=3, softcap=3.0, alibi_slopes=slopes, mask=mask)
+        kw = dict(window=19, n_sink=3, softcap=3.0, alibi_slopes=slopes, mask=mask) if variants else {}
         out, lse = cache.forward(q, k, v, rope_q=bool(rotary), return_lse=True, **kw)
         k_all, v_all = cache.read()
         qr = rope(q, np.arange(total - s, total), rotary_dim=rotary, style="neox") if rotary else q

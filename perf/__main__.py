@@ -4,7 +4,8 @@ perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py)
 ``python -m perf gpubench``: the perf cases on a Vulkan GPU (perf/gpubench.py, ``make gpu-bench``).
 ``python -m perf llama [DIR]``: llama.cpp's flash attention compiled like vkattn's (perf/llama_cpp.py).
 ``python -m perf model``: the whole-model example (SmolLM2 on the device) against transformers eager (perf/model.py).
-``python -m perf quality``: perplexity and KL of each K/V cache format on SmolLM2 through vkattn.hf (perf/quality.py)."""
+``python -m perf quality``: perplexity and KL of each K/V cache format on SmolLM2 through vkattn.hf (perf/quality.py).
+``python -m perf q4study``: candidate 4-bit K/V layouts simulated on the host, same model and text (perf/q4_study.py)."""
 from __future__ import annotations
 
 import sys
@@ -35,6 +36,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["quality"]:         # each cache format's perplexity / KL on a real model
         from . import quality
         return quality.main(argv[1:])
+    if argv[:1] == ["q4study"]:         # candidate 4-bit layouts simulated on the host, same model and text
+        from . import q4_study
+        return q4_study.main(argv[1:])
     if argv == ["features"]:            # what the features kp leaves off would change (compiler study)
         from . import features
         return features.main()

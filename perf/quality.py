@@ -37,6 +37,9 @@ Environment (a bad value is an error):
   VKATTN_PERF_QUALITY_TOKENS   the first N tokens of the text (default: all of it)
   VKATTN_PERF_QUALITY_CHUNK    tokens per forward (default 0: the whole text in one forward)
   VKATTN_PERF_QUALITY_CHECK    1 (default) / 0: the host-rounded check
+  VKATTN_PERF_QUALITY_GENERATE new tokens of the generate() run with each format (default 32; 0: none):
+                               greedy generate() from a chat prompt through vkattn.hf, eager's and
+                               the float32 cache's tokens beside (reported, not a target)
   VKATTN_PERF_OUT              where quality.json / quality.csv go (perf/out)
 
     python -m perf quality
@@ -183,20 +186,29 @@ def host_rounded_logits(model, ids, fmt: str):
     It differs from vkattn's run by more than summation order where the format quantises
     coarsely: float differences of 1e-6 between the two runs' K/V move some values across a
     rounding boundary (one int8 step), so the two are two draws of the same rounding noise."""
+    from vkattn.reference import round_to
+    return host_logits(model, ids, lambda x: round_to(x, fmt), lambda x: round_to(x, fmt))
+
+
+def host_logits(model, ids, k_round=None, v_round=None):
+    """(T - 1, vocab) float32 next-token logits of ``ids`` (T,) with torch's
+    scaled_dot_product_attention on K (after RoPE) and V passed through ``k_round`` / ``v_round``
+    (numpy (kv_heads, n, head_dim) float32 -> the same; None: unchanged), one forward, no cache."""
     import torch
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
-    from vkattn.reference import round_to
-
-    def rounded(x):
-        """(batch, kv_heads, n, head_dim) -> the same, each (kv head, position) row as stored."""
-        return torch.stack([torch.from_numpy(round_to(x[b].detach().float().numpy(), fmt))
+    def rounded(x, fn):
+        """(batch, kv_heads, n, head_dim) -> the same, each (kv head, position) row as ``fn`` gives it."""
+        if fn is None:
+            return x
+        return torch.stack([torch.from_numpy(np.asarray(fn(x[b].detach().float().numpy()), np.float32))
                             for b in range(x.shape[0])]).to(x.dtype)
 
     def host_rounded_attention(module, query, key, value, attention_mask, **kw):
-        return sdpa_attention_forward(module, query, rounded(key), rounded(value), attention_mask, **kw)
+        return sdpa_attention_forward(module, query, rounded(key, k_round), rounded(value, v_round),
+                                      attention_mask, **kw)
 
     AttentionInterface.register(HOST_ATTN, host_rounded_attention)
     AttentionMaskInterface.register(HOST_ATTN, sdpa_mask)
@@ -291,6 +303,63 @@ def quality(model, ids, formats, chunk: int = 0, device=None, host_check: bool =
     return res
 
 
+PROMPT = "Explain in two sentences why a key/value cache speeds up text generation."
+
+
+def chat_prompt_ids(tok):
+    """PROMPT as one user turn of the tokenizer's chat template: (1, n) int64 torch tensor."""
+    import torch
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                  return_tensors="pt")
+    return ids if torch.is_tensor(ids) else ids["input_ids"]
+
+
+def generate_all(model, ids, formats, new_tokens: int, device=None) -> dict:
+    """Greedy ``model.generate`` of ``new_tokens`` tokens after the prompt ``ids`` ((1, n) int64
+    torch tensor) with transformers' eager attention, and through vkattn.hf with a
+    ``VkattnCache(dtype=fmt)`` for the float32 reference and every format of ``formats``: the
+    end-to-end path a user takes (the prompt through the cache, then one decode step per token).
+    Returns {"prompt_tokens": n, "eager": [new ids], "runs": [{"format", "tokens" (new ids),
+    "equal_eager" / "equal_float32" (how many leading new tokens equal eager's / the float32
+    cache's), "seconds"}], the float32 run first}."""
+    import torch
+
+    import vkattn.hf
+    if not torch.is_tensor(ids) or ids.ndim != 2 or ids.shape[0] != 1:
+        raise ValueError(f"ids: expected a (1, n) torch tensor, got "
+                         f"{tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__}")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              attention_mask=torch.ones_like(ids))
+    n = int(ids.shape[1])
+
+    def lead(a, b):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        return k
+
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)[0, n:].tolist()
+    runs = []
+    model.set_attn_implementation(vkattn.hf.NAME)
+    try:
+        for fmt in [REFERENCE] + [f for f in formats if f != REFERENCE]:
+            cache = vkattn.hf.VkattnCache(model.config, max_cache_len=n + new_tokens, dtype=fmt, device=device)
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    out = model.generate(ids, past_key_values=cache, **kw)[0, n:].tolist()
+            finally:
+                cache.close()
+            runs.append(dict(format=fmt, tokens=out, seconds=time.perf_counter() - t0, equal_eager=lead(out, eager)))
+    finally:
+        model.set_attn_implementation("eager")
+    for r in runs:
+        r["equal_float32"] = lead(r["tokens"], runs[0]["tokens"])
+    return {"prompt_tokens": n, "eager": eager, "runs": runs}
+
+
 def reads_stored(row: dict) -> bool:
     """The check's verdict: every attention output within 1e-5 of the output scale of attention
     on the round_to values (float32 summation order is all that differs), and -- for a format
@@ -335,6 +404,7 @@ def main(argv=None) -> int:
         tokens = env_int("VKATTN_PERF_QUALITY_TOKENS", None, minimum=2)
         chunk = env_int("VKATTN_PERF_QUALITY_CHUNK", 0, minimum=0)
         check = env_int("VKATTN_PERF_QUALITY_CHECK", 1, minimum=0)
+        gen = env_int("VKATTN_PERF_QUALITY_GENERATE", 32, minimum=0)
     except PerfConfigError as e:
         print(f"perf quality: {e}", file=sys.stderr)
         return 2
@@ -373,6 +443,20 @@ def main(argv=None) -> int:
                  f"| {'yes' if r['reads_stored'] else 'NO'} |") if check else " |"
         print(f"| {r['format']} | {r['ppl']:.4f} | {r['ratio']:.5f} | {100 * (r['target'] - 1):.0f}% {met} "
               f"| {r['kl_mean']:.2e} | {r['kl_max']:.2e} | {r['seconds']:.1f}{extra}")
+    generated = None
+    if gen:
+        generated = generate_all(model, chat_prompt_ids(tok), formats, gen, dev)
+        for r in generated["runs"]:
+            r["text"] = tok.decode(r["tokens"], skip_special_tokens=True)
+        print(f"\ngenerate(): greedy, {gen} new tokens after a {generated['prompt_tokens']}-token chat prompt "
+              f"({PROMPT!r}); leading new tokens equal to transformers eager's and to the float32 cache's")
+        print("| K/V cache | equal eager | equal float32 cache | seconds | text |")
+        print("| --- | ---: | ---: | ---: | --- |")
+        for r in generated["runs"]:
+            text = r["text"].replace("\n", " ").replace("|", "\\|")
+            print(f"| {r['format']} | {r['equal_eager']} of {gen} | {r['equal_float32']} of {gen} "
+                  f"| {r['seconds']:.1f} | {text[:90]} |")
+        total = time.perf_counter() - t0
     print(f"\ntotal {total:.0f} s")
     rows = [Row(case=f"quality {r['format']}", kernel="quality", shape=f"SmolLM2-135M T={int(ids.shape[0])} {feed}",
                 vkattn_ms=r["seconds"] * 1e3, vkattn_min_ms=r["seconds"] * 1e3, numpy_ms=eager["seconds"] * 1e3,
@@ -381,7 +465,7 @@ def main(argv=None) -> int:
             for r in res["formats"]]
     out = write_results(rows, dev.name, stem="quality",
                         extra=dict(cpu=cpu_name(), text=TEXT.name, tokens=int(ids.shape[0]), chunk=chunk,
-                                   eager=eager, reference=ref, seconds=total))
+                                   eager=eager, reference=ref, seconds=total, generate=generated))
     print(f"results: {out}/quality.json, {out}/quality.csv")
     return 0 if all(r.verified for r in rows) else 1
 

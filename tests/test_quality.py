@@ -153,3 +153,20 @@ def test_smollm2_formats_meet_the_issue_target(smollm2, device):
     for row in res["formats"]:
         assert row["ratio"] <= 1.01, row
         assert row["ok"] and 0 < row["kl_mean"] < 0.05, row
+
+
+def test_generate_with_every_format(tiny, device):
+    """generate() through vkattn.hf with each format: the float32 cache's greedy tokens are eager's
+    (summation order only), every format produces its tokens, and the counts say where they part."""
+    model, ids = tiny
+    res = Q.generate_all(model, ids[None, :12], list(FORMATS), 6, device=device)
+    assert res["prompt_tokens"] == 12 and len(res["eager"]) == 6
+    runs = {r["format"]: r for r in res["runs"]}
+    assert list(runs) == ["float32"] + [f for f in FORMATS if f != "float32"]
+    assert runs["float32"]["tokens"] == res["eager"] and runs["float32"]["equal_eager"] == 6
+    for r in res["runs"]:
+        assert len(r["tokens"]) == 6 and all(0 <= t < VOCAB for t in r["tokens"])
+        lead = next((i for i, (a, b) in enumerate(zip(r["tokens"], res["eager"])) if a != b), 6)
+        assert r["equal_eager"] == lead
+    with pytest.raises(ValueError, match=r"\(1, n\)"):
+        Q.generate_all(model, ids, ["float32"], 2)

@@ -4,17 +4,18 @@ on the host -- each K (after RoPE) and V row rounded by a numpy function, then t
 rounded values (perf.quality.host_logits) -- over the same fixed text and model as ``python -m perf
 quality`` (SmolLM2-135M-Instruct, float32 weights, `make model`). For each candidate: perplexity
 and mean KL(exact || candidate) with K and V rounded, with K only and with V only; the reference is
-the same host path on exact K/V. These are studies, not stored formats: vkattn's q4 is
-``vkattn.reference.quantize_q4`` (the row "q4 (vkattn)", which must equal "sym32").
+the same host path on exact K/V. These are studies, not stored formats; the row "q4 (vkattn)" is
+vkattn's stored q4 itself (``vkattn.reference.round_to``), and ``sym`` its generalisation to other
+block sizes (tests/test_q4_study.py: sym at 32 equals it).
 
 Candidates (blocks of B values along head_dim, per kv head and position; "bytes" per 32 values):
-  sym32      -7..7 times a float32 block scale amax / 7 (vkattn's q4: 16 + 4 bytes)
+  q4         vkattn's q4: -7..7 times a float32 block scale amax / 7 (16 + 4 bytes)
   sym16      the same over blocks of 16 (16 + 8 bytes)
   asym32     0..15 times a float16 scale (max - min) / 15, plus a float16 block minimum (Q4_1's
-             idea; 16 + 4 bytes: the same row size as sym32)
+             idea; 16 + 4 bytes: the same row size as q4)
   had64+...  the row rotated by the orthonormal 64-point Hadamard matrix before rounding and back
              after (scores are unchanged by rotating q and k alike; spreads K's outlier channels
-             over the block), then sym32 / asym32
+             over the block), then q4 / asym32
   int8       vkattn's int8 (per row), for scale
 
 Environment: VKATTN_PERF_QUALITY_TOKENS (the first N tokens of the text), VKATTN_PERF_Q4_STUDY
@@ -27,6 +28,8 @@ import sys
 import time
 
 import numpy as np
+
+from vkattn.reference import round_to
 
 from .common import PerfConfigError, env_int
 
@@ -77,14 +80,17 @@ def rotated(fn, n: int = 64):
     return g
 
 
+def q4(x):
+    """vkattn's stored q4 (vkattn.reference.round_to): sym with blocks of 32, defined exactly."""
+    return round_to(x, "q4")
+
+
 def candidates():
-    from vkattn.reference import round_to
     return {
-        "q4 (vkattn)": lambda x: round_to(x, "q4"),
-        "sym32": sym,
+        "q4 (vkattn)": q4,
         "sym16": lambda x: sym(x, 16),
         "asym32": asym,
-        "had64+sym32": rotated(sym),
+        "had64+q4": rotated(q4),
         "had64+asym32": rotated(asym),
         "int8": lambda x: round_to(x, "int8"),
     }

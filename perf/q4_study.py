@@ -5,17 +5,20 @@ rounded values (perf.quality.host_logits) -- over the same fixed text and model 
 quality`` (SmolLM2-135M-Instruct, float32 weights, `make model`). For each candidate: perplexity
 and mean KL(exact || candidate) with K and V rounded, with K only and with V only; the reference is
 the same host path on exact K/V. These are studies, not stored formats; the row "q4 (vkattn)" is
-vkattn's stored q4 itself (``vkattn.reference.round_to``), and ``sym`` its generalisation to other
-block sizes (tests/test_q4_study.py: sym at 32 equals it).
+vkattn's stored q4 itself (``vkattn.reference.round_to``: asymmetric since session 20), and
+"sym32" the symmetric q4 it replaced.
 
 Candidates (blocks of B values along head_dim, per kv head and position; "bytes" per 32 values):
-  q4         vkattn's q4: -7..7 times a float32 block scale amax / 7 (16 + 4 bytes)
+  q4 (vkattn) vkattn's q4: (0..15 - z) times a 12-bit block scale (max - min) / 15 rounded up, z
+             a 13-bit integer zero point (16 + 4 bytes)
+  sym32      the first q4: -7..7 times a float32 block scale amax / 7 (16 + 4 bytes)
   sym16      the same over blocks of 16 (16 + 8 bytes)
   asym32     0..15 times a float16 scale (max - min) / 15, plus a float16 block minimum (Q4_1's
              idea; 16 + 4 bytes: the same row size as q4)
+  zp32       (0..15 - z) times a float32 scale, z in 0..15: the range widened to include 0
   had64+...  the row rotated by the orthonormal 64-point Hadamard matrix before rounding and back
              after (scores are unchanged by rotating q and k alike; spreads K's outlier channels
-             over the block), then q4 / asym32
+             over the block), then q4 / asym32; had32+q4 the same per 32-value block
   int8       vkattn's int8 (per row), for scale
 
 Environment: VKATTN_PERF_QUALITY_TOKENS (the first N tokens of the text), VKATTN_PERF_Q4_STUDY
@@ -59,6 +62,18 @@ def asym(x, b: int = 32):
     return (q * scale + lo).reshape(x.shape[:2] + (-1,))[..., :d]
 
 
+def zp(x, b: int = 32):
+    """0..15 minus an integer zero point z, times a float32 scale: the range [min(x, 0), max(x, 0)]
+    in 15 steps, z = rint(-min / scale) (so 0 is a level and the extremes are within half a step)."""
+    blocks, d = _blocks(np.asarray(x, np.float32), b)
+    lo = np.minimum(blocks.min(-1, keepdims=True), 0)
+    scale = (np.maximum(blocks.max(-1, keepdims=True), 0) - lo) / np.float32(15)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    z = np.clip(np.rint(-lo / safe), 0, 15)
+    q = np.clip(np.rint(blocks / safe) + z, 0, 15)
+    return ((q - z) * scale).reshape(x.shape[:2] + (-1,))[..., :d]
+
+
 def hadamard(n: int):
     """The orthonormal n-point Hadamard matrix (n a power of 2), float32."""
     h = np.ones((1, 1), np.float64)
@@ -81,16 +96,19 @@ def rotated(fn, n: int = 64):
 
 
 def q4(x):
-    """vkattn's stored q4 (vkattn.reference.round_to): sym with blocks of 32, defined exactly."""
+    """vkattn's stored q4 (vkattn.reference.round_to), defined exactly."""
     return round_to(x, "q4")
 
 
 def candidates():
     return {
         "q4 (vkattn)": q4,
+        "sym32": sym,
         "sym16": lambda x: sym(x, 16),
         "asym32": asym,
+        "zp32": zp,
         "had64+q4": rotated(q4),
+        "had32+q4": rotated(q4, 32),
         "had64+asym32": rotated(asym),
         "int8": lambda x: round_to(x, "int8"),
     }

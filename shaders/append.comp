@@ -11,7 +11,8 @@
 //   rope_tab: ROPE_K: rotary table row r for the position of new row r (rope.glsl)
 //   kscale, vscale: KV_I8: float32 scale of each cache row (common.glsl, quantise), written;
 //            KV_FP8: float32 scale of each kv head (HKV floats), read
-//   KV_Q4  : rows of Q4_ROW(DK4) / Q4_ROW(DV4) words (common.glsl), each block's scale in the row
+//   KV_Q4  : rows of Q4_ROW(DK4) / Q4_ROW(DV4) words (common.glsl), each block's parameter word
+//            (scale and zero point) in the row
 //   HKV    : kv heads (KV_FP8: new row hr = h * n + r belongs to kv head h, n = count / HKV)
 // numpy:  K[rows] = k_new.astype(storage);  V[rows] = v_new.astype(storage)
 //         (ROPE_K: k_new = reference.rope(k_new, positions) first)
@@ -77,8 +78,8 @@ void main() {
     }
 #elif KV_Q4
     // invocation i: block (word) c of new row hr, for K and for V, as below; it writes the block's
-    // word and its scale's component of the row's scale words (the last block also zeroes the
-    // unused components, so a row's bytes are fully defined)
+    // word and its parameter word's component of the row's parameter words (the last block also
+    // zeroes the unused components, so a row's bytes are fully defined)
     const uint NC = DK4 > DV4 ? DK4 : DV4;
     for (uint i = gl_GlobalInvocationID.x; i < count * NC; i += stride) {
         const uint c = i % NC, hr = i / NC;
@@ -88,23 +89,20 @@ void main() {
             const bool is_k = pass == 0u;
             const uint d4 = is_k ? DK4 : DV4;
             if (c >= d4) continue;
-            float amax = 0.0;
-            for (uint e = 0u; e < CH; ++e) {
-                x[e] = new_val(is_k, hr, c * CH + e, t);
-                amax = max(amax, vmax_abs(x[e]));
-            }
-            const float scale = q4_scale(amax);
-            const uvec3 qp = quant_prep(scale);
-            for (uint e = 0u; e < CH; ++e) x[e] = quantise_q4(x[e], qp);
+            for (uint e = 0u; e < CH; ++e) x[e] = new_val(is_k, hr, c * CH + e, t);
+            float lo = x[0].x, hi = x[0].x;
+            for (uint e = 0u; e < CH; ++e) q4_range(x[e], lo, hi);
+            const uint pw = q4_param(lo, hi);
+            for (uint e = 0u; e < CH; ++e) x[e] = quantise_q4(x[e], pw);
             const uint base = row * Q4_ROW(d4);
             const uvec4 w = pack_chunk(x);
             if (is_k) {
                 kc[base + c] = w;
-                kc[base + DK4 + c / 4u][c % 4u] = floatBitsToUint(scale);
+                kc[base + DK4 + c / 4u][c % 4u] = pw;
                 if (c == DK4 - 1u) for (uint z = c % 4u + 1u; z < 4u; ++z) kc[base + DK4 + c / 4u][z] = 0u;
             } else {
                 vc[base + c] = w;
-                vc[base + DV4 + c / 4u][c % 4u] = floatBitsToUint(scale);
+                vc[base + DV4 + c / 4u][c % 4u] = pw;
                 if (c == DV4 - 1u) for (uint z = c % 4u + 1u; z < 4u; ++z) vc[base + DV4 + c / 4u][z] = 0u;
             }
         }

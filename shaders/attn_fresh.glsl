@@ -30,6 +30,16 @@ float fresh_amax(bool is_k, uint h, uint nr, uint c) {
     return a;
 }
 
+#if KV_Q4
+// block b's parameter word of new row nr (common.glsl q4_param; every invocation storing a part
+// of the block computes it from the block's 32 values, so no barrier is needed)
+uint fresh_q4_param(bool is_k, uint h, uint nr, uint b) {
+    const vec4 x0 = fresh_vec4(is_k, h, nr, b * CH);
+    float lo = x0.x, hi = x0.x;
+    [[unroll]] for (uint e = 0u; e < CH; ++e) q4_range(fresh_vec4(is_k, h, nr, b * CH + e), lo, hi);
+    return q4_param(lo, hi);
+}
+#else
 // storage word c of new row nr as stored (KV_I8: quantised with the row's scale; KV_FP8: rounded
 // to fp8 after division by the kv head's scale)
 uvec4 fresh_word(bool is_k, uint h, uint nr, uint c, float scale) {
@@ -38,8 +48,6 @@ uvec4 fresh_word(bool is_k, uint h, uint nr, uint c, float scale) {
         y[e] = fresh_vec4(is_k, h, nr, c * CH + e);
 #if KV_I8
         y[e] = quantise(y[e], scale);
-#elif KV_Q4
-        y[e] = quantise_q4(y[e], quant_prep(scale));
 #endif
     }
 #if KV_FP8
@@ -48,3 +56,4 @@ uvec4 fresh_word(bool is_k, uint h, uint nr, uint c, float scale) {
     return pack_chunk(y);
 #endif
 }
+#endif

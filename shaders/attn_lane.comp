@@ -130,24 +130,23 @@ float new_row_scale(bool is_k, uint h, uint nr) {
 }
 
 #if KV_Q4
-// q4: chunk c (half of block c / 2) of new row nr, with the block's scale (every lane storing a
-// half of the block computes it from the block's 32 values, so no barrier); the last chunk also
-// zeroes the row's unused scale slots
+// q4: chunk c (half of block c / 2) of new row nr, with the block's parameter word (every lane
+// storing a half of the block computes it from the block's 32 values, so no barrier); the last
+// chunk also zeroes the row's unused parameter slots
 void store_q4(bool is_k, uint row, uint h, uint nr, uint c) {
     const uint b = c / 2u, d4 = is_k ? DK4 : DV4;
-    const float scale = q4_scale(fresh_amax(is_k, h, nr, b));
-    const uvec3 qp = quant_prep(scale);
+    const uint pw = fresh_q4_param(is_k, h, nr, b);
     vec4 y[4];
-    [[unroll]] for (uint e = 0u; e < 4u; ++e) y[e] = quantise_q4(fresh_vec4(is_k, h, nr, c * 4u + e), qp);
+    [[unroll]] for (uint e = 0u; e < 4u; ++e) y[e] = quantise_q4(fresh_vec4(is_k, h, nr, c * 4u + e), pw);
     const uvec2 w = uvec2(pack_q4x8(y[0], y[1]), pack_q4x8(y[2], y[3]));
     const uint base = row * Q4_ROW(d4), sc = (base + d4) * 4u;
     if (is_k) {
         kc2[base * 2u + c] = w;
-        kc1[sc + b] = floatBitsToUint(scale);
+        kc1[sc + b] = pw;
         if (c == 2u * DK4 - 1u) for (uint z = b + 1u; z < (DK4 + 3u) / 4u * 4u; ++z) kc1[sc + z] = 0u;
     } else {
         vc2[base * 2u + c] = w;
-        vc1[sc + b] = floatBitsToUint(scale);
+        vc1[sc + b] = pw;
         if (c == 2u * DV4 - 1u) for (uint z = b + 1u; z < (DV4 + 3u) / 4u * 4u; ++z) vc1[sc + z] = 0u;
     }
 }
@@ -166,18 +165,19 @@ uint hh;            // its kv head
 // chunk (lane + i*WG) of cache row `row` of K or V; of this call's new rows, these are the
 // chunks this lane stored itself (main)
 // chunk (lane + i*WG) of cache row `row` of K or V; of this call's new rows, these are the
-// chunks this lane stored itself (main). bs: q4 its block's scale (t holds the integers, the
-// caller applies the scale to a partial dot product or to the softmax weight), 1 otherwise
+// chunks this lane stored itself (main). bs: q4 its block's scale (t holds the integers q - z,
+// the caller applies the scale to a partial dot product or to the softmax weight), 1 otherwise
 void load_chunk(bool is_k, uint row, uint i, out vec4 t[LCH], out float bs) {
     const uint c = min(gl_LocalInvocationID.x + i * WG, (is_k ? LK4 : LV4) - 1u);
 #if KV_Q4
-    // half a block: 16 integers and the block's scale
+    // half a block: 16 integers less the block's zero point, and its scale
     const uint base = row * Q4_ROW(is_k ? DK4 : DV4);
     const uvec2 w = is_k ? kc2[base * 2u + c] : vc2[base * 2u + c];
-    const float s = uintBitsToFloat(is_k ? kc1[(base + DK4) * 4u + c / 2u] : vc1[(base + DV4) * 4u + c / 2u]);
-    unpack_q4x8(w.x, t[0], t[1]);
-    unpack_q4x8(w.y, t[2], t[3]);
-    bs = s;
+    const uint p = is_k ? kc1[(base + DK4) * 4u + c / 2u] : vc1[(base + DV4) * 4u + c / 2u];
+    const float z = q4_zero(p);
+    unpack_q4x8(w.x, z, t[0], t[1]);
+    unpack_q4x8(w.y, z, t[2], t[3]);
+    bs = q4_scale(p);
 #else
     unpack_chunk(is_k ? kc[row * DK4 + c] : vc[row * DV4 + c], t);
     bs = 1.0;

@@ -16,12 +16,14 @@
 //              kv head for K and one for V, fixed at cache creation, in the kscale / vscale
 //              buffers (HKV floats each); value = decode(byte) * scale, applied by the kernels
 //              after the dot product (K) and to the softmax weight (V), as int8's row scales.
-//   KV_Q4 = 1: a uvec4 holds one block of 32 values as 4-bit two's complement integers -7 .. 7
-//              (8 nibbles per uint, low nibble first; block b of a row covers elements 32b ..
+//   KV_Q4 = 1: a uvec4 holds one block of 32 values as 4-bit unsigned integers 0 .. 15 (8
+//              nibbles per uint, low nibble first; block b of a row covers elements 32b ..
 //              32b+31, zeros past the head dim), vkattn.reference.quantize_q4. A row is DK4 such
-//              data words followed by (DK4 + 3) / 4 scale words: block b's float32 scale is the bits
-//              of component b % 4 of scale word b / 4 (unused components 0); value = q * scale.
-//              Q4_ROW(D4) is the row's stride in words.
+//              data words followed by (DK4 + 3) / 4 parameter words: block b's parameter P is
+//              component b % 4 of word b / 4 (unused components 0), its scale the float32 with
+//              bits (P >> 13) << 12 and its zero point z the 13-bit two's complement P & 0x1fff;
+//              value = (q - z) * scale, exact in float32 (q4_param). Padding past the head dim
+//              holds the nibble of 0 (z). Q4_ROW(D4) is the row's stride in words.
 //   otherwise: a uvec4 holds 4 float32 bit patterns.
 // One format define is 1 (vkattn.formats.FORMATS lists them); a format sets CH below and its
 // load (unpack_chunk) and store (pack_chunk), and the kernels follow from those.
@@ -240,10 +242,11 @@ uint pack_i8x4(vec4 x) {
     return b.x | (b.y << 8) | (b.z << 16) | (b.w << 24);
 }
 
-// eight nibbles (low first) <-> two float vec4 of integers -8 .. 7 (the cache holds -7 .. 7)
-void unpack_q4x8(uint w, out vec4 a, out vec4 b) {
-    a = vec4((ivec4(w) << ivec4(28, 24, 20, 16)) >> 28);
-    b = vec4((ivec4(w) << ivec4(12, 8, 4, 0)) >> 28);
+// eight nibbles (low first) minus a block's zero point z <-> two float vec4 of integers -15 .. 15
+// (exact: small integers)
+void unpack_q4x8(uint w, float z, out vec4 a, out vec4 b) {
+    a = vec4((uvec4(w) >> uvec4(0, 4, 8, 12)) & 0xfu) - z;
+    b = vec4((uvec4(w) >> uvec4(16, 20, 24, 28)) & 0xfu) - z;
 }
 
 uint pack_q4x8(vec4 a, vec4 b) {
@@ -252,11 +255,11 @@ uint pack_q4x8(vec4 a, vec4 b) {
 }
 
 // (KV_I8: the int8 values, still to be multiplied by the row's scale; KV_FP8: the fp8 values,
-// still to be multiplied by the kv head's scale; KV_Q4: the block's integers, still to be
-// multiplied by its scale)
+// still to be multiplied by the kv head's scale; KV_Q4: the block's nibbles 0 .. 15, still to
+// have its zero point subtracted and to be multiplied by its scale)
 void unpack_chunk(uvec4 w, out vec4 x[CH]) {
 #if KV_Q4
-    for (uint e = 0u; e < 4u; ++e) unpack_q4x8(w[e], x[2u * e], x[2u * e + 1u]);
+    for (uint e = 0u; e < 4u; ++e) unpack_q4x8(w[e], 0.0, x[2u * e], x[2u * e + 1u]);
 #elif KV_I8
     for (uint e = 0u; e < 4u; ++e) x[e] = unpack_i8x4(w[e]);
 #elif KV_FP8
@@ -369,22 +372,71 @@ vec4 quantise(vec4 x, float scale) { return quantise_prep(x, quant_prep(scale));
 // which quant_scale treats as a zero row either way
 float vmax_abs(vec4 x) { const vec4 a = abs(x); return max(max(a.x, a.y), max(a.z, a.w)); }
 
-// KV_Q4 block scale (numpy: vkattn.reference.quantize_q4): amax / 7 correctly rounded to float32,
-// by quant_scale's integer construction with the divisor 7 (amax = m * 2^(e - 150)): e >= 4, a
-// normal scale with significand q = round(m * 2^k / 7), k = 3, or 2 where m * 2^3 / 7 reaches
-// 2^24 (m >= 7 * 2^21 = 14680064); e <= 3, the scale in units of 2^-149 is round(m * 2^(e-1) / 7),
-// its own bit pattern. 7 is odd: no ties. amax 0 or a float32 denormal: 0 (a zero block).
-float q4_scale(float amax) {
-    const uint a = floatBitsToUint(amax) & 0x7fffffffu;
-    if (a < 0x00800000u) return 0.0;
-    const uint e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;
-    const uint k = e >= 4u ? (m < 14680064u ? 3u : 2u) : e - 1u;
-    const uint n = m << k;                                          // < 2^27
-    uint q = n / 7u;                                                // exact (a constant divisor)
-    q += n - q * 7u >= 4u ? 1u : 0u;
-    return uintBitsToFloat(e >= 4u ? ((e - k - 1u) << 23) + q : q);
+// KV_Q4: x / scale rounded half to even, exactly, for a q4 scale's bits sb (12 significant
+// bits, exponent field >= 25) and |x / scale| < 2^13 (quantize_q4 keeps it at most 3856). With
+// |x| = m * 2^(ex - 150) (ex = max(field, 1); no hidden bit for a denormal) and scale = qd *
+// 2^(ed - 138) (qd its 12-bit significand), 2 |x| / scale = (m << s) / qd for s = ex - ed - 11
+// >= 0, else m / (qd << -s) (below 2^-7 for s < -19: 0); the integer quotient t and remainder r
+// are exact (n < 2^27, the divisor < 2^31) and round as quantise1 does. sb = 0: 0.
+float q4_quot(float x, uint sb) {
+    if (sb == 0u) return 0.0;
+    const uint xb = floatBitsToUint(x), xa = xb & 0x7fffffffu;
+    const uint m = xa >= 0x00800000u ? (xa & 0x7fffffu) | 0x800000u : xa;
+    const int s = max(int(xa >> 23), 1) - int(sb >> 23) - 11;
+    if (s < -19) return 0.0;
+    const uint qd = ((sb >> 12) & 0x7ffu) | 0x800u;
+    const uint n = s >= 0 ? m << min(s, 7) : m, dv = s >= 0 ? qd : qd << uint(-s);
+    const uint t = n / dv, r = n - t * dv;
+    const uint q = (t >> 1) + ((t & 1u) & (r != 0u ? 1u : (t >> 1) & 1u));
+    return xb >= 0x80000000u ? -float(q) : float(q);
 }
 
-// KV_Q4: x / scale rounded half to even, exactly (quantise1's integer construction), clamped to
-// -7 .. 7 (|x| <= amax keeps the quotient below 7.5 anyway; scale 0: 0)
-vec4 quantise_q4(vec4 x, uvec3 p) { return clamp(quantise_prep(x, p), vec4(-7.0), vec4(7.0)); }
+// KV_Q4 block parameter word (numpy: vkattn.reference.quantize_q4) from the block's lo = min and
+// hi = max, on the bits alone: (scale bits >> 12) << 13 | the zero point z as a 13-bit two's
+// complement integer. A denormal lo or hi counts as 0 (min() and max() return an operand, or 0
+// where a driver flushes it). With E the larger exponent field, each is a signed integer in
+// units of 2^(E - 150), its 24-bit significand shifted right by its distance from E (bits
+// shifted out dropped): H, L. R = max(H - L, ceil(max(|H|, |L|) / 256)); scale = R * 2^(E -
+// 150) / 15 rounded up to 12 significant bits: qd = ceil(R / (15 * 2^j)) with j the smallest
+// shift that keeps it at most 2^12 (a carry to 2^12 renormalised), scale = qd * 2^(E + j - 162),
+// exponent field E + j - 12; below 25 (a scale under 2^-102): a zero block, P = 0. z = -(lo /
+// scale rounded half to even).
+uint q4_param(float lo, float hi) {
+    const uint hb = floatBitsToUint(hi), lb = floatBitsToUint(lo);
+    const uint eh = (hb >> 23) & 0xffu, el = (lb >> 23) & 0xffu, E = max(eh, el);
+    const int mh = eh != 0u ? int((hb & 0x7fffffu) | 0x800000u) : 0;
+    const int ml = el != 0u ? int((lb & 0x7fffffu) | 0x800000u) : 0;
+    const int h0 = mh >> int(min(E - eh, 31u)), l0 = ml >> int(min(E - el, 31u));
+    const int H = hb >= 0x80000000u ? -h0 : h0, L = lb >= 0x80000000u ? -l0 : l0;
+    const uint R = uint(max(H - L, (max(abs(H), abs(L)) + 255) >> 8));   // < 2^25
+    if (R == 0u) return 0u;
+    uint j = uint(max(findMSB(R) - 15, 0));
+    if (R > (15u << (12u + j))) j += 1u;
+    const uint D = 15u << j;
+    uint qd = (R + D - 1u) / D;                                         // exact (integers)
+    if (qd == 4096u) { qd = 2048u; j += 1u; }
+    const int ed = int(E + j) - 12;
+    if (ed < 25) return 0u;
+    const uint sb = (uint(ed) << 23) | ((qd << 12) & 0x7fffffu);
+    const int z = -int(q4_quot(lo, sb));
+    return ((sb >> 12) << 13) | (uint(z) & 0x1fffu);
+}
+
+uint q4_sbits(uint p) { return (p >> 13) << 12; }
+float q4_scale(uint p) { return uintBitsToFloat(q4_sbits(p)); }
+float q4_zero(uint p) { return float(int(p << 19) >> 19); }
+
+// KV_Q4: the stored integers of x with block parameter word p: x / scale rounded half to even
+// (q4_quot) plus the zero point, clamped to 0 .. 15
+vec4 quantise_q4(vec4 x, uint p) {
+    const uint sb = q4_sbits(p);
+    const vec4 t = vec4(q4_quot(x.x, sb), q4_quot(x.y, sb), q4_quot(x.z, sb), q4_quot(x.w, sb));
+    return clamp(t + q4_zero(p), vec4(0.0), vec4(15.0));
+}
+
+// the block's lo and hi from its values (folded in from its first value, or from 0 where the
+// block has padding)
+void q4_range(vec4 x, inout float lo, inout float hi) {
+    lo = min(lo, min(min(x.x, x.y), min(x.z, x.w)));
+    hi = max(hi, max(max(x.x, x.y), max(x.z, x.w)));
+}

@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 import vkattn
+from vkattn.check import q4_adversarial_blocks
 from vkattn.compiler import compile_shader
 from vkattn.reference import (BF16_FINITE_INPUT, BF16_MAX, FP8_FORMATS, bfloat16_bits, fp8_bits, fp8_to_float32,
-                              q4_words, quantize_int8, quantize_q4, round_bfloat16, round_to)
+                              q4_split, q4_words, quantize_int8, quantize_q4, round_bfloat16, round_to)
 
 F16_MAX = 65504.0
 
@@ -402,91 +403,82 @@ def test_int8_store_is_the_reference_quantisation(device, rng, monkeypatch, kern
 
 def q4_blocks(rng):
     """Blocks (n, 32) float32 whose q4 quantisation a careless implementation gets wrong."""
-    blocks = []
-    # scale 3 * 2^-e exactly (amax = 21 * 2^-e): quotients k + 1/2 exactly (ties, to the even
-    # neighbour: down for even k, up for odd k) and one float32 either side; 1/scale is inexact
-    for e in (-3, 0, 4, 9, 20, 60, 120, 128):
-        scale = 3.0 * 2.0 ** -e
-        for sign in (1, -1):                       # the max at +amax, or only at -amax
-            k = rng.integers(-7, 7, 31)
-            for nudge in (None, np.inf, -np.inf):
-                x = ((k + 0.5) * scale).astype(np.float32)
-                if nudge is not None:
-                    x = np.nextafter(x, np.float32(nudge))
-                blocks.append(np.concatenate([[np.float32(sign * 21.0 * 2.0 ** -e)], x]))
-    # amax whose scale amax * float32(1/7) is one ULP off amax / 7; the max at the clamp (q = 7)
-    cand = (rng.random(20000) * 10).astype(np.float32) + np.float32(0.01)
-    off = cand[cand * np.float32(1 / 7) != cand / np.float32(7)][:16]
-    for a in off:
-        blocks.append(np.concatenate([[a], (rng.uniform(-1, 1, 31) * a).astype(np.float32)]))
-        blocks.append(np.concatenate([[-a], np.float32([a * 13 / 14, -a * 13 / 14]), np.full(29, a / 14, np.float32)]))
-    # tiny and huge blocks: subnormal scales, denormal elements, a denormal-only block (a zero
-    # block), zeros and negative zeros, one nonzero element, the float32 range
-    tiny = np.float32(2.0 ** -126)
-    blocks += [np.full(32, tiny * 3, np.float32) * np.linspace(-1, 1, 32, dtype=np.float32),
-               np.full(32, tiny, np.float32) * np.float32([1, -1, 0.5, 0.25] * 8),
-               np.concatenate([[np.float32(1e-37)], f32(rng.integers(1, 0x7fffff, 31, dtype=np.uint32))]),
-               np.concatenate([[np.float32(2.0 ** -120)], np.float32([2.0 ** -127, -(2.0 ** -128)] * 16)[:31]]),
-               f32(rng.integers(1, 0x7fffff, 32, dtype=np.uint32)),
-               f32(rng.integers(0x80000001, 0x807fffff, 32, dtype=np.uint32)),
-               np.zeros(32, np.float32),
-               np.full(32, -0.0, np.float32),
-               np.concatenate([[np.float32(2.5)], np.full(31, -0.0, np.float32)]),
-               np.eye(1, 32, 5, dtype=np.float32)[0] * np.float32(-3.0),
-               rng.uniform(-3.3e38, 3.3e38, 32).astype(np.float32),
-               np.float32([3.4028235e38, -3.4028235e38] * 16)]
-    return np.stack(blocks).astype(np.float32)
+    return q4_adversarial_blocks(rng)
 
 
-def rcp_quantise_q4(x):
-    """scale = amax * float32(1/7), q = rint(x * float32(1/scale)): what the exact definition rules out."""
-    amax = np.abs(x).max(axis=-1)
+def float_quantise_q4(x):
+    """A float recipe: scale = (max - min) / 15 in float32, z = rint(-min / scale), q = rint(x *
+    float32(1 / scale)) + z: what the exact definition rules out."""
+    lo, hi = x.min(axis=-1), x.max(axis=-1)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
-        scale = amax * np.float32(1 / 7)
+        scale = (hi - lo) / np.float32(15)
         inv = np.float32(1) / np.where(scale > 0, scale, np.float32(1))
-        q = np.clip(np.rint(x * inv[..., None]), -7, 7)
-    return q.astype(np.int8), scale
+        z = np.rint(-lo * inv)
+        q = np.clip(np.rint(x * inv[..., None]) + z[..., None], 0, 15)
+    return q.astype(np.uint8), scale
 
 
-def test_q4_blocks_would_catch_reciprocal_division(rng):
+def test_q4_blocks_would_catch_float_division(rng):
     x = q4_blocks(rng)
-    q, scale = quantize_q4(x[None])
-    rq, rscale = rcp_quantise_q4(x)
-    assert (rscale != scale[0, :, 0]).sum() >= 10
-    assert (rq != q[0]).sum() >= 50
+    q, _ = quantize_q4(x[None])
+    fq, _ = float_quantise_q4(x)
+    assert (fq != q[0]).sum() >= 50
+
+
+def _q4_definition(block):
+    """quantize_q4's definition, again, in Python integers and fractions: (q list, scale, z)."""
+    from fractions import Fraction
+
+    def aligned(v):
+        b = int(np.float32(v).view(np.uint32))
+        e = (b >> 23) & 0xFF
+        return e, (((b & 0x7FFFFF) | 0x800000) if e else 0), (-1 if b >> 31 else 1)
+    lo, hi = block.min(), block.max()
+    (el, ml, sl), (eh, mh, sh) = aligned(lo), aligned(hi)
+    big = max(el, eh)
+    L, H = sl * (ml >> min(big - el, 31)), sh * (mh >> min(big - eh, 31))
+    r = max(H - L, -(-max(abs(H), abs(L)) // 256))
+    if r == 0:
+        return [0] * 32, 0.0, 0
+    want = Fraction(r) * Fraction(2) ** (big - 150) / 15
+    # the smallest float with 12 significant bits at least the range over 15
+    e = want.numerator.bit_length() - want.denominator.bit_length() - 12
+    while Fraction(2) ** (e + 12) <= want:
+        e += 1
+    while Fraction(2) ** (e + 11) > want:
+        e -= 1
+    qd = -(-want.numerator * (2 ** max(-e, 0)) // (want.denominator * (2 ** max(e, 0))))
+    scale = Fraction(qd) * Fraction(2) ** e
+    if scale < Fraction(2) ** -102:
+        return [0] * 32, 0.0, 0
+    z = -round(Fraction(float(lo)) / scale)                     # round(): half to even
+    q = [max(0, min(15, round(Fraction(float(x)) / scale) + z)) for x in block]
+    return q, float(scale), z
 
 
 def test_q4_reference_definition(rng):
-    from fractions import Fraction
     x = q4_blocks(rng)
-    q, scale = quantize_q4(x[None])
-    q, scale = q[0].astype(np.int64), scale[0, :, 0].astype(np.float64)
-    amax = np.abs(x).max(axis=1).astype(np.float64)
-    live = amax >= 2.0 ** -126
-    assert not scale[~live].any() and not q[~live].any() and (~live).sum() >= 4
-    # scale: the float32 nearest amax / 7, exactly (subnormal scales included)
-    for i in np.flatnonzero(live):
-        want = Fraction(float(amax[i])) / 7
-        s = np.float32(scale[i])
-        for nb in (np.nextafter(s, np.float32(0)), np.nextafter(s, np.float32(np.inf))):
-            assert abs(Fraction(float(s)) - want) <= abs(Fraction(float(nb)) - want)
-    assert (scale[live] < 2.0 ** -126).sum() >= 3            # subnormal scales are exercised
-    # q: nearest to the exact quotient, ties to even, clamped; the max at 7
-    for i in np.flatnonzero(live):
-        for j in range(32):
-            quo = Fraction(float(x[i, j])) / Fraction(float(scale[i]))
-            assert q[i, j] == max(-7, min(7, round(quo))), (i, j, float(quo))
-        assert np.abs(q[i]).max() == 7
-    quo = x.astype(np.float64)[live] / scale[live][:, None]
+    q, params = quantize_q4(x[None])
+    scale, z = q4_split(params)
+    q, scale, z = q[0], scale[0, :, 0], z[0, :, 0]
+    for i in range(len(x)):
+        wq, ws, wz = _q4_definition(x[i])
+        assert (float(scale[i]), int(z[i])) == (ws, wz), (i, float(scale[i]), ws, int(z[i]), wz)
+        assert q[i].tolist() == wq, i
+    live = scale > 0
+    assert (~live).sum() >= 6 and live.sum() >= 130
+    assert (z < 0).sum() >= 20 and (z > 15).sum() >= 20 and ((z >= 0) & (z <= 15)).sum() >= 40
+    quo = x.astype(np.float64)[live] / scale[live, None]
     tie = np.abs(quo - np.floor(quo)) == 0.5
-    assert tie.sum() >= 300 and (q[live][tie] % 2 == 0).all()
-    assert (np.abs(q[live][tie]) > np.abs(quo[tie])).any() and (np.abs(q[live][tie]) < np.abs(quo[tie])).any()
+    r = q[live].astype(np.float64) - z[live, None]
+    assert tie.sum() >= 500 and (r[tie] % 2 == 0).all()
+    assert (np.abs(r[tie]) > np.abs(quo[tie])).any() and (np.abs(r[tie]) < np.abs(quo[tie])).any()
 
 
 @pytest.mark.parametrize("kernel", ["lane", "tile"])
 @pytest.mark.parametrize("how", ["append", "forward"])
 def test_q4_store_is_the_reference_quantisation(device, rng, monkeypatch, kernel, how):
-    # the stored row words themselves (data nibbles, scale words, the unused scale slots zero),
+    # the stored row words themselves (data nibbles, parameter words, the unused slots zero),
     # K of 2 whole blocks, V of 2 blocks and a partial one (d 72)
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     blocks = q4_blocks(rng)

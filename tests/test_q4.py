@@ -1,7 +1,9 @@
-"""q4 K/V storage: blocks of 32 values per (kv head, position), each block a float32 scale (its
-max |x| / 7, correctly rounded) and 32 4-bit integers -7 .. 7 (vkattn.reference.quantize_q4,
-integer arithmetic in shaders/common.glsl), the scales in the row after its data words; every
-kernel that reads the cache dequantises a block as integer * scale.
+"""q4 K/V storage: blocks of 32 values per (kv head, position), each block 32 4-bit integers
+q in 0 .. 15 and a parameter word (a float32 scale with 20 significant bits, the block's range
+[min(x, 0), max(x, 0)] over 15, and in its low 4 bits an integer zero point z), value = (q - z) *
+scale (vkattn.reference.quantize_q4, integer arithmetic in shaders/common.glsl), the parameter
+words in the row after its data words; every kernel that reads the cache dequantises a block as
+(q - z) * scale.
 
 Parity: the device result against the reference computed on the values the cache holds -- read
 back, and checked bit for bit against reference.round_to(x, "q4") -- with the float32
@@ -19,7 +21,7 @@ from test_coopmat import GPU, planning
 from vkattn import tuning
 from vkattn._attn import StorageFormat, attn_pipeline
 from vkattn._base import appends_first
-from vkattn.reference import attention, dequantize_q4, q4_words, q4_words_to_float32, quantize_q4, round_to
+from vkattn.reference import attention, dequantize_q4, q4_split, q4_words, q4_words_to_float32, quantize_q4, round_to
 
 KERNELS = ["lane", "tile"]
 
@@ -38,28 +40,39 @@ def test_reference_definition():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 5, 70)).astype(np.float32)
     x[0, 0, 32:64] = 0.0                                          # a zero block
-    x[0, 1, :32] = 1e-39                                          # a denormal amax: a zero block
-    q, s = quantize_q4(x)
-    assert q.shape == (2, 5, 70) and q.dtype == np.int8 and s.shape == (2, 5, 3) and s.dtype == np.float32
-    assert np.abs(q).max() == 7 and q.min() >= -7
-    amax = np.abs(np.pad(x, ((0, 0), (0, 0), (0, 26)))).reshape(2, 5, 3, 32).max(-1)
-    assert s[0, 0, 1] == 0 and s[0, 1, 0] == 0 and not q[0, 1, :32].any()
-    live = amax >= np.finfo(np.float32).tiny
-    assert np.array_equal(s[live], amax[live] / np.float32(7))
-    # the block's max sits at 7 exactly; negation is symmetric
-    for h, n, b in zip(*np.nonzero(live)):
-        blk = x[h, n, 32 * b:32 * b + 32]
-        assert np.abs(q[h, n, 32 * b + np.abs(blk).argmax()]) == 7
-    q2, s2 = quantize_q4(-x)
-    assert np.array_equal(q2, -q) and np.array_equal(s2, s)
+    x[0, 1, :32] = 1e-39                                          # denormal values: a zero block
+    x[1, 2, :32] = np.abs(x[1, 2, :32]) + 3                       # all positive: z < 0
+    x[1, 3, :32] = -np.abs(x[1, 3, :32]) - 3                      # all negative: z > 15
+    x[1, 4, :32] = 1000 + np.arange(32, dtype=np.float32) / 1024  # spread below 1/256 of the size
+    q, p = quantize_q4(x)
+    assert q.shape == (2, 5, 70) and q.dtype == np.uint8 and p.shape == (2, 5, 3) and p.dtype == np.uint32
+    assert q.max() == 15 and q.min() == 0
+    scale, z = q4_split(p)
+    assert not (p[0, 0, 1] or p[0, 1, 0] or q[0, 1, :32].any() or q[0, 0, 32:64].any())
+    assert z[1, 2, 0] < 0 and z[1, 3, 0] > 15 and np.abs(z).max() <= 3840
+    assert not (scale.view(np.uint32) & 0xFFF).any()              # 12 significant bits
+    xp = np.pad(x, ((0, 0), (0, 0), (0, 26))).reshape(2, 5, 3, 32)
+    spread = xp.max(-1) - xp.min(-1)
+    live = scale > 0
+    wide = live & (spread * 256 > np.abs(xp).max(-1) * 1.01)
+    ratio = scale[wide] * 15 / spread[wide]
+    assert np.all(ratio >= 1 - 2.0 ** -20) and np.all(ratio < 1 + 2.0 ** -10)   # the range over 15, rounded up
+    assert scale[1, 4, 0] * 15 * 256 >= 1000 and z[1, 4, 0] < -3800 # the bound on z decides
+    assert np.array_equal(z[live], -np.rint(xp.min(-1)[live].astype(np.float64) / scale[live]))
+    # every value within half a step of its level (up to the range's truncation), each level exact
+    y = dequantize_q4(q, p)
+    step = np.repeat(scale, 32, -1)[..., :70]
+    assert np.all(np.abs(y - x) <= step * (0.5 + 2.0 ** -12) + (step == 0) * 1e-38)
+    assert np.array_equal(y.astype(np.float64), (q.astype(np.float64) - np.repeat(z, 32, -1)[..., :70]) * step)
+    assert np.array_equal(dequantize_q4(*quantize_q4(np.zeros((1, 1, 32), np.float32))), np.zeros((1, 1, 32)))
     # stored words round-trip and decode to dequantize_q4
-    w = q4_words(q, s)
-    assert w.shape == (2, 5, 4 * (3 + 1)) and not w[..., 4 * 3 + 3].any()   # the unused scale slot
-    assert np.array_equal(bits(q4_words_to_float32(w, 70)), bits(dequantize_q4(q, s)))
+    w = q4_words(q, p)
+    assert w.shape == (2, 5, 4 * (3 + 1)) and not w[..., 4 * 3 + 3].any()   # the unused parameter slot
+    pad = (w[..., 8:12, None] >> (4 * np.arange(8, dtype=np.uint32)) & 0xF).reshape(2, 5, 32)[..., 6:]
+    assert np.array_equal(pad, np.broadcast_to(z[..., 2:3], pad.shape))      # the padding: the level of 0
+    assert np.array_equal(bits(q4_words_to_float32(w, 70)), bits(y))
     with pytest.raises(ValueError, match="finite"):
         quantize_q4(np.full((1, 1, 4), np.inf, np.float32))
-    with pytest.raises(ValueError, match="heads, n, d"):
-        quantize_q4(np.zeros((4, 4), np.float32))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -200,6 +213,17 @@ def test_q4_save_load_round_trip(device, rng, tmp_path):
         assert np.array_equal(bits(x), bits(y))
     q = rand_q(rng, cache, 2, 1)
     assert np.array_equal(cache.attend(q), other.attend(q))
+    # a file of the earlier symmetric q4 blocks (no q4_layout) is refused, the cache unchanged
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+    with safe_open(str(path), framework="np") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "q4_layout"}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta["checksum"] = vkattn.persist.checksum(meta, tensors)
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=meta)
+    with pytest.raises(vkattn.CacheFileMismatchError, match="q4_layout") as e:
+        other.load(tmp_path / "old.safetensors")
+    assert e.value.field == "q4_layout" and other.length == 37
     with pytest.raises(vkattn.CacheFileMismatchError, match="dtype is q4 in the file but int8"):
         vkattn.KVCache(64, 2, 40, 72, dtype="int8", device=device).load(path)
     pool = vkattn.PagedKVCache(16, 8, 2, 40, 72, dtype="q4", device=device)
@@ -228,11 +252,17 @@ def test_q4_bad_input_refused(device, rng, monkeypatch, kernel):
     with pytest.raises(ValueError, match="only the fp8 formats"):
         vkattn.KVCache(16, 1, 40, dtype="q4", device=device, k_scale=0.5)
     assert cache.length == 2 and all(np.array_equal(bits(x), b) for x, b in zip(cache.read(), before))
-    # large finite values are taken: no range limit (the scale is float32)
-    big = np.full((1, 1, 40), 3e38, np.float32)
+    # values up to 2^126 are taken (the scale keeps float32's range); above, refused with nothing
+    # written (a level half a step past its block could pass float32's largest value)
+    big = np.full((1, 1, 40), 2.0 ** 126, np.float32)
+    big[0, 0, 1] = -big[0, 0, 1]
     cache.append(big, -big)
     ks, vs = cache.read()
     assert np.all(ks[0, 2] == round_to(big, "q4")[0, 0]) and np.all(vs[0, 2] == -ks[0, 2])
+    assert np.isfinite(ks).all() and np.abs(ks[0, 2] / big[0, 0] - 1).max() <= (1 + 2.0 ** -10) / 15   # half a step
+    with pytest.raises(ValueError, match=r"q4 range \(\|x\| > 8.50705"):
+        cache.append(np.nextafter(big, np.float32(np.inf)), big)
+    assert cache.length == 3
 
 
 def test_q4_memory_and_format_table(device):

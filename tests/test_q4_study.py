@@ -1,5 +1,5 @@
-"""perf/q4_study.py's candidate 4-bit layouts (host numpy): its "sym32" is vkattn's q4 bit for bit,
-the others round within their step, and the Hadamard rotation is orthonormal."""
+"""perf/q4_study.py's candidate 4-bit layouts (host numpy): its "q4 (vkattn)" is vkattn's q4, every
+candidate rounds within half its step, and the Hadamard rotation is orthonormal."""
 import numpy as np
 import pytest
 
@@ -8,20 +8,26 @@ from vkattn.reference import round_to
 
 
 @pytest.mark.parametrize("d", [13, 32, 37, 64, 128])
-def test_sym32_is_vkattns_q4(d):
+def test_q4_is_vkattns_q4_and_sym32_the_first_q4(d):
     x = np.random.default_rng(d).standard_normal((3, 5, d)).astype(np.float32) * 4
-    x[0, 0] = 0                                   # an all-zero row: scale 0, values 0
-    assert np.array_equal(S.sym(x), round_to(x, "q4"))      # as values (-0.0 == 0: the study does not store)
+    x[0, 0] = 0                                   # an all-zero row: values 0
+    assert np.array_equal(S.candidates()["q4 (vkattn)"](x), round_to(x, "q4"))
+    y = S.sym(x)                                  # the first q4: -7..7 times amax / 7
+    blocks, _ = S._blocks(x, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    lv = S._blocks(y, 32)[0] / np.where(amax > 0, amax / 7, 1)
+    assert np.allclose(lv, np.rint(lv), atol=1e-4) and np.abs(lv).max() <= 7 + 1e-4
 
 
 @pytest.mark.parametrize("d", [29, 64])
 def test_asym_and_sym16_stay_within_half_a_step(d):
     x = np.random.default_rng(1).standard_normal((2, 7, d)).astype(np.float32) + 3   # one-signed: asym's case
-    for fn, b in ((S.asym, 32), (lambda v: S.sym(v, 16), 16)):
+    for fn, b in ((S.asym, 32), (lambda v: S.sym(v, 16), 16), (S.zp, 32)):
         y = fn(x)
         assert y.shape == x.shape and np.isfinite(y).all()
         blocks, _ = S._blocks(x, b)
-        step = (blocks.max(-1) - blocks.min(-1)) / 15 if fn is S.asym else np.abs(blocks).max(-1) / 7
+        step = {S.asym: (blocks.max(-1) - blocks.min(-1)) / 15,
+                S.zp: (np.maximum(blocks.max(-1), 0) - np.minimum(blocks.min(-1), 0)) / 15}.get(fn, np.abs(blocks).max(-1) / 7)
         err = np.abs(S._blocks(y, b)[0] - blocks).max(-1)
         assert (err <= step * 0.5 * (1 + 2e-3) + 1e-6).all()
     # the asymmetric grid is finer than the symmetric one on one-signed data

@@ -505,7 +505,7 @@ def set_storage(c) -> None:
     16 (four per uint32) plus one float32 scale per row (common.glsl); fp8: 16 (four per uint32),
     ``_fp8`` set, a float32 scale per kv head for K and for V (the cache's ``_scales``); q4: 32
     (one block) per data word, ``_q4`` set, ``_rk4``/``_rv4`` the stored words per row (data and
-    scale words; ``_dk4``/``_dv4`` count the data words, as the kernels' value layout)."""
+    parameter words; ``_dk4``/``_dv4`` count the data words, as the kernels' value layout)."""
     fmt = FORMATS[c.dtype]
     c._fmt = fmt
     c._f16, c._i8, c._bf16 = c.dtype == "float16", c.dtype == "int8", c.dtype == "bfloat16"
@@ -540,7 +540,7 @@ def token_bytes(c) -> int:
 
 def unpack_rows(c, words: np.ndarray, scales, d: int) -> np.ndarray:
     """Stored words (..., d4*4) uint32 -> float32 (..., d) values as the kernels see them.
-    q4: words (..., rows words * 4) hold the block scales themselves. ``scales``: int8 (...) per row; fp8 the (num_kv_heads,) scales of K or V, words (n,
+    q4: words (..., rows words * 4) hold the block parameter words themselves. ``scales``: int8 (...) per row; fp8 the (num_kv_heads,) scales of K or V, words (n,
     num_kv_heads, d4*4); otherwise unused."""
     if c._fp8:
         with np.errstate(over="ignore", under="ignore", invalid="ignore"):

@@ -55,7 +55,7 @@ import numpy as np
 from . import KVCache, PagedKVCache, RoPE, __version__, default_device, measure, reference, tuning
 from .array import to_device
 from ._vkinfo import VulkanUnavailableError
-from .reference import TOLERANCE, attention, round_to
+from .reference import Q4_MAX_ABS, TOLERANCE, attention, round_to
 
 DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "q4")
 # the fp8 storage case's per-head scales: the reciprocal of neither is a float32 (a division or
@@ -278,7 +278,7 @@ def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
     denormals; bfloat16 ties (even and odd kept halves) and their float32 neighbours, mantissas
     that carry into the exponent, the largest bfloat16 and the float32 just below its rounding
     to Inf, float32 denormals (bfloat16 keeps them) and signed zeros; int8 rows whose x / scale
-    lands on .5 and near it, tiny and zero rows; q4 blocks of 32 (see ``_q4_block``)."""
+    lands on .5 and near it, tiny and zero rows; q4 blocks of 32 (see ``q4_adversarial_blocks``)."""
     x = rng.standard_normal((hkv, n, d)).astype(np.float32)
     flat = x.reshape(-1, d)
     if dtype == "float16":
@@ -330,9 +330,10 @@ def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
             hx *= np.where(rng.random(hx.size) < 0.5, -1, 1).astype(np.float32)
         return x
     if dtype == "q4":
+        pool = q4_adversarial_blocks(rng)
         for r in range(flat.shape[0]):
             for b in range(0, d, 32):
-                flat[r, b:b + 32] = _q4_block(rng, (r * 7 + b // 32) % 8)[:min(32, d - b)]
+                flat[r, b:b + 32] = pool[(r * 7 + b // 32) % len(pool)][:min(32, d - b)]
         return x
     if dtype == "int8":
         for r in range(flat.shape[0]):
@@ -351,36 +352,51 @@ def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
     return x
 
 
-def _q4_block(rng, kind: int) -> np.ndarray:
-    """32 float32 values of an adversarial q4 block: kinds 0-2 quotients x / scale exactly on
-    k + 1/2 (scale 3 * 2^-e, not a power of two; ties round to the even neighbour, down or up) and
-    one float32 above / below; 3 the max at the clamp held only by -amax; 4 a zero block with -0;
-    5 denormal elements only (a zero block); 6 a subnormal scale with denormal elements; 7 a
-    random block whose amax / 7 is not amax * float32(1 / 7)."""
-    if kind <= 3:
-        e = int(rng.choice([-3, 0, 9, 60, 120]))
-        scale = 3.0 * 2.0 ** -e
-        blk = ((rng.integers(-7, 7, 32) + 0.5) * scale).astype(np.float32)
-        if kind == 1:
-            blk = np.nextafter(blk, np.float32(np.inf))
-        elif kind == 2:
-            blk = np.nextafter(blk, np.float32(-np.inf))
-        blk[rng.integers(0, 32)] = np.float32(21.0 * scale) * np.float32(-1 if kind == 3 else 1)
-        return blk
-    if kind == 4:
-        return np.where(rng.random(32) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
-    if kind == 5:
-        return rng.integers(1, 0x800000, 32, dtype=np.uint32).view(np.float32) * np.float32(1)
-    if kind == 6:
-        blk = rng.integers(1, 0x800000, 32, dtype=np.uint32).view(np.float32).copy()
-        blk[0] = np.float32(3 * 2.0 ** -126)
-        return blk
-    while True:
-        a = np.float32(rng.uniform(0.01, 10))
-        if a * np.float32(1 / 7) != a / np.float32(7):
-            blk = (rng.uniform(-1, 1, 32) * a).astype(np.float32)
-            blk[rng.integers(0, 32)] = a
-            return blk
+def q4_adversarial_blocks(rng) -> np.ndarray:
+    """Blocks (n, 32) float32 whose q4 quantisation (``reference.quantize_q4``) a careless
+    implementation gets wrong: quotients x / scale exactly on k + 1/2 (ties to the even
+    neighbour, down and up) and one float32 either side, with the zero point inside 0 .. 15 and
+    far outside it (one-sided blocks), over scales from 2^-90 to 2^60; ranges whose scale rounds
+    up to a carry (qd 4096) or sits on a shift boundary; a lo and hi whose alignment drops bits;
+    a spread below 1/256 of the size (the zero point's bound decides); tiny blocks either side of
+    the zero-block threshold, denormals, zeros and -0, one nonzero element, the float32 range."""
+    f32 = lambda u: np.asarray(u, np.uint32).view(np.float32)
+    blocks = []
+    for e in (-90, -60, -3, 0, 9, 60):
+        for zl in (0, 7, 15, -40, 300, -3000):
+            qd = int(rng.integers(1024, 2048)) * 2 + 1                 # an odd 12-bit significand
+            s = np.float64(qd) * 2.0 ** (e - 11)
+            k = rng.integers(-zl, 15 - zl, 30)
+            for nudge in (None, np.inf, -np.inf):
+                x = ((k + 0.5) * s).astype(np.float32)
+                if nudge is not None:
+                    x = np.nextafter(x, np.float32(nudge))
+                blocks.append(np.concatenate([np.float32([-zl * s, (15 - zl) * s]), x]))
+    u = 2.0 ** -20
+    for r in (15 * 4095 + 1, 15 * 4096, 15 * 4096 + 1, 15 * 8191 + 1, 2 ** 24 - 1):   # carry, shift edges
+        for lo in (0.0, -3.0 * u):
+            hi = np.float32(r * u + lo)
+            blocks.append(np.concatenate([np.float32([lo, hi]), rng.uniform(lo, float(hi), 30).astype(np.float32)]))
+    blocks.append(np.float32([3.0000002, -0.70000005, 1e-9, -1e-9] * 8))           # alignment drops bits
+    blocks.append(np.float32([1.0, -2.0 ** -30, 0.5, 2.0 ** -25] * 8))
+    for sign in (1, -1):                                                            # spread < size / 256
+        blocks.append(np.float32(sign * (1000 + np.arange(32) / 1024)))
+        blocks.append(np.float32(sign * (3 + rng.uniform(0, 2.0 ** -10, 32))))
+    for e in (-96, -97, -98, -99, -100):                                            # the zero-block threshold
+        blocks.append((rng.uniform(-1, 1, 32) * 2.0 ** e).astype(np.float32))
+        blocks.append(np.float32(np.linspace(0, 2.0 ** e, 32)))
+    blocks += [f32(rng.integers(1, 0x7fffff, 32, dtype=np.uint32)),
+               f32(rng.integers(0x80000001, 0x807fffff, 32, dtype=np.uint32)),
+               np.concatenate([np.float32([1e-3]), f32(rng.integers(1, 0x7fffff, 31, dtype=np.uint32))]),
+               np.zeros(32, np.float32), np.full(32, -0.0, np.float32),
+               np.concatenate([[np.float32(2.5)], np.full(31, -0.0, np.float32)]),
+               np.eye(1, 32, 5, dtype=np.float32)[0] * np.float32(-3.0),
+               rng.uniform(-Q4_MAX_ABS, Q4_MAX_ABS, 32).astype(np.float32),
+               np.float32([Q4_MAX_ABS, -Q4_MAX_ABS] * 16),
+               np.float32(rng.uniform(1e36, Q4_MAX_ABS, 32))]
+    for _ in range(8):
+        blocks.append((rng.standard_normal(32) * rng.uniform(0.1, 10) + rng.uniform(-5, 5)).astype(np.float32))
+    return np.stack(blocks).astype(np.float32)
 
 
 def _case_storage(dev, rng, acc, dtype, hkv=2, n=67, d=72):

@@ -12,13 +12,14 @@ format -- its float16 matrices hold every stored value exactly (float16: the val
 int8: the integers -127 .. 127, the scale applied after the product); bfloat16's exponent range
 does not fit in float16, so it stays on attn.comp / attn_lane.comp; the fp8 formats do the same
 (see ``head_scale``), and q4 (its blocks' scales would need a rescale per 32 values inside the
-matrix product). ``block_scale``: q4's blocks of 32 values, each with a float32 scale stored in
-the row itself (scale words after the data words; ``row_words``). ``head_scale``: one float32 scale per kv head for K and one for V, fixed at
+matrix product). ``block_scale``: q4's blocks of 32 values, each with a parameter word (scale and zero
+point) stored in the row itself (after the data words; ``row_words``). ``head_scale``: one float32 scale per kv head for K and one for V, fixed at
 cache creation (the fp8 formats: value = decode(byte) * scale, vkattn.reference.fp8_bits).
 ``max_abs``: the largest
 |x| a cache accepts from numpy (a larger value would be stored as Inf: float16 refuses what
 passes its largest value, 65504, as it always has; bfloat16 exactly what rounds to Inf, from
-0x7f7f8000 on); None: any finite value (the fp8 formats saturate finite overflow).
+0x7f7f8000 on; q4 above 2^126, where a level could pass float32's range); None: any finite value
+(the fp8 formats saturate finite overflow).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .checks import FP16_MAX
-from .reference import BF16_FINITE_INPUT
+from .reference import BF16_FINITE_INPUT, Q4_MAX_ABS
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,14 @@ class KVFormat:
     matrices: bool = True         # attn_coopmat.comp can hold it exactly (see the module docstring)
     max_abs: float | None = None  # numpy inputs above this magnitude are refused
     head_scale: bool = False      # a float32 scale per kv head (K and V), set at creation (fp8)
-    block_scale: bool = False     # a float32 scale per 32-value block, in scale words after the row's data (q4)
+    block_scale: bool = False     # a parameter word per 32-value block, after the row's data words (q4)
 
     @property
     def ch(self) -> int:
         return self.per_word // 4
 
     def row_words(self, data_words: int) -> int:
-        """16-byte words of a stored row of ``data_words`` data words (q4: plus its scale words)."""
+        """16-byte words of a stored row of ``data_words`` data words (q4: plus its parameter words)."""
         return data_words + (data_words + 3) // 4 if self.block_scale else data_words
 
 
@@ -69,11 +70,12 @@ FORMATS = {
                          matrices=False, head_scale=True),
     "fp8_e5m2": KVFormat("fp8_e5m2", 16, {"KV_F16": 0, "KV_I8": 0, "KV_FP8": 2}, np.uint8, np.dtype(np.uint8),
                          matrices=False, head_scale=True),
-    # q4: one 32-value block per word (8 nibbles per uint32, low first), each block's float32 scale
-    # in (words + 3) // 4 scale words after the row's data words (common.glsl; reference.quantize_q4).
-    # Files hold the stored row words as uint32. Not on attn_coopmat.comp (as bfloat16 / fp8)
+    # q4: one 32-value block per word (8 nibbles per uint32, low first), each block's parameter word
+    # (scale and zero point) in (words + 3) // 4 words after the row's data words (common.glsl;
+    # reference.quantize_q4). Files hold the stored row words as uint32 (format "q4z"). Not on
+    # attn_coopmat.comp (as bfloat16 / fp8)
     "q4": KVFormat("q4", 32, {"KV_F16": 0, "KV_I8": 0, "KV_Q4": 1}, np.uint32, np.dtype(np.uint32),
-                   matrices=False, block_scale=True),
+                   matrices=False, block_scale=True, max_abs=Q4_MAX_ABS),
 }
 DTYPES = tuple(FORMATS)
 

@@ -25,7 +25,9 @@ writes the same bits back (scatter_slots.comp), with no rotation or quantisation
 the round trip is bit-exact. String metadata: ``format``, ``format_version``, ``dtype``,
 ``num_kv_heads``, ``head_dim``, ``v_head_dim``, ``rope`` (JSON: style, base, rotary_dim; or
 ``none``), for fp8 ``k_scale`` and ``v_scale`` (JSON lists of the num_kv_heads float32 scales,
-exact: a load needs the cache's own, as the stored bytes mean byte * scale), ``length``, ``source`` (KVCache / PagedKVCache), ``block_size`` (a paged source's;
+exact: a load needs the cache's own, as the stored bytes mean byte * scale), for q4
+``q4_layout`` (``Q4_LAYOUT``: a file of the earlier symmetric q4 blocks lacks it and is refused
+with CacheFileMismatchError), ``length``, ``source`` (KVCache / PagedKVCache), ``block_size`` (a paged source's;
 informational: positions load into any block size or a KVCache), ``vkattn_version`` and
 ``checksum``: ``sha256:`` over every other metadata entry and every tensor's name, dtype, shape
 and bytes, so a damaged byte anywhere is found before anything is written.
@@ -56,6 +58,7 @@ from .tuning import WORKGROUP
 from ._version import __version__
 
 FORMAT_VERSION = 1
+Q4_LAYOUT = "asym-zp13"   # q4 blocks: 0 .. 15, a 12-bit scale and a 13-bit zero point per 32 values
 SEQUENCE = "vkattn.sequence"
 HF_CACHE = "vkattn.hf_cache"
 # per storage dtype: the file tensors' dtype (bfloat16, which numpy lacks: its bits as uint16) and a
@@ -185,6 +188,8 @@ def format_meta(c) -> dict:
     if c._fp8:      # float32 -> Python float is exact, and so is its repr
         meta["k_scale"] = json.dumps([float(x) for x in c._scales[0]])
         meta["v_scale"] = json.dumps([float(x) for x in c._scales[1]])
+    if c._q4:       # the block layout (reference.quantize_q4); files of the earlier symmetric q4 lack it
+        meta["q4_layout"] = Q4_LAYOUT
     return meta
 
 

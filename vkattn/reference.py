@@ -218,22 +218,75 @@ def quantize_int8(x):
 Q4_BLOCK = 32     # values per q4 block (one 16-byte word of nibbles)
 
 
-def quantize_q4(x):
-    """q4 quantisation, blocks of 32 values per (head, token): x (heads, n, d) float, taken as
-    float32. Returns q (heads, n, d) int8 in -7 .. 7 and scale (heads, n, ceil(d / 32)) float32.
+Q4_ZMAX = 3840    # the largest |zero point|: the scale is at least max |x| / (256 * 15)
+# the largest |x| a q4 cache accepts from numpy (2^126): a level may lie half a step past its
+# block's range, and RoPE may grow a key by sqrt(2), so larger inputs could round past float32's
+# largest value
+Q4_MAX_ABS = float(2.0 ** 126)
 
-    Block b covers x[..., 32b : 32b + 32]; a last partial block (d not a multiple of 32) is the
-    values there are (the zeros the cache pads it with cannot raise its max |x|). Defined
-    exactly, so that every device stores the same bits (shaders/common.glsl ``q4_scale`` /
-    ``quantise_q4``, integer arithmetic): amax = max |x| over the block; a block whose amax is 0 or
-    a float32 denormal (< 2^-126, which a GPU may flush to 0) gets scale 0 and q 0. Otherwise scale
-    = amax / 7 correctly rounded to float32 (round half to even; numpy's float32 division), and
-    q = the integer nearest the exact quotient x / scale, ties to even, clipped to -7 .. 7
-    (symmetric, as int8's -127 .. 127: q(-x) = -q(x), and amax is stored as 7 exactly; |x| <=
-    amax keeps the quotient below 7.5, so the clip never changes a value). The float64 quotient
-    is exact enough for rint: both operands have 24-bit significands, so a quotient that is not
-    exactly a .5 tie lies more than 2^-28 (at 8) from one, far beyond float64's rounding error.
-    -0.0 is stored as 0. Non-finite x: ValueError (the caches refuse it at the door).
+
+def _q4_params(lo, hi):
+    """The block parameter words (uint32, same shape) from each block's lo = min and hi = max
+    (float32), as quantize_q4 defines them; 0 for a zero block."""
+    def aligned(v):
+        b = v.astype(np.float32).view(np.uint32).astype(np.int64)
+        e = (b >> 23) & 0xFF
+        m = np.where(e > 0, (b & 0x7FFFFF) | 0x800000, 0)
+        return e, m, np.where(b >> 31 == 1, -1, 1)
+    eh, mh, sh = aligned(hi)
+    el, ml, sl = aligned(lo)
+    big = np.maximum(eh, el)
+    hh = sh * (mh >> np.minimum(big - eh, 31))
+    ll = sl * (ml >> np.minimum(big - el, 31))
+    r = np.maximum(hh - ll, (np.maximum(np.abs(hh), np.abs(ll)) + 255) >> 8)   # the range, in 2^(E - 150)
+    f = np.floor(np.log2(np.maximum(r, 1).astype(np.float64))).astype(np.int64)   # exact: r < 2^25
+    j = np.maximum(f - 15, 0)
+    j = j + (r > (15 << (12 + j)))
+    div = np.int64(15) << j
+    qd = -(-r // div)                                                           # ceil
+    carry = qd == 1 << 12
+    qd, j = np.where(carry, 1 << 11, qd), j + carry
+    ed = big + j - 12
+    sbits = (ed << 23) | ((qd << 12) & 0x7FFFFF)
+    live = ed >= 25
+    scale = np.where(live, sbits, 0).astype(np.uint32).view(np.float32).astype(np.float64)
+    safe = np.where(live, scale, 1.0)
+    z = np.where(live, -np.rint(lo.astype(np.float64) / safe), 0).astype(np.int64)
+    return np.where(live, ((sbits >> 12) << 13) | (z & 0x1FFF), 0).astype(np.uint32)
+
+
+def quantize_q4(x):
+    """q4 quantisation, blocks of 32 values per (head, token), asymmetric with an integer zero
+    point: x (heads, n, d) float, taken as float32. Returns q (heads, n, d) uint8 in 0 .. 15 and
+    params (heads, n, ceil(d / 32)) uint32; value = (q - z) * scale (``q4_split``: scale the
+    float32 with bits (params >> 13) << 12, z the signed 13-bit integer params & 0x1FFF).
+
+    Why this layout (``python -m perf q4study``, perf/RESULTS.md): K vectors carry outlier
+    channels, so a block's values sit off centre; 16 levels over [min, max] instead of 15 over
+    [-max |x|, max |x|] nearly halve the step there. The zero point is an integer, so every level
+    (q - z) * scale is an exact float32; the scale keeps float32's exponent range with 12
+    significant bits, so scale and zero point share one 32-bit word and a d-128 row is 80 bytes.
+
+    Block b covers x[..., 32b : 32b + 32] (a last partial block: the values there and the zeros
+    the cache pads it with, so its range includes 0 and its padding is stored as the nibble z,
+    the level of 0; ``q4_words``). Defined exactly, on the bits, so that every device stores the same bits
+    (shaders/common.glsl ``q4_param`` / ``quantise_q4``, integer arithmetic):
+      lo, hi = the block's min and max, each taken as 0 if it is a float32 denormal (which a GPU
+      may flush); with E the larger of their exponent fields, each becomes a signed integer in
+      units of 2^(E - 150): its 24-bit significand shifted right by (E - its exponent field),
+      the bits shifted out dropped (so H and L, |H|, |L| < 2^24);
+      R = max(H - L, ceil(max(|H|, |L|) / 256)) (the second bounds |z|; it decides only for a
+      block whose spread is below 1/256 of its size);
+      scale = R * 2^(E - 150) / 15 rounded UP to 12 significant bits (so 15 steps span the
+      range); a scale below 2^-102 (a block within about 2^-98 of 0, or all zero): a zero
+      block, params 0 and q 0;
+      z = -(lo / scale rounded half to even) (exact quotient; |z| <= 3840);
+      q = (x / scale rounded half to even, exact quotient) + z, clipped to 0 .. 15.
+    Every value lies within half a step (scale / 2) of its level, up to the range's truncation
+    (2^-14 of a step at most). The float64 quotients are exact enough for rint: the scale has
+    12 significant bits and x 24, so a quotient that is not a .5 tie lies at least 2^-13 / 2^12
+    of a unit from one (far beyond float64's rounding error at 4096). Non-finite x: ValueError
+    (the caches refuse it at the door, and |x| above Q4_MAX_ABS).
     """
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 3:
@@ -242,56 +295,67 @@ def quantize_q4(x):
         raise ValueError("x must be finite")
     h, n, d = x.shape
     nb = -(-d // Q4_BLOCK)
+    if nb == 0:
+        return np.zeros((h, n, d), np.uint8), np.zeros((h, n, 0), np.uint32)
     xp = np.zeros((h, n, nb * Q4_BLOCK), np.float32)
     xp[..., :d] = x
     blocks = xp.reshape(h, n, nb, Q4_BLOCK)
-    amax = np.abs(blocks).max(axis=-1) if nb else np.zeros((h, n, 0), np.float32)
-    with np.errstate(under="ignore"):
-        scale = np.where(amax >= np.finfo(np.float32).tiny, amax / np.float32(7), np.float32(0))
-    scale = scale.astype(np.float32, copy=False)
+    params = _q4_params(blocks.min(axis=-1), blocks.max(axis=-1))
+    scale, z = q4_split(params)
     safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float64)
-    q = np.clip(np.rint(blocks.astype(np.float64) / safe[..., None]), -7, 7).astype(np.int8)
-    return q.reshape(h, n, nb * Q4_BLOCK)[..., :d], scale
+    r = np.where(scale[..., None] > 0, np.rint(blocks.astype(np.float64) / safe[..., None]), 0)
+    q = np.clip(r + z[..., None], 0, 15).astype(np.uint8)
+    return q.reshape(h, n, nb * Q4_BLOCK)[..., :d], params
 
 
-def dequantize_q4(q, scale):
-    """q (heads, n, d) int8 and scale (heads, n, ceil(d / 32)) -> q * (its block's scale) as
-    float32 (heads, n, d), each product rounded once to float32 (as the kernels compute it)."""
+def q4_split(params):
+    """Block parameter words (..., nb) uint32 -> (scale (..., nb) float32, z (..., nb) float32)."""
+    params = np.asarray(params, np.uint32)
+    scale = ((params >> np.uint32(13)) << np.uint32(12)).view(np.float32)
+    z = (((params & np.uint32(0x1FFF)).astype(np.int32) ^ 0x1000) - 0x1000).astype(np.float32)
+    return scale, z
+
+
+def dequantize_q4(q, params):
+    """q (heads, n, d) integers 0 .. 15 and params (heads, n, ceil(d / 32)) uint32 -> (q - z) *
+    scale of its block as float32 (heads, n, d); every such product is exact in float32."""
     q = np.asarray(q)
-    scale = np.asarray(scale, dtype=np.float32)
-    if q.ndim != 3 or scale.shape != q.shape[:2] + (-(-q.shape[2] // Q4_BLOCK),):
-        raise ValueError(f"q shape {q.shape} and scale shape {scale.shape} must be (heads, n, d) and "
+    params = np.asarray(params, dtype=np.uint32)
+    if q.ndim != 3 or params.shape != q.shape[:2] + (-(-q.shape[2] // Q4_BLOCK),):
+        raise ValueError(f"q shape {q.shape} and params shape {params.shape} must be (heads, n, d) and "
                          f"(heads, n, ceil(d / 32))")
-    per_value = np.repeat(scale, Q4_BLOCK, axis=-1)[..., :q.shape[2]]
-    return q.astype(np.float32) * per_value
+    scale, z = q4_split(params)
+    d = q.shape[2]
+    return (q.astype(np.float32) - np.repeat(z, Q4_BLOCK, axis=-1)[..., :d]) * np.repeat(scale, Q4_BLOCK, axis=-1)[..., :d]
 
 
-def q4_words(q, scale):
-    """The stored rows: q (..., d) int8 in -8 .. 7 and scale (..., nb) float32, nb = ceil(d / 32)
-    -> (..., 4 * (nb + ceil(nb / 4))) uint32: nb data words of 8 nibbles per uint32 (low first,
-    zeros past d), then the scale words (block b's float32 bits at uint32 4 * nb + b, unused 0)."""
-    q = np.asarray(q, np.int8)
-    scale = np.asarray(scale, np.float32)
-    nb = scale.shape[-1]
-    nib = np.zeros(q.shape[:-1] + (nb * Q4_BLOCK,), np.uint32)
-    nib[..., :q.shape[-1]] = q.astype(np.int32) & 0xF
+def q4_words(q, params):
+    """The stored rows: q (..., d) integers 0 .. 15 and params (..., nb) uint32, nb = ceil(d / 32)
+    -> (..., 4 * (nb + ceil(nb / 4))) uint32: nb data words of 8 nibbles per uint32 (low first;
+    past d the nibble of 0, its block's z clipped to 0 .. 15), then the parameter words (block
+    b's at uint32 4 * nb + b, unused 0)."""
+    q = np.asarray(q)
+    params = np.asarray(params, np.uint32)
+    nb = params.shape[-1]
+    zq = np.clip(q4_split(params)[1], 0, 15).astype(np.uint32)
+    nib = np.repeat(zq, Q4_BLOCK, axis=-1)
+    nib[..., :q.shape[-1]] = q.astype(np.uint32) & 0xF
     nib = nib.reshape(q.shape[:-1] + (nb * 4, 8)) << (4 * np.arange(8, dtype=np.uint32))
     out = np.zeros(q.shape[:-1] + (4 * (nb + (nb + 3) // 4),), np.uint32)
     out[..., :nb * 4] = np.bitwise_or.reduce(nib, axis=-1)
-    out[..., nb * 4:nb * 5] = scale.view(np.uint32)
+    out[..., nb * 4:nb * 5] = params
     return out
 
 
 def q4_words_to_float32(words, d: int):
-    """Stored q4 rows (..., 4 * (nb + ceil(nb / 4))) uint32 -> (..., d) float32 values, each the
-    nibble's integer times its block's scale (float32 product), nb = ceil(d / 32)."""
+    """Stored q4 rows (..., 4 * (nb + ceil(nb / 4))) uint32 -> (..., d) float32 values, each
+    (nibble - its block's z) times its block's scale (exact), nb = ceil(d / 32)."""
     words = np.asarray(words, np.uint32)
     nb = -(-d // Q4_BLOCK)
     data = words[..., :nb * 4, None] >> (4 * np.arange(8, dtype=np.uint32))
-    q = ((data & 0xF).astype(np.int32) ^ 8) - 8                   # sign-extend the nibble
-    q = q.reshape(words.shape[:-1] + (nb * Q4_BLOCK,))[..., :d].astype(np.float32)
-    scale = words[..., nb * 4:nb * 5].view(np.float32)
-    return q * np.repeat(scale, Q4_BLOCK, axis=-1)[..., :d]
+    q = (data & 0xF).reshape(words.shape[:-1] + (nb * Q4_BLOCK,))[..., :d].astype(np.float32)
+    scale, z = q4_split(words[..., nb * 4:nb * 5])
+    return (q - np.repeat(z, Q4_BLOCK, axis=-1)[..., :d]) * np.repeat(scale, Q4_BLOCK, axis=-1)[..., :d]
 
 
 def dequantize_int8(q, scale):

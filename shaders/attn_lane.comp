@@ -154,6 +154,9 @@ void store_q4(bool is_k, uint row, uint h, uint nr, uint c) {
 
 // per-invocation state: its slice of the NQ scaled queries and accumulators, softmax state
 vec4 q[NQ * KPL * LCH];
+#if KV_Q4
+float qsum[NQ * KPL];   // the sum of each chunk's query values (q4's zero point: sum q (n - z) = sum q n - z qsum)
+#endif
 vec4 acc[NQ * VPL * LCH];
 float m[NQ], l[NQ];
 uint vis_end[NQ];   // key j < vis_end[qv] passes the causal rule (0: no such row)
@@ -165,22 +168,24 @@ uint hh;            // its kv head
 // chunk (lane + i*WG) of cache row `row` of K or V; of this call's new rows, these are the
 // chunks this lane stored itself (main)
 // chunk (lane + i*WG) of cache row `row` of K or V; of this call's new rows, these are the
-// chunks this lane stored itself (main). bs: q4 its block's scale (t holds the integers q - z,
-// the caller applies the scale to a partial dot product or to the softmax weight), 1 otherwise
-void load_chunk(bool is_k, uint row, uint i, out vec4 t[LCH], out float bs) {
+// chunks this lane stored itself (main). bs, bz: q4 its block's scale and zero point (t holds the
+// nibbles n; the caller takes z off and applies the scale once per chunk, to a partial dot
+// product or to the softmax weight, rather than per value), 1 and 0 otherwise
+void load_chunk(bool is_k, uint row, uint i, out vec4 t[LCH], out float bs, out float bz) {
     const uint c = min(gl_LocalInvocationID.x + i * WG, (is_k ? LK4 : LV4) - 1u);
 #if KV_Q4
-    // half a block: 16 integers less the block's zero point, and its scale
+    // half a block: its 16 nibbles, the block's scale and zero point
     const uint base = row * Q4_ROW(is_k ? DK4 : DV4);
     const uvec2 w = is_k ? kc2[base * 2u + c] : vc2[base * 2u + c];
     const uint p = is_k ? kc1[(base + DK4) * 4u + c / 2u] : vc1[(base + DV4) * 4u + c / 2u];
-    const float z = q4_zero(p);
-    unpack_q4x8(w.x, z, t[0], t[1]);
-    unpack_q4x8(w.y, z, t[2], t[3]);
+    unpack_q4x8(w.x, 0.0, t[0], t[1]);
+    unpack_q4x8(w.y, 0.0, t[2], t[3]);
     bs = q4_scale(p);
+    bz = q4_zero(p);
 #else
     unpack_chunk(is_k ? kc[row * DK4 + c] : vc[row * DV4 + c], t);
     bs = 1.0;
+    bz = 0.0;
 #endif
 }
 
@@ -218,10 +223,10 @@ void consume_block(uint j0, uint k1) {
         const uint row = key_row(j, b, row_l);
         const float ksc = row_scale(true, row);
         vec4 kx[KPL * LCH];
-        float kbs[KPL];
+        float kbs[KPL], kbz[KPL];
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
             vec4 t[LCH];
-            load_chunk(true, row, i, t, kbs[i]);
+            load_chunk(true, row, i, t, kbs[i], kbz[i]);
             [[unroll]] for (uint e = 0u; e < LCH; ++e)   // zero past the row's end (constant-folded)
                 kx[i * LCH + e] = (LK4 % WG != 0u && lane + i * WG >= LK4) ? vec4(0.0) : t[e];
         }
@@ -229,9 +234,10 @@ void consume_block(uint j0, uint k1) {
         [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
             float s = 0.0;
 #if KV_Q4
-            // q4: each chunk's integer dot product times its block's scale
+            // q4: each chunk's dot product with the nibbles, less z times the chunk's query sum,
+            // times its block's scale
             [[unroll]] for (uint i = 0u; i < KPL; ++i) {
-                float si = 0.0;
+                float si = -kbz[i] * qsum[qv * KPL + i];
                 [[unroll]] for (uint e = 0u; e < LCH; ++e) {
                     const vec4 qq = q[(qv * KPL + i) * LCH + e], kk = kx[i * LCH + e];
                     si = fma(qq.x, kk.x, fma(qq.y, kk.y, fma(qq.z, kk.z, fma(qq.w, kk.w, si))));
@@ -272,14 +278,14 @@ void consume_block(uint j0, uint k1) {
     // goes through memory (llvmpipe splits fma into a multiply and an add, and a sum kept in
     // memory adds a load and a store to each)
     vec4 vx[WG * VPL * LCH];
-    float vsc[WG], vbs[WG * VPL];       // row (int8) or kv head (fp8) scales; q4 block scales
+    float vsc[WG], vbs[WG * VPL], vbz[WG * VPL];   // row (int8) or kv head (fp8) scales; q4 block scales, zero points
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
         const uint j = min(j0 + b, kl);
         const uint row = key_row(j, b, row_l);
         vsc[b] = row_scale(false, row);
         [[unroll]] for (uint i = 0u; i < VPL; ++i) {
             vec4 t[LCH];
-            load_chunk(false, row, i, t, vbs[b * VPL + i]);
+            load_chunk(false, row, i, t, vbs[b * VPL + i], vbz[b * VPL + i]);
             [[unroll]] for (uint e = 0u; e < LCH; ++e) vx[(b * VPL + i) * LCH + e] = t[e];
         }
     }
@@ -289,9 +295,15 @@ void consume_block(uint j0, uint k1) {
         [[unroll]] for (uint y = 0u; y < VPL * LCH; ++y) {
             vec4 sum = vec4(0.0);
 #if KV_Q4
-            // q4: the weight times the chunk's block scale (once per chunk after unrolling)
-            [[unroll]] for (uint b = 0u; b < WG; ++b)
-                sum = fma(vec4(p[b] * vbs[b * VPL + y / LCH]), vx[b * VPL * LCH + y], sum);
+            // q4: the weight times the chunk's block scale (once per chunk after unrolling) times
+            // the nibbles, less the weighted zero points
+            float zs = 0.0;
+            [[unroll]] for (uint b = 0u; b < WG; ++b) {
+                const float w = p[b] * vbs[b * VPL + y / LCH];
+                sum = fma(vec4(w), vx[b * VPL * LCH + y], sum);
+                zs = fma(w, vbz[b * VPL + y / LCH], zs);
+            }
+            sum -= vec4(zs);
 #else
             [[unroll]] for (uint b = 0u; b < WG; ++b) sum = fma(vec4(p[b]), vx[b * VPL * LCH + y], sum);
 #endif
@@ -407,6 +419,11 @@ void main() {
                     x = rope_rotate(x, qbuf[qbase + rope_partner(u)], u, sq.rope_row + qpos[qv] - sq.rope_pos);
                 q[(qv * KPL + i) * LCH + e] = x * qscale;
             }
+#if KV_Q4
+            float qs = 0.0;
+            [[unroll]] for (uint e = 0u; e < LCH; ++e) qs += dot(q[(qv * KPL + i) * LCH + e], vec4(1.0));
+            qsum[qv * KPL + i] = qs;
+#endif
         }
         [[unroll]] for (uint i = 0u; i < VPL * LCH; ++i) acc[qv * VPL * LCH + i] = vec4(0.0);
     }

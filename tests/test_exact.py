@@ -414,7 +414,7 @@ def float_quantise_q4(x):
         scale = (hi - lo) / np.float32(15)
         inv = np.float32(1) / np.where(scale > 0, scale, np.float32(1))
         z = np.rint(-lo * inv)
-        q = np.clip(np.rint(x * inv[..., None]) + z[..., None], 0, 15)
+        q = np.nan_to_num(np.clip(np.rint(x * inv[..., None]) + z[..., None], 0, 15))
     return q.astype(np.uint8), scale
 
 

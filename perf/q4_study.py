@@ -10,7 +10,8 @@ vkattn's stored q4 itself (``vkattn.reference.round_to``: asymmetric since sessi
 
 Candidates (blocks of B values along head_dim, per kv head and position; "bytes" per 32 values):
   q4 (vkattn) vkattn's q4: (0..15 - z) times a 12-bit block scale (max - min) / 15 rounded up, z
-             a 13-bit integer zero point (16 + 4 bytes)
+             a 13-bit integer zero point, blocks of 16 (16 + 8 bytes)
+  q4/32      the same definition over blocks of 32 (16 + 4 bytes)
   sym32      the first q4: -7..7 times a float32 block scale amax / 7 (16 + 4 bytes)
   sym16      the same over blocks of 16 (16 + 8 bytes)
   asym32     0..15 times a float16 scale (max - min) / 15, plus a float16 block minimum (Q4_1's
@@ -18,7 +19,7 @@ Candidates (blocks of B values along head_dim, per kv head and position; "bytes"
   zp32       (0..15 - z) times a float32 scale, z in 0..15: the range widened to include 0
   had64+...  the row rotated by the orthonormal 64-point Hadamard matrix before rounding and back
              after (scores are unchanged by rotating q and k alike; spreads K's outlier channels
-             over the block), then q4 / asym32; had32+q4 the same per 32-value block
+             over the block), then q4 / asym32; had16+q4 the same per 16-value block (q4's own)
   int8       vkattn's int8 (per row), for scale
 
 Environment: VKATTN_PERF_QUALITY_TOKENS (the first N tokens of the text), VKATTN_PERF_Q4_STUDY
@@ -32,7 +33,7 @@ import time
 
 import numpy as np
 
-from vkattn.reference import round_to
+from vkattn.reference import dequantize_q4, quantize_q4, round_to
 
 from .common import PerfConfigError, env_int
 
@@ -100,15 +101,21 @@ def q4(x):
     return round_to(x, "q4")
 
 
+def q4_32(x):
+    """vkattn's q4 definition over blocks of 32 (its first asymmetric layout)."""
+    return dequantize_q4(*quantize_q4(x, 32), 32)
+
+
 def candidates():
     return {
         "q4 (vkattn)": q4,
+        "q4/32": q4_32,
         "sym32": sym,
         "sym16": lambda x: sym(x, 16),
         "asym32": asym,
         "zp32": zp,
         "had64+q4": rotated(q4),
-        "had32+q4": rotated(q4, 32),
+        "had16+q4": rotated(q4, 16),
         "had64+asym32": rotated(asym),
         "int8": lambda x: round_to(x, "int8"),
     }

@@ -77,8 +77,8 @@ void main() {
         else vscale[row] = scale;
     }
 #elif KV_Q4
-    // invocation i: block (word) c of new row hr, for K and for V, as below; it writes the block's
-    // word and its parameter word's component of the row's parameter words (the last block also
+    // invocation i: data word c (blocks 2c, 2c + 1) of new row hr, for K and for V, as below; it
+    // writes the word and its blocks' components of the row's parameter words (the last word also
     // zeroes the unused components, so a row's bytes are fully defined)
     const uint NC = DK4 > DV4 ? DK4 : DV4;
     for (uint i = gl_GlobalInvocationID.x; i < count * NC; i += stride) {
@@ -90,20 +90,25 @@ void main() {
             const uint d4 = is_k ? DK4 : DV4;
             if (c >= d4) continue;
             for (uint e = 0u; e < CH; ++e) x[e] = new_val(is_k, hr, c * CH + e, t);
-            float lo = x[0].x, hi = x[0].x;
-            for (uint e = 0u; e < CH; ++e) q4_range(x[e], lo, hi);
-            const uint pw = q4_param(lo, hi);
-            for (uint e = 0u; e < CH; ++e) x[e] = quantise_q4(x[e], pw);
-            const uint base = row * Q4_ROW(d4);
+            uvec2 pw;
+            for (uint half_ = 0u; half_ < 2u; ++half_) {          // block 2c + half_: x[4 half_ ..]
+                float lo = x[4u * half_].x, hi = lo;
+                for (uint e = 0u; e < 4u; ++e) q4_range(x[4u * half_ + e], lo, hi);
+                pw[half_] = q4_param(lo, hi);
+                for (uint e = 0u; e < 4u; ++e) x[4u * half_ + e] = quantise_q4(x[4u * half_ + e], pw[half_]);
+            }
+            const uint base = row * Q4_ROW(d4), pc = 2u * c;
             const uvec4 w = pack_chunk(x);
             if (is_k) {
                 kc[base + c] = w;
-                kc[base + DK4 + c / 4u][c % 4u] = pw;
-                if (c == DK4 - 1u) for (uint z = c % 4u + 1u; z < 4u; ++z) kc[base + DK4 + c / 4u][z] = 0u;
+                kc[base + DK4 + pc / 4u][pc % 4u] = pw.x;
+                kc[base + DK4 + pc / 4u][pc % 4u + 1u] = pw.y;
+                if (c == DK4 - 1u && pc % 4u == 0u) kc[base + DK4 + pc / 4u].zw = uvec2(0u);
             } else {
                 vc[base + c] = w;
-                vc[base + DV4 + c / 4u][c % 4u] = pw;
-                if (c == DV4 - 1u) for (uint z = c % 4u + 1u; z < 4u; ++z) vc[base + DV4 + c / 4u][z] = 0u;
+                vc[base + DV4 + pc / 4u][pc % 4u] = pw.x;
+                vc[base + DV4 + pc / 4u][pc % 4u + 1u] = pw.y;
+                if (c == DV4 - 1u && pc % 4u == 0u) vc[base + DV4 + pc / 4u].zw = uvec2(0u);
             }
         }
     }

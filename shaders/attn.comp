@@ -99,14 +99,14 @@ layout(std430, binding = 12) buffer VS { float vscale[]; };
 // int8 and fp8 half a word (8 bytes, 8 values), so such a key costs a thread no more registers
 // than a float16 one. UV: float vec4 per unit; DKU, DVU: units per K, V row.
 #if KV_Q4
-// q4: a unit is one uint (8 values); block u / 4 of the row has its parameter word (scale and
+// q4: a unit is one uint (8 values); block u / 2 of the row has its parameter word (scale and
 // zero point, common.glsl layout)
 #define UV 2u
 layout(std430, binding = 0) buffer KC1 { uint kc1[]; };   // the same buffers by 4 bytes
 layout(std430, binding = 1) buffer VC1 { uint vc1[]; };
 void k_load(uint row, uint u, out vec4 x[UV]) {
     const uint base = row * Q4_ROW(DK4) * 4u;
-    const uint p = kc1[base + DK4 * 4u + u / 4u];
+    const uint p = kc1[base + DK4 * 4u + u / 2u];
     unpack_q4x8(kc1[base + u], q4_zero(p), x[0], x[1]);
     const float s = q4_scale(p);
     x[0] *= s;
@@ -114,7 +114,7 @@ void k_load(uint row, uint u, out vec4 x[UV]) {
 }
 void v_load(uint row, uint u, out vec4 x[UV]) {
     const uint base = row * Q4_ROW(DV4) * 4u;
-    const uint p = vc1[base + DV4 * 4u + u / 4u];
+    const uint p = vc1[base + DV4 * 4u + u / 2u];
     unpack_q4x8(vc1[base + u], q4_zero(p), x[0], x[1]);
     const float s = q4_scale(p);
     x[0] *= s;
@@ -352,7 +352,7 @@ float unit_amax(bool is_k, uint nr, uint u) {
 // of the block computes and stores the same word), its 8 values quantised; the last unit also
 // zeroes the unused parameter components
 void store_unit_q4(bool is_k, uint row, uint nr, uint u) {
-    const uint b = u / 4u, d4 = is_k ? DK4 : DV4;
+    const uint b = u / 2u, d4 = is_k ? DK4 : DV4;
     const uint pw = fresh_q4_param(is_k, hh, nr, b);
     const uint w = pack_q4x8(quantise_q4(fresh_vec4(is_k, hh, nr, u * UV), pw),
                              quantise_q4(fresh_vec4(is_k, hh, nr, u * UV + 1u), pw));
@@ -360,11 +360,11 @@ void store_unit_q4(bool is_k, uint row, uint nr, uint u) {
     if (is_k) {
         kc1[base + u] = w;
         kc1[base + DK4 * 4u + b] = pw;
-        if (u == DK4 * 4u - 1u) for (uint z = b + 1u; z < (DK4 + 3u) / 4u * 4u; ++z) kc1[base + DK4 * 4u + z] = 0u;
+        if (u == DK4 * 4u - 1u) for (uint z = b + 1u; z < (DK4 + 1u) / 2u * 4u; ++z) kc1[base + DK4 * 4u + z] = 0u;
     } else {
         vc1[base + u] = w;
         vc1[base + DV4 * 4u + b] = pw;
-        if (u == DV4 * 4u - 1u) for (uint z = b + 1u; z < (DV4 + 3u) / 4u * 4u; ++z) vc1[base + DV4 * 4u + z] = 0u;
+        if (u == DV4 * 4u - 1u) for (uint z = b + 1u; z < (DV4 + 1u) / 2u * 4u; ++z) vc1[base + DV4 * 4u + z] = 0u;
     }
 }
 #endif

@@ -32,11 +32,11 @@ float fresh_amax(bool is_k, uint h, uint nr, uint c) {
 
 #if KV_Q4
 // block b's parameter word of new row nr (common.glsl q4_param; every invocation storing a part
-// of the block computes it from the block's 32 values, so no barrier is needed)
+// of the block computes it from the block's 16 values, so no barrier is needed)
 uint fresh_q4_param(bool is_k, uint h, uint nr, uint b) {
-    const vec4 x0 = fresh_vec4(is_k, h, nr, b * CH);
+    const vec4 x0 = fresh_vec4(is_k, h, nr, b * 4u);
     float lo = x0.x, hi = x0.x;
-    [[unroll]] for (uint e = 0u; e < CH; ++e) q4_range(fresh_vec4(is_k, h, nr, b * CH + e), lo, hi);
+    [[unroll]] for (uint e = 0u; e < 4u; ++e) q4_range(fresh_vec4(is_k, h, nr, b * 4u + e), lo, hi);
     return q4_param(lo, hi);
 }
 #else

@@ -61,7 +61,7 @@ layout(std430, binding = 12) buffer VS { float vscale[]; };
 
 const uint WG = gl_WorkGroupSize.x;
 const uint NQ = G * BQ;                  // query vectors of this workgroup, qv = g * BQ + i
-// a lane's chunk: a storage word (LCH float vec4), or for q4 half a block (8 bytes, 16 values;
+// a lane's chunk: a storage word (LCH float vec4), or for q4 one block (8 bytes, 16 values;
 // LCH 4), so a d-128 q4 row spreads over 8 lanes as a float16 row's 16 words do
 #if KV_Q4
 #define LCH 4u
@@ -130,11 +130,10 @@ float new_row_scale(bool is_k, uint h, uint nr) {
 }
 
 #if KV_Q4
-// q4: chunk c (half of block c / 2) of new row nr, with the block's parameter word (every lane
-// storing a half of the block computes it from the block's 32 values, so no barrier); the last
-// chunk also zeroes the row's unused parameter slots
+// q4: chunk c (block c) of new row nr with its parameter word; the last chunk also zeroes the
+// row's unused parameter slots
 void store_q4(bool is_k, uint row, uint h, uint nr, uint c) {
-    const uint b = c / 2u, d4 = is_k ? DK4 : DV4;
+    const uint b = c, d4 = is_k ? DK4 : DV4;
     const uint pw = fresh_q4_param(is_k, h, nr, b);
     vec4 y[4];
     [[unroll]] for (uint e = 0u; e < 4u; ++e) y[e] = quantise_q4(fresh_vec4(is_k, h, nr, c * 4u + e), pw);
@@ -143,11 +142,11 @@ void store_q4(bool is_k, uint row, uint h, uint nr, uint c) {
     if (is_k) {
         kc2[base * 2u + c] = w;
         kc1[sc + b] = pw;
-        if (c == 2u * DK4 - 1u) for (uint z = b + 1u; z < (DK4 + 3u) / 4u * 4u; ++z) kc1[sc + z] = 0u;
+        if (c == 2u * DK4 - 1u) for (uint z = b + 1u; z < (DK4 + 1u) / 2u * 4u; ++z) kc1[sc + z] = 0u;
     } else {
         vc2[base * 2u + c] = w;
         vc1[sc + b] = pw;
-        if (c == 2u * DV4 - 1u) for (uint z = b + 1u; z < (DV4 + 3u) / 4u * 4u; ++z) vc1[sc + z] = 0u;
+        if (c == 2u * DV4 - 1u) for (uint z = b + 1u; z < (DV4 + 1u) / 2u * 4u; ++z) vc1[sc + z] = 0u;
     }
 }
 #endif
@@ -174,10 +173,10 @@ uint hh;            // its kv head
 void load_chunk(bool is_k, uint row, uint i, out vec4 t[LCH], out float bs, out float bz) {
     const uint c = min(gl_LocalInvocationID.x + i * WG, (is_k ? LK4 : LV4) - 1u);
 #if KV_Q4
-    // half a block: its 16 nibbles, the block's scale and zero point
+    // a block: its 16 nibbles, its scale and zero point
     const uint base = row * Q4_ROW(is_k ? DK4 : DV4);
     const uvec2 w = is_k ? kc2[base * 2u + c] : vc2[base * 2u + c];
-    const uint p = is_k ? kc1[(base + DK4) * 4u + c / 2u] : vc1[(base + DV4) * 4u + c / 2u];
+    const uint p = is_k ? kc1[(base + DK4) * 4u + c] : vc1[(base + DV4) * 4u + c];
     unpack_q4x8(w.x, 0.0, t[0], t[1]);
     unpack_q4x8(w.y, 0.0, t[2], t[3]);
     bs = q4_scale(p);

@@ -16,11 +16,12 @@
 //              kv head for K and one for V, fixed at cache creation, in the kscale / vscale
 //              buffers (HKV floats each); value = decode(byte) * scale, applied by the kernels
 //              after the dot product (K) and to the softmax weight (V), as int8's row scales.
-//   KV_Q4 = 1: a uvec4 holds one block of 32 values as 4-bit unsigned integers 0 .. 15 (8
-//              nibbles per uint, low nibble first; block b of a row covers elements 32b ..
-//              32b+31, zeros past the head dim), vkattn.reference.quantize_q4. A row is DK4 such
-//              data words followed by (DK4 + 3) / 4 parameter words: block b's parameter P is
-//              component b % 4 of word b / 4 (unused components 0), its scale the float32 with
+//   KV_Q4 = 1: a uvec4 holds two blocks of 16 values as 4-bit unsigned integers 0 .. 15 (8
+//              nibbles per uint, low nibble first; block b of a row covers elements 16b ..
+//              16b+15, uints 2b % 4 and 2b % 4 + 1 of word b / 2; zeros past the head dim),
+//              vkattn.reference.quantize_q4. A row is DK4 such data words followed by
+//              (DK4 + 1) / 2 parameter words: block b's parameter P is component b % 4 of word
+//              b / 4 (unused components 0), its scale the float32 with
 //              bits (P >> 13) << 12 and its zero point z the 13-bit two's complement P & 0x1fff;
 //              value = (q - z) * scale, exact in float32 (q4_param). Padding past the head dim
 //              holds the nibble of 0 (z). Q4_ROW(D4) is the row's stride in words.
@@ -58,7 +59,7 @@
 #endif
 // words per stored row of D4 data words (q4: the scale words after them)
 #if KV_Q4
-#define Q4_ROW(d4) ((d4) + ((d4) + 3u) / 4u)
+#define Q4_ROW(d4) ((d4) + ((d4) + 1u) / 2u)
 #else
 #define Q4_ROW(d4) (d4)
 #endif

@@ -402,7 +402,7 @@ def test_int8_store_is_the_reference_quantisation(device, rng, monkeypatch, kern
 # ------------------------------------------------------------------------------ q4
 
 def q4_blocks(rng):
-    """Blocks (n, 32) float32 whose q4 quantisation a careless implementation gets wrong."""
+    """Blocks (n, 16) float32 whose q4 quantisation a careless implementation gets wrong."""
     return q4_adversarial_blocks(rng)
 
 
@@ -439,7 +439,7 @@ def _q4_definition(block):
     L, H = sl * (ml >> min(big - el, 31)), sh * (mh >> min(big - eh, 31))
     r = max(H - L, -(-max(abs(H), abs(L)) // 256))
     if r == 0:
-        return [0] * 32, 0.0, 0
+        return [0] * len(block), 0.0, 0
     want = Fraction(r) * Fraction(2) ** (big - 150) / 15
     # the smallest float with 12 significant bits at least the range over 15
     e = want.numerator.bit_length() - want.denominator.bit_length() - 12
@@ -450,7 +450,7 @@ def _q4_definition(block):
     qd = -(-want.numerator * (2 ** max(-e, 0)) // (want.denominator * (2 ** max(e, 0))))
     scale = Fraction(qd) * Fraction(2) ** e
     if scale < Fraction(2) ** -102:
-        return [0] * 32, 0.0, 0
+        return [0] * len(block), 0.0, 0
     z = -round(Fraction(float(lo)) / scale)                     # round(): half to even
     q = [max(0, min(15, round(Fraction(float(x)) / scale) + z)) for x in block]
     return q, float(scale), z
@@ -471,7 +471,7 @@ def test_q4_reference_definition(rng):
     quo = x.astype(np.float64)[live] / scale[live, None]
     tie = np.abs(quo - np.floor(quo)) == 0.5
     r = q[live].astype(np.float64) - z[live, None]
-    assert tie.sum() >= 500 and (r[tie] % 2 == 0).all()
+    assert tie.sum() >= 400 and (r[tie] % 2 == 0).all()
     assert (np.abs(r[tie]) > np.abs(quo[tie])).any() and (np.abs(r[tie]) < np.abs(quo[tie])).any()
 
 
@@ -479,13 +479,13 @@ def test_q4_reference_definition(rng):
 @pytest.mark.parametrize("how", ["append", "forward"])
 def test_q4_store_is_the_reference_quantisation(device, rng, monkeypatch, kernel, how):
     # the stored row words themselves (data nibbles, parameter words, the unused slots zero),
-    # K of 2 whole blocks, V of 2 blocks and a partial one (d 72)
+    # K of 4 whole blocks, V of 4 blocks, a partial one and one wholly past d (d 72)
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     blocks = q4_blocks(rng)
     hkv, n = 2, 24
-    pick = lambda: blocks[np.concatenate([rng.permutation(len(blocks)), rng.integers(0, len(blocks), 3 * hkv * n)])]
-    k = pick()[:2 * hkv * n].reshape(hkv, n, 64)
-    v = pick()[:3 * hkv * n].reshape(hkv, n, 96)[..., :72]
+    pick = lambda: blocks[np.concatenate([rng.permutation(len(blocks)), rng.integers(0, len(blocks), 6 * hkv * n)])]
+    k = pick()[:4 * hkv * n].reshape(hkv, n, 64)
+    v = pick()[:6 * hkv * n].reshape(hkv, n, 96)[..., :72]
     cache = vkattn.KVCache(64, hkv, 64, 72, dtype="q4", device=device)
     if how == "append":
         cache.append(k, v)

@@ -1,7 +1,6 @@
-"""q4 K/V storage: blocks of 32 values per (kv head, position), each block 32 4-bit integers
-q in 0 .. 15 and a parameter word (a float32 scale with 20 significant bits, the block's range
-[min(x, 0), max(x, 0)] over 15, and in its low 4 bits an integer zero point z), value = (q - z) *
-scale (vkattn.reference.quantize_q4, integer arithmetic in shaders/common.glsl), the parameter
+"""q4 K/V storage: blocks of 16 values per (kv head, position), each block 16 4-bit integers
+q in 0 .. 15 and a parameter word (a float32 scale with 12 significant bits, the block's range
+over 15 rounded up, and a 13-bit integer zero point z), value = (q - z) * scale (vkattn.reference.quantize_q4, integer arithmetic in shaders/common.glsl), the parameter
 words in the row after its data words; every kernel that reads the cache dequantises a block as
 (q - z) * scale.
 
@@ -38,20 +37,20 @@ def assert_stored(stored, x):
 
 def test_reference_definition():
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((2, 5, 70)).astype(np.float32)
-    x[0, 0, 32:64] = 0.0                                          # a zero block
-    x[0, 1, :32] = 1e-39                                          # denormal values: a zero block
-    x[1, 2, :32] = np.abs(x[1, 2, :32]) + 3                       # all positive: z < 0
-    x[1, 3, :32] = -np.abs(x[1, 3, :32]) - 3                      # all negative: z > 15
-    x[1, 4, :32] = 1000 + np.arange(32, dtype=np.float32) / 1024  # spread below 1/256 of the size
+    x = rng.standard_normal((2, 5, 70)).astype(np.float32)      # 5 blocks of 16, the last partial
+    x[0, 0, 16:32] = 0.0                                          # a zero block
+    x[0, 1, :16] = 1e-39                                          # denormal values: a zero block
+    x[1, 2, :16] = np.abs(x[1, 2, :16]) + 3                       # all positive: z < 0
+    x[1, 3, :16] = -np.abs(x[1, 3, :16]) - 3                      # all negative: z > 15
+    x[1, 4, :16] = 1000 + np.arange(16, dtype=np.float32) / 1024  # spread below 1/256 of the size
     q, p = quantize_q4(x)
-    assert q.shape == (2, 5, 70) and q.dtype == np.uint8 and p.shape == (2, 5, 3) and p.dtype == np.uint32
+    assert q.shape == (2, 5, 70) and q.dtype == np.uint8 and p.shape == (2, 5, 5) and p.dtype == np.uint32
     assert q.max() == 15 and q.min() == 0
     scale, z = q4_split(p)
-    assert not (p[0, 0, 1] or p[0, 1, 0] or q[0, 1, :32].any() or q[0, 0, 32:64].any())
+    assert not (p[0, 0, 1] or p[0, 1, 0] or q[0, 1, :16].any() or q[0, 0, 16:32].any())
     assert z[1, 2, 0] < 0 and z[1, 3, 0] > 15 and np.abs(z).max() <= 3840
     assert not (scale.view(np.uint32) & 0xFFF).any()              # 12 significant bits
-    xp = np.pad(x, ((0, 0), (0, 0), (0, 26))).reshape(2, 5, 3, 32)
+    xp = np.pad(x, ((0, 0), (0, 0), (0, 10))).reshape(2, 5, 5, 16)
     spread = xp.max(-1) - xp.min(-1)
     live = scale > 0
     wide = live & (spread * 256 > np.abs(xp).max(-1) * 1.01)
@@ -61,15 +60,17 @@ def test_reference_definition():
     assert np.array_equal(z[live], -np.rint(xp.min(-1)[live].astype(np.float64) / scale[live]))
     # every value within half a step of its level (up to the range's truncation), each level exact
     y = dequantize_q4(q, p)
-    step = np.repeat(scale, 32, -1)[..., :70]
+    step = np.repeat(scale, 16, -1)[..., :70]
     assert np.all(np.abs(y - x) <= step * (0.5 + 2.0 ** -12) + (step == 0) * 1e-38)
-    assert np.array_equal(y.astype(np.float64), (q.astype(np.float64) - np.repeat(z, 32, -1)[..., :70]) * step)
+    assert np.array_equal(y.astype(np.float64), (q.astype(np.float64) - np.repeat(z, 16, -1)[..., :70]) * step)
     assert np.array_equal(dequantize_q4(*quantize_q4(np.zeros((1, 1, 32), np.float32))), np.zeros((1, 1, 32)))
-    # stored words round-trip and decode to dequantize_q4
+    # stored words: 3 data words (6 block slots: block 5 wholly past d), 2 parameter words
     w = q4_words(q, p)
-    assert w.shape == (2, 5, 4 * (3 + 1)) and not w[..., 4 * 3 + 3].any()   # the unused parameter slot
-    pad = (w[..., 8:12, None] >> (4 * np.arange(8, dtype=np.uint32)) & 0xF).reshape(2, 5, 32)[..., 6:]
-    assert np.array_equal(pad, np.broadcast_to(z[..., 2:3], pad.shape))      # the padding: the level of 0
+    assert w.shape == (2, 5, 4 * (3 + 2)) and not w[..., 17:].any()   # block 5 (a zero block), 2 unused slots
+    assert np.array_equal(w[..., 12:17], p)
+    pad = (w[..., 8:12, None] >> (4 * np.arange(8, dtype=np.uint32)) & 0xF).reshape(2, 5, 32)
+    assert np.array_equal(pad[..., 6:16], np.broadcast_to(z[..., 4:5], (2, 5, 10)))   # padding: the level of 0
+    assert not pad[..., 16:].any()
     assert np.array_equal(bits(q4_words_to_float32(w, 70)), bits(y))
     with pytest.raises(ValueError, match="finite"):
         quantize_q4(np.full((1, 1, 4), np.inf, np.float32))
@@ -128,7 +129,7 @@ def test_q4_rope_is_quantised_after_rotation(device, rng, monkeypatch, kernel):
     rotated = vkattn.reference.rope(k, np.arange(21), rotary_dim=32)
     # within one step of the quantised rotation (the rotation's own float rounding may cross a tie)
     _, s = quantize_q4(rotated)
-    step = np.repeat(s, 32, axis=-1)[..., :48]
+    step = np.repeat(q4_split(s)[0], 16, axis=-1)[..., :48]
     assert np.all(np.abs(ks - round_to(rotated, "q4")) <= step * 1.0001)
     assert_stored(vs, v)
     qr = vkattn.reference.rope(q, np.arange(13, 21), rotary_dim=32)
@@ -194,7 +195,7 @@ def test_q4_save_load_round_trip(device, rng, tmp_path):
     cache = vkattn.KVCache(64, 2, 40, 72, dtype="q4", device=device)
     k, v = rand_kv(rng, cache, 37)
     k[0, 0, :4] = [0.0, -0.0, 1e-40, -1e9]                      # -0, a denormal, the block's max
-    k[1, 2, 32:] = 0.0                                          # a zero (partial) block
+    k[1, 2, 32:] = 0.0                                          # a zero (partial) block, then one past d
     cache.append(k, v)
     path = tmp_path / "q4.safetensors"
     cache.save(path, token_ids=np.arange(37))
@@ -202,8 +203,8 @@ def test_q4_save_load_round_trip(device, rng, tmp_path):
     assert info["dtype"] == "q4" and info["length"] == 37
     from safetensors.numpy import load_file
     t = load_file(str(path))
-    # the stored row words: 2 data words + 1 scale word (K, d 40), 3 + 1 (V, d 72)
-    assert t["k"].dtype == np.uint32 and t["k"].shape == (2, 37, 12) and t["v"].shape == (2, 37, 16)
+    # the stored row words: 2 data words + 1 parameter word (K, d 40), 3 + 2 (V, d 72)
+    assert t["k"].dtype == np.uint32 and t["k"].shape == (2, 37, 12) and t["v"].shape == (2, 37, 20)
     assert np.array_equal(t["k"], q4_words(*quantize_q4(k)))
     assert np.array_equal(t["v"], q4_words(*quantize_q4(v)))
     other = vkattn.KVCache(50, 2, 40, 72, dtype="q4", device=device)
@@ -268,12 +269,13 @@ def test_q4_bad_input_refused(device, rng, monkeypatch, kernel):
 def test_q4_memory_and_format_table(device):
     f16 = vkattn.KVCache(1024, 8, 128, dtype="float16", device=device)
     q4 = vkattn.KVCache(1024, 8, 128, dtype="q4", device=device)
-    # d 128: 4 blocks of 16 bytes and one 16-byte scale word per row: 80 bytes against 256
-    assert q4.bytes_per_token == 8 * 2 * 80 and f16.bytes_per_token == 8 * 2 * 256
-    assert q4._ch == 8 and q4._dk4 == 4 and q4._rk4 == 5 and q4._defines == {"KV_F16": 0, "KV_I8": 0, "KV_Q4": 1}
+    # d 128: 4 data words of 16 bytes (8 blocks) and 2 16-byte parameter words per row: 96 bytes
+    # against 256
+    assert q4.bytes_per_token == 8 * 2 * 96 and f16.bytes_per_token == 8 * 2 * 256
+    assert q4._ch == 8 and q4._dk4 == 4 and q4._rk4 == 6 and q4._defines == {"KV_F16": 0, "KV_I8": 0, "KV_Q4": 1}
     assert not q4._matrices and q4.k_scale is None
     odd = vkattn.KVCache(16, 1, 37, 72, dtype="q4", device=device)
-    assert (odd._dk4, odd._rk4, odd._dv4, odd._rv4) == (2, 3, 3, 4)
+    assert (odd._dk4, odd._rk4, odd._dv4, odd._rv4) == (2, 3, 3, 5)
 
 
 def test_planner_never_picks_coopmat_for_q4(device, monkeypatch):

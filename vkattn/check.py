@@ -330,10 +330,10 @@ def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
             hx *= np.where(rng.random(hx.size) < 0.5, -1, 1).astype(np.float32)
         return x
     if dtype == "q4":
-        pool = q4_adversarial_blocks(rng)
+        pool, bs = q4_adversarial_blocks(rng), reference.Q4_BLOCK
         for r in range(flat.shape[0]):
-            for b in range(0, d, 32):
-                flat[r, b:b + 32] = pool[(r * 7 + b // 32) % len(pool)][:min(32, d - b)]
+            for b in range(0, d, bs):
+                flat[r, b:b + bs] = pool[(r * 7 + b // bs) % len(pool)][:min(bs, d - b)]
         return x
     if dtype == "int8":
         for r in range(flat.shape[0]):
@@ -353,20 +353,22 @@ def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
 
 
 def q4_adversarial_blocks(rng) -> np.ndarray:
-    """Blocks (n, 32) float32 whose q4 quantisation (``reference.quantize_q4``) a careless
+    """Blocks (n, 16) float32 whose q4 quantisation (``reference.quantize_q4``) a careless
     implementation gets wrong: quotients x / scale exactly on k + 1/2 (ties to the even
     neighbour, down and up) and one float32 either side, with the zero point inside 0 .. 15 and
     far outside it (one-sided blocks), over scales from 2^-90 to 2^60; ranges whose scale rounds
     up to a carry (qd 4096) or sits on a shift boundary; a lo and hi whose alignment drops bits;
     a spread below 1/256 of the size (the zero point's bound decides); tiny blocks either side of
-    the zero-block threshold, denormals, zeros and -0, one nonzero element, the float32 range."""
+    the zero-block threshold, denormals, zeros and -0, one nonzero element, the largest values a
+    q4 cache accepts."""
+    B = reference.Q4_BLOCK
     f32 = lambda u: np.asarray(u, np.uint32).view(np.float32)
     blocks = []
     for e in (-90, -60, -3, 0, 9, 60):
         for zl in (0, 7, 15, -40, 300, -3000):
             qd = int(rng.integers(1024, 2048)) * 2 + 1                 # an odd 12-bit significand
             s = np.float64(qd) * 2.0 ** (e - 11)
-            k = rng.integers(-zl, 15 - zl, 30)
+            k = rng.integers(-zl, 15 - zl, B - 2)
             for nudge in (None, np.inf, -np.inf):
                 x = ((k + 0.5) * s).astype(np.float32)
                 if nudge is not None:
@@ -376,26 +378,26 @@ def q4_adversarial_blocks(rng) -> np.ndarray:
     for r in (15 * 4095 + 1, 15 * 4096, 15 * 4096 + 1, 15 * 8191 + 1, 2 ** 24 - 1):   # carry, shift edges
         for lo in (0.0, -3.0 * u):
             hi = np.float32(r * u + lo)
-            blocks.append(np.concatenate([np.float32([lo, hi]), rng.uniform(lo, float(hi), 30).astype(np.float32)]))
-    blocks.append(np.float32([3.0000002, -0.70000005, 1e-9, -1e-9] * 8))           # alignment drops bits
-    blocks.append(np.float32([1.0, -2.0 ** -30, 0.5, 2.0 ** -25] * 8))
+            blocks.append(np.concatenate([np.float32([lo, hi]), rng.uniform(lo, float(hi), B - 2).astype(np.float32)]))
+    blocks.append(np.float32([3.0000002, -0.70000005, 1e-9, -1e-9] * (B // 4)))     # alignment drops bits
+    blocks.append(np.float32([1.0, -2.0 ** -30, 0.5, 2.0 ** -25] * (B // 4)))
     for sign in (1, -1):                                                            # spread < size / 256
-        blocks.append(np.float32(sign * (1000 + np.arange(32) / 1024)))
-        blocks.append(np.float32(sign * (3 + rng.uniform(0, 2.0 ** -10, 32))))
+        blocks.append(np.float32(sign * (1000 + np.arange(B) / 1024)))
+        blocks.append(np.float32(sign * (3 + rng.uniform(0, 2.0 ** -10, B))))
     for e in (-96, -97, -98, -99, -100):                                            # the zero-block threshold
-        blocks.append((rng.uniform(-1, 1, 32) * 2.0 ** e).astype(np.float32))
-        blocks.append(np.float32(np.linspace(0, 2.0 ** e, 32)))
-    blocks += [f32(rng.integers(1, 0x7fffff, 32, dtype=np.uint32)),
-               f32(rng.integers(0x80000001, 0x807fffff, 32, dtype=np.uint32)),
-               np.concatenate([np.float32([1e-3]), f32(rng.integers(1, 0x7fffff, 31, dtype=np.uint32))]),
-               np.zeros(32, np.float32), np.full(32, -0.0, np.float32),
-               np.concatenate([[np.float32(2.5)], np.full(31, -0.0, np.float32)]),
-               np.eye(1, 32, 5, dtype=np.float32)[0] * np.float32(-3.0),
-               rng.uniform(-Q4_MAX_ABS, Q4_MAX_ABS, 32).astype(np.float32),
-               np.float32([Q4_MAX_ABS, -Q4_MAX_ABS] * 16),
-               np.float32(rng.uniform(1e36, Q4_MAX_ABS, 32))]
+        blocks.append((rng.uniform(-1, 1, B) * 2.0 ** e).astype(np.float32))
+        blocks.append(np.float32(np.linspace(0, 2.0 ** e, B)))
+    blocks += [f32(rng.integers(1, 0x7fffff, B, dtype=np.uint32)),
+               f32(rng.integers(0x80000001, 0x807fffff, B, dtype=np.uint32)),
+               np.concatenate([np.float32([1e-3]), f32(rng.integers(1, 0x7fffff, B - 1, dtype=np.uint32))]),
+               np.zeros(B, np.float32), np.full(B, -0.0, np.float32),
+               np.concatenate([[np.float32(2.5)], np.full(B - 1, -0.0, np.float32)]),
+               np.eye(1, B, 5, dtype=np.float32)[0] * np.float32(-3.0),
+               rng.uniform(-Q4_MAX_ABS, Q4_MAX_ABS, B).astype(np.float32),
+               np.float32([Q4_MAX_ABS, -Q4_MAX_ABS] * (B // 2)),
+               np.float32(rng.uniform(1e36, Q4_MAX_ABS, B))]
     for _ in range(8):
-        blocks.append((rng.standard_normal(32) * rng.uniform(0.1, 10) + rng.uniform(-5, 5)).astype(np.float32))
+        blocks.append((rng.standard_normal(B) * rng.uniform(0.1, 10) + rng.uniform(-5, 5)).astype(np.float32))
     return np.stack(blocks).astype(np.float32)
 
 

@@ -12,7 +12,7 @@ format -- its float16 matrices hold every stored value exactly (float16: the val
 int8: the integers -127 .. 127, the scale applied after the product); bfloat16's exponent range
 does not fit in float16, so it stays on attn.comp / attn_lane.comp; the fp8 formats do the same
 (see ``head_scale``), and q4 (its blocks' scales would need a rescale per 32 values inside the
-matrix product). ``block_scale``: q4's blocks of 32 values, each with a parameter word (scale and zero
+matrix product). ``block_scale``: q4's blocks of 16 values, each with a parameter word (scale and zero
 point) stored in the row itself (after the data words; ``row_words``). ``head_scale``: one float32 scale per kv head for K and one for V, fixed at
 cache creation (the fp8 formats: value = decode(byte) * scale, vkattn.reference.fp8_bits).
 ``max_abs``: the largest
@@ -42,7 +42,7 @@ class KVFormat:
     matrices: bool = True         # attn_coopmat.comp can hold it exactly (see the module docstring)
     max_abs: float | None = None  # numpy inputs above this magnitude are refused
     head_scale: bool = False      # a float32 scale per kv head (K and V), set at creation (fp8)
-    block_scale: bool = False     # a parameter word per 32-value block, after the row's data words (q4)
+    block_scale: bool = False     # a parameter word per 16-value block, after the row's data words (q4)
 
     @property
     def ch(self) -> int:
@@ -50,7 +50,7 @@ class KVFormat:
 
     def row_words(self, data_words: int) -> int:
         """16-byte words of a stored row of ``data_words`` data words (q4: plus its parameter words)."""
-        return data_words + (data_words + 3) // 4 if self.block_scale else data_words
+        return data_words + (data_words + 1) // 2 if self.block_scale else data_words
 
 
 FORMATS = {
@@ -70,8 +70,8 @@ FORMATS = {
                          matrices=False, head_scale=True),
     "fp8_e5m2": KVFormat("fp8_e5m2", 16, {"KV_F16": 0, "KV_I8": 0, "KV_FP8": 2}, np.uint8, np.dtype(np.uint8),
                          matrices=False, head_scale=True),
-    # q4: one 32-value block per word (8 nibbles per uint32, low first), each block's parameter word
-    # (scale and zero point) in (words + 3) // 4 words after the row's data words (common.glsl;
+    # q4: two 16-value blocks per word (8 nibbles per uint32, low first), each block's parameter word
+    # (scale and zero point) in (words + 1) // 2 words after the row's data words (common.glsl;
     # reference.quantize_q4). Files hold the stored row words as uint32 (format "q4z"). Not on
     # attn_coopmat.comp (as bfloat16 / fp8)
     "q4": KVFormat("q4", 32, {"KV_F16": 0, "KV_I8": 0, "KV_Q4": 1}, np.uint32, np.dtype(np.uint32),

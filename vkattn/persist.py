@@ -58,7 +58,7 @@ from .tuning import WORKGROUP
 from ._version import __version__
 
 FORMAT_VERSION = 1
-Q4_LAYOUT = "asym-zp13"   # q4 blocks: 0 .. 15, a 12-bit scale and a 13-bit zero point per 32 values
+Q4_LAYOUT = "asym16-zp13"   # q4 blocks: 0 .. 15, a 12-bit scale and a 13-bit zero point per 16 values
 SEQUENCE = "vkattn.sequence"
 HF_CACHE = "vkattn.hf_cache"
 # per storage dtype: the file tensors' dtype (bfloat16, which numpy lacks: its bits as uint16) and a

@@ -215,7 +215,8 @@ def quantize_int8(x):
     return q, scale
 
 
-Q4_BLOCK = 32     # values per q4 block (one 16-byte word of nibbles)
+Q4_BLOCK = 16     # values per q4 block (half a 16-byte word of nibbles)
+Q4_WORD = 32      # values per stored data word (two blocks)
 
 
 Q4_ZMAX = 3840    # the largest |zero point|: the scale is at least max |x| / (256 * 15)
@@ -255,19 +256,20 @@ def _q4_params(lo, hi):
     return np.where(live, ((sbits >> 12) << 13) | (z & 0x1FFF), 0).astype(np.uint32)
 
 
-def quantize_q4(x):
-    """q4 quantisation, blocks of 32 values per (head, token), asymmetric with an integer zero
+def quantize_q4(x, block: int = Q4_BLOCK):
+    """q4 quantisation, blocks of 16 values per (head, token), asymmetric with an integer zero
     point: x (heads, n, d) float, taken as float32. Returns q (heads, n, d) uint8 in 0 .. 15 and
-    params (heads, n, ceil(d / 32)) uint32; value = (q - z) * scale (``q4_split``: scale the
+    params (heads, n, ceil(d / 16)) uint32; value = (q - z) * scale (``q4_split``: scale the
     float32 with bits (params >> 13) << 12, z the signed 13-bit integer params & 0x1FFF).
 
     Why this layout (``python -m perf q4study``, perf/RESULTS.md): K vectors carry outlier
     channels, so a block's values sit off centre; 16 levels over [min, max] instead of 15 over
-    [-max |x|, max |x|] nearly halve the step there. The zero point is an integer, so every level
-    (q - z) * scale is an exact float32; the scale keeps float32's exponent range with 12
-    significant bits, so scale and zero point share one 32-bit word and a d-128 row is 80 bytes.
+    [-max |x|, max |x|] nearly halve the step there, and blocks of 16 rather than 32 cut the mean
+    KL by a third again. The zero point is an integer, so every level (q - z) * scale is an exact
+    float32; the scale keeps float32's exponent range with 12 significant bits, so scale and zero
+    point share one 32-bit word: 6 bits a value, a d-128 row 96 bytes (float16's: 256).
 
-    Block b covers x[..., 32b : 32b + 32] (a last partial block: the values there and the zeros
+    Block b covers x[..., 16b : 16b + 16] (a last partial block: the values there and the zeros
     the cache pads it with, so its range includes 0 and its padding is stored as the nibble z,
     the level of 0; ``q4_words``). Defined exactly, on the bits, so that every device stores the same bits
     (shaders/common.glsl ``q4_param`` / ``quantise_q4``, integer arithmetic):
@@ -286,7 +288,8 @@ def quantize_q4(x):
     (2^-14 of a step at most). The float64 quotients are exact enough for rint: the scale has
     12 significant bits and x 24, so a quotient that is not a .5 tie lies at least 2^-13 / 2^12
     of a unit from one (far beyond float64's rounding error at 4096). Non-finite x: ValueError
-    (the caches refuse it at the door, and |x| above Q4_MAX_ABS).
+    (the caches refuse it at the door, and |x| above Q4_MAX_ABS). ``block``: another block size,
+    for studies only (perf/q4_study.py); the caches store blocks of Q4_BLOCK.
     """
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 3:
@@ -294,18 +297,18 @@ def quantize_q4(x):
     if not np.isfinite(x).all():
         raise ValueError("x must be finite")
     h, n, d = x.shape
-    nb = -(-d // Q4_BLOCK)
+    nb = -(-d // block)
     if nb == 0:
         return np.zeros((h, n, d), np.uint8), np.zeros((h, n, 0), np.uint32)
-    xp = np.zeros((h, n, nb * Q4_BLOCK), np.float32)
+    xp = np.zeros((h, n, nb * block), np.float32)
     xp[..., :d] = x
-    blocks = xp.reshape(h, n, nb, Q4_BLOCK)
+    blocks = xp.reshape(h, n, nb, block)
     params = _q4_params(blocks.min(axis=-1), blocks.max(axis=-1))
     scale, z = q4_split(params)
     safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float64)
     r = np.where(scale[..., None] > 0, np.rint(blocks.astype(np.float64) / safe[..., None]), 0)
     q = np.clip(r + z[..., None], 0, 15).astype(np.uint8)
-    return q.reshape(h, n, nb * Q4_BLOCK)[..., :d], params
+    return q.reshape(h, n, nb * block)[..., :d], params
 
 
 def q4_split(params):
@@ -316,45 +319,55 @@ def q4_split(params):
     return scale, z
 
 
-def dequantize_q4(q, params):
-    """q (heads, n, d) integers 0 .. 15 and params (heads, n, ceil(d / 32)) uint32 -> (q - z) *
+def dequantize_q4(q, params, block: int = Q4_BLOCK):
+    """q (heads, n, d) integers 0 .. 15 and params (heads, n, ceil(d / 16)) uint32 -> (q - z) *
     scale of its block as float32 (heads, n, d); every such product is exact in float32."""
     q = np.asarray(q)
     params = np.asarray(params, dtype=np.uint32)
-    if q.ndim != 3 or params.shape != q.shape[:2] + (-(-q.shape[2] // Q4_BLOCK),):
+    if q.ndim != 3 or params.shape != q.shape[:2] + (-(-q.shape[2] // block),):
         raise ValueError(f"q shape {q.shape} and params shape {params.shape} must be (heads, n, d) and "
-                         f"(heads, n, ceil(d / 32))")
+                         f"(heads, n, ceil(d / 16))")
     scale, z = q4_split(params)
     d = q.shape[2]
-    return (q.astype(np.float32) - np.repeat(z, Q4_BLOCK, axis=-1)[..., :d]) * np.repeat(scale, Q4_BLOCK, axis=-1)[..., :d]
+    return (q.astype(np.float32) - np.repeat(z, block, axis=-1)[..., :d]) * np.repeat(scale, block, axis=-1)[..., :d]
+
+
+def q4_row_words(d: int) -> int:
+    """uint32 words of a stored q4 row of head dim d: 4 per data word (ceil(d / 32) of them), then
+    its two blocks' parameter words, in whole 16-byte words."""
+    w = -(-d // Q4_WORD)
+    return 4 * (w + (w + 1) // 2)
 
 
 def q4_words(q, params):
-    """The stored rows: q (..., d) integers 0 .. 15 and params (..., nb) uint32, nb = ceil(d / 32)
-    -> (..., 4 * (nb + ceil(nb / 4))) uint32: nb data words of 8 nibbles per uint32 (low first;
-    past d the nibble of 0, its block's z clipped to 0 .. 15), then the parameter words (block
-    b's at uint32 4 * nb + b, unused 0)."""
+    """The stored rows: q (..., d) integers 0 .. 15 and params (..., nb) uint32, nb = ceil(d / 16)
+    -> (..., q4_row_words(d)) uint32: ceil(d / 32) data words of 8 nibbles per uint32 (low first;
+    past d the nibble of 0, its block's z clipped to 0 .. 15; a block wholly past d is a zero
+    block), then the parameter words (block b's at uint32 4 * words + b, unused 0)."""
     q = np.asarray(q)
     params = np.asarray(params, np.uint32)
-    nb = params.shape[-1]
-    zq = np.clip(q4_split(params)[1], 0, 15).astype(np.uint32)
+    d = q.shape[-1]
+    w = -(-d // Q4_WORD)
+    p = np.zeros(q.shape[:-1] + (2 * w,), np.uint32)
+    p[..., :params.shape[-1]] = params
+    zq = np.clip(q4_split(p)[1], 0, 15).astype(np.uint32)
     nib = np.repeat(zq, Q4_BLOCK, axis=-1)
-    nib[..., :q.shape[-1]] = q.astype(np.uint32) & 0xF
-    nib = nib.reshape(q.shape[:-1] + (nb * 4, 8)) << (4 * np.arange(8, dtype=np.uint32))
-    out = np.zeros(q.shape[:-1] + (4 * (nb + (nb + 3) // 4),), np.uint32)
-    out[..., :nb * 4] = np.bitwise_or.reduce(nib, axis=-1)
-    out[..., nb * 4:nb * 5] = params
+    nib[..., :d] = q.astype(np.uint32) & 0xF
+    nib = nib.reshape(q.shape[:-1] + (w * 4, 8)) << (4 * np.arange(8, dtype=np.uint32))
+    out = np.zeros(q.shape[:-1] + (q4_row_words(d),), np.uint32)
+    out[..., :w * 4] = np.bitwise_or.reduce(nib, axis=-1)
+    out[..., w * 4:w * 6] = p
     return out
 
 
 def q4_words_to_float32(words, d: int):
-    """Stored q4 rows (..., 4 * (nb + ceil(nb / 4))) uint32 -> (..., d) float32 values, each
-    (nibble - its block's z) times its block's scale (exact), nb = ceil(d / 32)."""
+    """Stored q4 rows (..., q4_row_words(d)) uint32 -> (..., d) float32 values, each (nibble - its
+    block's z) times its block's scale (exact)."""
     words = np.asarray(words, np.uint32)
-    nb = -(-d // Q4_BLOCK)
-    data = words[..., :nb * 4, None] >> (4 * np.arange(8, dtype=np.uint32))
-    q = (data & 0xF).reshape(words.shape[:-1] + (nb * Q4_BLOCK,))[..., :d].astype(np.float32)
-    scale, z = q4_split(words[..., nb * 4:nb * 5])
+    w = -(-d // Q4_WORD)
+    data = words[..., :w * 4, None] >> (4 * np.arange(8, dtype=np.uint32))
+    q = (data & 0xF).reshape(words.shape[:-1] + (w * Q4_WORD,))[..., :d].astype(np.float32)
+    scale, z = q4_split(words[..., w * 4:w * 6])
     return (q - np.repeat(z, Q4_BLOCK, axis=-1)[..., :d]) * np.repeat(scale, Q4_BLOCK, axis=-1)[..., :d]
 
 

@@ -1,7 +1,7 @@
 """``python -m perf gpu``: vkattn's pipelines as GPU compilers build them, without a GPU.
 
 For a list of call shapes (the perf shapes 32/8 heads d128, 8/8 d64 and 16/2 d256; float16,
-float32, int8 and bfloat16; attend, decode step, a 16-row chunk and a 512-token prefill at L=4096; the score
+float32, int8, bfloat16, fp8_e4m3 and q4; attend, decode step, a 16-row chunk and a 512-token prefill at L=4096; the score
 variants; a paged batch; read and fork) this plans every pipeline vkattn would build -- the same
 planner the caches use (vkattn._attn.attn_pipeline, append/gather/copy pipelines), run against the
 device limits of RADV's null hardware for each AMD family the installed Mesa knows -- compiles
@@ -58,7 +58,7 @@ L = 4096                # context of the decode cases
 PREFILL = 512
 CHUNK = 16
 SHAPES = {"32/8 d128": (32, 8, 128), "8/8 d64": (8, 8, 64), "16/2 d256": (16, 2, 256)}
-DTYPES = ("float16", "float32", "int8", "bfloat16")
+DTYPES = ("float16", "float32", "int8", "bfloat16", "fp8_e4m3", "q4")
 BATCH_LENS = [100 + round(i * 3900 / 15) for i in range(16)]     # perf batch: 16 of 100 .. 4000
 BLOCK = 16
 CASCADE_SHARED = 2048                                             # perf cascade: 16 sequences sharing 2048
@@ -237,7 +237,7 @@ def plan_call(dev, call: Call) -> Planned:
     """The dispatches, submissions and bytes of ``call`` on ``dev``, as the caches plan them."""
     f = _format(call)
     hq, hkv, d = call.heads
-    row = 16 * (f._dk4 + f._dv4) + (8 if f._i8 else 0)      # K+V bytes of one position, one kv head
+    row = 16 * (f._rk4 + f._rv4) + (8 if f._i8 else 0)      # K+V bytes of one position, one kv head (q4: with its parameter words)
     if call.kind == "read":
         n = min(call.past, READ_ROWS)
         p = gather_pipeline(dev, f)

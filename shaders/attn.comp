@@ -104,21 +104,21 @@ layout(std430, binding = 12) buffer VS { float vscale[]; };
 #define UV 2u
 layout(std430, binding = 0) buffer KC1 { uint kc1[]; };   // the same buffers by 4 bytes
 layout(std430, binding = 1) buffer VC1 { uint vc1[]; };
+// (q - z) * s as one multiply-add per value, n * s + (-z * s): |z| < 2^12 and s has 12
+// significant bits, so -z * s is exact, and so is the sum (a 12-bit integer times s), fused or not
+void q4_dequant(uint w, uint p, out vec4 x[UV]) {
+    const float s = q4_scale(p), o = -q4_zero(p) * s;
+    unpack_q4x8(w, 0.0, x[0], x[1]);
+    x[0] = fma(x[0], vec4(s), vec4(o));
+    x[1] = fma(x[1], vec4(s), vec4(o));
+}
 void k_load(uint row, uint u, out vec4 x[UV]) {
     const uint base = row * Q4_ROW(DK4) * 4u;
-    const uint p = kc1[base + DK4 * 4u + u / 2u];
-    unpack_q4x8(kc1[base + u], q4_zero(p), x[0], x[1]);
-    const float s = q4_scale(p);
-    x[0] *= s;
-    x[1] *= s;
+    q4_dequant(kc1[base + u], kc1[base + DK4 * 4u + u / 2u], x);
 }
 void v_load(uint row, uint u, out vec4 x[UV]) {
     const uint base = row * Q4_ROW(DV4) * 4u;
-    const uint p = vc1[base + DV4 * 4u + u / 2u];
-    unpack_q4x8(vc1[base + u], q4_zero(p), x[0], x[1]);
-    const float s = q4_scale(p);
-    x[0] *= s;
-    x[1] *= s;
+    q4_dequant(vc1[base + u], vc1[base + DV4 * 4u + u / 2u], x);
 }
 #elif KV_I8 || KV_FP8
 #define UV 2u

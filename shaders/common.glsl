@@ -373,21 +373,34 @@ vec4 quantise(vec4 x, float scale) { return quantise_prep(x, quant_prep(scale));
 // which quant_scale treats as a zero row either way
 float vmax_abs(vec4 x) { const vec4 a = abs(x); return max(max(a.x, a.y), max(a.z, a.w)); }
 
-// KV_Q4: x / scale rounded half to even, exactly, for a q4 scale's bits sb (12 significant
-// bits, exponent field >= 25) and |x / scale| < 2^13 (quantize_q4 keeps it at most 3856). With
-// |x| = m * 2^(ex - 150) (ex = max(field, 1); no hidden bit for a denormal) and scale = qd *
-// 2^(ed - 138) (qd its 12-bit significand), 2 |x| / scale = (m << s) / qd for s = ex - ed - 11
-// >= 0, else m / (qd << -s) (below 2^-7 for s < -19: 0); the integer quotient t and remainder r
-// are exact (n < 2^27, the divisor < 2^31) and round as quantise1 does. sb = 0: 0.
-float q4_quot(float x, uint sb) {
-    if (sb == 0u) return 0.0;
+// KV_Q4: x / scale rounded half to even, exactly, for a q4 scale (12 significant bits, exponent
+// field >= 25; pq = q4_prep of its bits) and |x / scale| < 2^13 (quantize_q4 keeps it at most
+// 3856). With |x| = m * 2^(ex - 150) (ex = max(field, 1); no hidden bit for a denormal) and scale
+// = qd * 2^(ed - 138) (qd its 12-bit significand), 2 |x| / scale = n / dv with n = m << s, dv = qd
+// for s = ex - ed - 11 >= 0, or n = m, dv = qd << -s (below 2^-7 for s < -19: 0); n < 2^27 and
+// dv < 2^31. The floor t of n / dv comes as quantise1's does, without a division instruction: a
+// float estimate n * (1/qd) * 2^min(s, 0) (relative error below 2^-19: n's rounding to float and
+// q4_prep's Newton steps) is within 2^-3 of n / dv (< 2^14), so floor(estimate - 2^-2) is t or
+// t - 1, and the exact remainder r = n - t dv decides; then ties to even as quantise1. sb 0: 0.
+uvec3 q4_prep(uint sb) {
+    const uint qd = ((sb >> 12) & 0x7ffu) | 0x800u;
+    const float f = float(qd);
+    float y = uintBitsToFloat(0x7ef311c7u - floatBitsToUint(f));     // 1/f within 1/8
+    for (int i = 0; i < 4; ++i) y = y * (2.0 - f * y);                // error 1/8 -> 2^-24 + rounding
+    return uvec3(sb, qd, floatBitsToUint(y));
+}
+
+float q4_quot(float x, uvec3 pq) {
+    if (pq.x == 0u) return 0.0;
     const uint xb = floatBitsToUint(x), xa = xb & 0x7fffffffu;
     const uint m = xa >= 0x00800000u ? (xa & 0x7fffffu) | 0x800000u : xa;
-    const int s = max(int(xa >> 23), 1) - int(sb >> 23) - 11;
+    const int s = max(int(xa >> 23), 1) - int(pq.x >> 23) - 11;
     if (s < -19) return 0.0;
-    const uint qd = ((sb >> 12) & 0x7ffu) | 0x800u;
-    const uint n = s >= 0 ? m << min(s, 7) : m, dv = s >= 0 ? qd : qd << uint(-s);
-    const uint t = n / dv, r = n - t * dv;
+    const uint n = s >= 0 ? m << min(s, 7) : m, dv = s >= 0 ? pq.y : pq.y << uint(-s);
+    const float est = float(n) * uintBitsToFloat(pq.z) * exp2(float(min(s, 0)));
+    uint t = uint(max(est - 0.25, 0.0));
+    uint r = n - t * dv;
+    if (r >= dv) { t += 1u; r -= dv; }
     const uint q = (t >> 1) + ((t & 1u) & (r != 0u ? 1u : (t >> 1) & 1u));
     return xb >= 0x80000000u ? -float(q) : float(q);
 }
@@ -398,8 +411,9 @@ float q4_quot(float x, uint sb) {
 // where a driver flushes it). With E the larger exponent field, each is a signed integer in
 // units of 2^(E - 150), its 24-bit significand shifted right by its distance from E (bits
 // shifted out dropped): H, L. R = max(H - L, ceil(max(|H|, |L|) / 256)); scale = R * 2^(E -
-// 150) / 15 rounded up to 12 significant bits: qd = ceil(R / (15 * 2^j)) with j the smallest
-// shift that keeps it at most 2^12 (a carry to 2^12 renormalised), scale = qd * 2^(E + j - 162),
+// 150) / 15 rounded up to 12 significant bits: qd = ceil(R / (15 * 2^j)) = ceil(ceil(R / 2^j) /
+// 15) with j the smallest shift that keeps it at most 2^12 (a carry to 2^12 renormalised), scale
+// = qd * 2^(E + j - 162),
 // exponent field E + j - 12; below 25 (a scale under 2^-102): a zero block, P = 0. z = -(lo /
 // scale rounded half to even).
 uint q4_param(float lo, float hi) {
@@ -413,13 +427,12 @@ uint q4_param(float lo, float hi) {
     if (R == 0u) return 0u;
     uint j = uint(max(findMSB(R) - 15, 0));
     if (R > (15u << (12u + j))) j += 1u;
-    const uint D = 15u << j;
-    uint qd = (R + D - 1u) / D;                                         // exact (integers)
+    uint qd = (((R + (1u << j) - 1u) >> j) + 14u) / 15u;                // ceil(R / (15 * 2^j)): a constant divisor
     if (qd == 4096u) { qd = 2048u; j += 1u; }
     const int ed = int(E + j) - 12;
     if (ed < 25) return 0u;
     const uint sb = (uint(ed) << 23) | ((qd << 12) & 0x7fffffu);
-    const int z = -int(q4_quot(lo, sb));
+    const int z = -int(q4_quot(lo, q4_prep(sb)));
     return ((sb >> 12) << 13) | (uint(z) & 0x1fffu);
 }
 
@@ -430,8 +443,8 @@ float q4_zero(uint p) { return float(int(p << 19) >> 19); }
 // KV_Q4: the stored integers of x with block parameter word p: x / scale rounded half to even
 // (q4_quot) plus the zero point, clamped to 0 .. 15
 vec4 quantise_q4(vec4 x, uint p) {
-    const uint sb = q4_sbits(p);
-    const vec4 t = vec4(q4_quot(x.x, sb), q4_quot(x.y, sb), q4_quot(x.z, sb), q4_quot(x.w, sb));
+    const uvec3 pq = q4_prep(q4_sbits(p));
+    const vec4 t = vec4(q4_quot(x.x, pq), q4_quot(x.y, pq), q4_quot(x.z, pq), q4_quot(x.w, pq));
     return clamp(t + q4_zero(p), vec4(0.0), vec4(15.0));
 }
 

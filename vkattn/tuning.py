@@ -451,7 +451,9 @@ def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacit
     (attn.comp's TILE_SHUFFLE 0 path: barriers, no subgroup operation). Either way a thread holds a
     few units of a row, so no head dim spills, and the column merge gives up columns until the
     workgroup's shared memory fits TILE_SHARED_BUDGET."""
-    uv = 2 if ch == 4 else ch            # float vec4 per load unit: int8 rows are read by 8 bytes
+    # float vec4 per load unit (attn.comp's UV): int8 and fp8 rows are read by 8 bytes (2 vec4), q4
+    # rows by 4 (one uint, 8 values: 2 vec4), the others by the 16-byte word
+    uv = 2 if ch in (4, 8) else ch
     dku, dvu = dk4 * ch // uv, dv4 * ch // uv
     units = max(dku, dvu)
     cluster = min(TILE_CLUSTER, device.tile_cluster())

@@ -24,7 +24,7 @@ import vkattn
 from vkattn.check import q4_adversarial_blocks
 from vkattn.compiler import compile_shader
 from vkattn.reference import (BF16_FINITE_INPUT, BF16_MAX, FP8_FORMATS, bfloat16_bits, fp8_bits, fp8_to_float32,
-                              q4_split, q4_words, quantize_int8, quantize_q4, round_bfloat16, round_to)
+                              Q4_ZMAX, q4_split, q4_words, quantize_int8, quantize_q4, round_bfloat16, round_to)
 
 F16_MAX = 65504.0
 
@@ -468,6 +468,7 @@ def test_q4_reference_definition(rng):
     live = scale > 0
     assert (~live).sum() >= 6 and live.sum() >= 130
     assert (z < 0).sum() >= 20 and (z > 15).sum() >= 20 and ((z >= 0) & (z <= 15)).sum() >= 40
+    assert np.abs(z).max() <= Q4_ZMAX and (np.abs(z) > Q4_ZMAX - 8).any()      # the bound, reached
     quo = x.astype(np.float64)[live] / scale[live, None]
     tie = np.abs(quo - np.floor(quo)) == 0.5
     r = q[live].astype(np.float64) - z[live, None]

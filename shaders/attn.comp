@@ -108,7 +108,7 @@ layout(std430, binding = 1) buffer VC1 { uint vc1[]; };
 // significant bits, so -z * s is exact, and so is the sum (a 12-bit integer times s), fused or not
 void q4_dequant(uint w, uint p, out vec4 x[UV]) {
     const float s = q4_scale(p), o = -q4_zero(p) * s;
-    unpack_q4x8(w, 0.0, x[0], x[1]);
+    unpack_q4x8(w, x[0], x[1]);
     x[0] = fma(x[0], vec4(s), vec4(o));
     x[1] = fma(x[1], vec4(s), vec4(o));
 }
@@ -348,7 +348,7 @@ float unit_amax(bool is_k, uint nr, uint u) {
 }
 
 #if KV_Q4
-// q4: unit u's block parameter word from the block's 32 new values (every thread storing a unit
+// q4: unit u's block parameter word from the block's 16 new values (every thread storing a unit
 // of the block computes and stores the same word), its 8 values quantised; the last unit also
 // zeroes the unused parameter components
 void store_unit_q4(bool is_k, uint row, uint nr, uint u) {

@@ -133,20 +133,20 @@ float new_row_scale(bool is_k, uint h, uint nr) {
 // q4: chunk c (block c) of new row nr with its parameter word; the last chunk also zeroes the
 // row's unused parameter slots
 void store_q4(bool is_k, uint row, uint h, uint nr, uint c) {
-    const uint b = c, d4 = is_k ? DK4 : DV4;
-    const uint pw = fresh_q4_param(is_k, h, nr, b);
+    const uint d4 = is_k ? DK4 : DV4;
+    const uint pw = fresh_q4_param(is_k, h, nr, c);
     vec4 y[4];
     [[unroll]] for (uint e = 0u; e < 4u; ++e) y[e] = quantise_q4(fresh_vec4(is_k, h, nr, c * 4u + e), pw);
     const uvec2 w = uvec2(pack_q4x8(y[0], y[1]), pack_q4x8(y[2], y[3]));
     const uint base = row * Q4_ROW(d4), sc = (base + d4) * 4u;
     if (is_k) {
         kc2[base * 2u + c] = w;
-        kc1[sc + b] = pw;
-        if (c == 2u * DK4 - 1u) for (uint z = b + 1u; z < (DK4 + 1u) / 2u * 4u; ++z) kc1[sc + z] = 0u;
+        kc1[sc + c] = pw;
+        if (c == 2u * DK4 - 1u) for (uint z = c + 1u; z < (DK4 + 1u) / 2u * 4u; ++z) kc1[sc + z] = 0u;
     } else {
         vc2[base * 2u + c] = w;
-        vc1[sc + b] = pw;
-        if (c == 2u * DV4 - 1u) for (uint z = b + 1u; z < (DV4 + 1u) / 2u * 4u; ++z) vc1[sc + z] = 0u;
+        vc1[sc + c] = pw;
+        if (c == 2u * DV4 - 1u) for (uint z = c + 1u; z < (DV4 + 1u) / 2u * 4u; ++z) vc1[sc + z] = 0u;
     }
 }
 #endif
@@ -165,8 +165,6 @@ float slope[NQ];    // ALiBi slope * log2(e) of the head
 uint hh;            // its kv head
 
 // chunk (lane + i*WG) of cache row `row` of K or V; of this call's new rows, these are the
-// chunks this lane stored itself (main)
-// chunk (lane + i*WG) of cache row `row` of K or V; of this call's new rows, these are the
 // chunks this lane stored itself (main). bs, bz: q4 its block's scale and zero point (t holds the
 // nibbles n; the caller takes z off and applies the scale once per chunk, to a partial dot
 // product or to the softmax weight, rather than per value), 1 and 0 otherwise
@@ -177,8 +175,8 @@ void load_chunk(bool is_k, uint row, uint i, out vec4 t[LCH], out float bs, out 
     const uint base = row * Q4_ROW(is_k ? DK4 : DV4);
     const uvec2 w = is_k ? kc2[base * 2u + c] : vc2[base * 2u + c];
     const uint p = is_k ? kc1[(base + DK4) * 4u + c] : vc1[(base + DV4) * 4u + c];
-    unpack_q4x8(w.x, 0.0, t[0], t[1]);
-    unpack_q4x8(w.y, 0.0, t[2], t[3]);
+    unpack_q4x8(w.x, t[0], t[1]);
+    unpack_q4x8(w.y, t[2], t[3]);
     bs = q4_scale(p);
     bz = q4_zero(p);
 #else

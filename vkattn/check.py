@@ -278,7 +278,7 @@ def adversarial_rows(rng, hkv: int, n: int, d: int, dtype: str) -> np.ndarray:
     denormals; bfloat16 ties (even and odd kept halves) and their float32 neighbours, mantissas
     that carry into the exponent, the largest bfloat16 and the float32 just below its rounding
     to Inf, float32 denormals (bfloat16 keeps them) and signed zeros; int8 rows whose x / scale
-    lands on .5 and near it, tiny and zero rows; q4 blocks of 32 (see ``q4_adversarial_blocks``)."""
+    lands on .5 and near it, tiny and zero rows; q4 blocks of 16 (see ``q4_adversarial_blocks``)."""
     x = rng.standard_normal((hkv, n, d)).astype(np.float32)
     flat = x.reshape(-1, d)
     if dtype == "float16":

@@ -13,11 +13,22 @@
 #   4. python -m perf overhead: wall against device time per call, the device-array path, a
 #      30-layer graph replayed (issue 30)
 #   5. the device-path and cooperative-matrix parity tests (pytest), where time is left
+#   formats (only when VKATTN_GPU_STEPS names it): python -m perf decode at L=16384 with the cache in
+#      q4 and in fp8_e4m3, each timed in alternated rounds beside float16 and int8 (issue 32)
+#   model (only when VKATTN_GPU_STEPS names it): python -m perf model --random, SmolLM2-135M's shape
+#      with random weights (no transformers, no model package needed): wall, device and host time
+#      of a decode token, each token one replay of the 30 layers' graph (issue 30)
+#   suite (only when VKATTN_GPU_STEPS names it, in place of 5): the whole test suite but the files
+#      that need transformers' model downloads, the install, the soak and the fuzz runs, where time
+#      is left
 #   sweep (only when VKATTN_GPU_STEPS names it): attn.comp's decode shape on this GPU, float16,
 #      bfloat16 and int8 at L=16384 (VKATTN_TILE_DECODE=RPT,KB, and VKATTN_DECODE_SPLITS from
 #      VKATTN_GPU_SWEEP_SPLITS; device ms, every result checked against the reference by perf
 #      decode) -> OUT/sweep.txt
-# VKATTN_GPU_STEPS picks steps (default "check coopmat bench overhead tests"; add "sweep").
+#   VKATTN_GPU_EXTRA (a command, run last in the same environment where set): an experiment's
+#      script, its output to the log
+# VKATTN_GPU_STEPS picks steps (default "check coopmat bench overhead tests"; add "formats",
+# "model", "sweep", "suite").
 # Usage: bash perf/gpu_session.sh [BUNDLE] [OUT]   (OUT defaults to $OUT, then perf/out/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,10 +107,33 @@ if want sweep; then
   done
   cat "$out/sweep.txt" >> "$log"
 fi
+if want formats; then
+  for dt in q4 fp8_e4m3; do
+    step "decode L=16384, $dt beside float16 and int8 (alternated rounds)"
+    VKATTN_PERF_DTYPE=$dt VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_TORCH_DEVICE=cuda \
+      run "${VKATTN_GPU_FORMAT_S:-90}" "$PY" -m perf decode
+  done
+fi
+if want model; then
+  step "python -m perf model --random (SmolLM2-135M's shape, random weights)"
+  run "${VKATTN_GPU_MODEL_S:-150}" "$PY" -m perf model --random --new 32
+  cp perf/out/model_random.json "$out/" 2>/dev/null
+fi
+left=$(( ${VKATTN_GPU_SESSION_S:-520} - (SECONDS - start) ))
+if want suite && [ "$left" -gt 30 ]; then
+  step "pytest: the suite on this GPU ($left s left)"
+  run "$left" "$PY" -m pytest -q -p no:cacheprovider -n "$(nproc)" tests --ignore=tests/test_hf.py \
+      --ignore=tests/test_hf_prefix.py --ignore=tests/test_install.py --ignore=tests/test_model_device.py \
+      --ignore=tests/test_gpu_compile.py --ignore=tests/test_soak.py --ignore=tests/test_fuzz.py
+fi
 left=$(( ${VKATTN_GPU_SESSION_S:-520} - (SECONDS - start) ))
 if want tests && [ "$left" -gt 30 ]; then
   step "pytest: device path, fast path, cooperative matrices ($left s left)"
   run "$left" "$PY" -m pytest -q -x -p no:cacheprovider -n 8 tests/test_device_path.py tests/test_fast_path.py \
       tests/test_coopmat.py tests/test_coopmat_rounding.py
+fi
+if [ -n "${VKATTN_GPU_EXTRA:-}" ]; then
+  step "extra: $VKATTN_GPU_EXTRA"
+  run "${VKATTN_GPU_EXTRA_S:-120}" bash -c "$VKATTN_GPU_EXTRA"
 fi
 step "done"

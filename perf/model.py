@@ -12,7 +12,14 @@ steps (each one replay of the decode graph; eager: one forward each). Tokens are
 
     python -m perf model [--weights float32 float16 q4_1] [--new 16] [--runs 3]
 
-Writes perf/out/model.json.
+``--random``: the host's share of a token on a device with no SmolLM2 and no transformers (a GPU
+machine): SmolLM2-135M's shape (30 layers, 9/3 heads of 64, vocab 49152, tied; ``--layers`` fewer)
+with seeded random weights, no eager beside it. Per decode token, medians over ``--new`` tokens:
+the wall time of one replay of the decode graph and the token read back, the device time of the
+same graph built with timestamp queries (the sum of its commands), host time = wall - device, and
+the Python of a replay with the submission stubbed out (every cache call's host words filled).
+
+Writes perf/out/model.json (``--random``: perf/out/model_random.json).
 """
 from __future__ import annotations
 
@@ -46,8 +53,12 @@ def main(argv=None) -> int:
                     choices=["float32", "float16", "q4_1"])
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--random", action="store_true", help="SmolLM2's shape, random weights: host time per token")
+    ap.add_argument("--layers", type=int, default=30, help="--random: decoder layers (SmolLM2: 30)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    if args.random:
+        return random_main(args)
     from examples.llama_device.__main__ import PROMPTS, prompt_ids
     from examples.llama_device.model import DeviceLlama
     from examples.llama_device.reference import eager_generate, eager_model
@@ -99,6 +110,92 @@ def main(argv=None) -> int:
     (out / "model.json").write_text(json.dumps(dict(device=dev.name, cpu=cpu_name(), rows=rows), indent=1))
     print(f"\nresults: {out / 'model.json'}")
     return 0 if all(r["tokens_equal"] for r in rows) else 1
+
+
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                     rope_theta=100000.0, tie_word_embeddings=True, hidden_act="silu")
+
+
+def random_weights(cfg: dict, seed: int = 0) -> dict:
+    """Seeded float32 weights under Hugging Face's names for a Llama config (numpy; matrices
+    N(0, 0.02) as transformers initialises them, norm gains near 1)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nq, nkv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    m = lambda *s: (rng.standard_normal(s, dtype=np.float32) * np.float32(0.02))
+    g = lambda n: (1 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+    sd = {"model.embed_tokens.weight": m(V, H), "model.norm.weight": g(H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd.update({p + "self_attn.q_proj.weight": m(nq, H), p + "self_attn.k_proj.weight": m(nkv, H),
+                   p + "self_attn.v_proj.weight": m(nkv, H), p + "self_attn.o_proj.weight": m(H, nq),
+                   p + "mlp.gate_proj.weight": m(I, H), p + "mlp.up_proj.weight": m(I, H),
+                   p + "mlp.down_proj.weight": m(H, I),
+                   p + "input_layernorm.weight": g(H), p + "post_attention_layernorm.weight": g(H)})
+    return sd
+
+
+def random_main(args) -> int:
+    """--random: wall, device and host time per decode token (module docstring)."""
+    import time
+
+    import numpy as np
+
+    import vkattn
+    from examples.llama_device.model import DeviceLlama
+
+    from .overhead import python_us
+    if args.layers < 1 or args.new < 2:
+        print("perf model: --layers >= 1 and --new >= 2", file=sys.stderr)
+        return 2
+    cfg = dict(SMOLLM2_SHAPE, num_hidden_layers=args.layers)
+    sd = random_weights(cfg)
+    dev = vkattn.default_device()
+    ids = np.random.default_rng(1).integers(0, cfg["vocab_size"], 32)
+    rows = []
+    for wd in args.weights:
+        dm = DeviceLlama(cfg, sd, weight_dtype=wd, capacity=len(ids) + 2 * args.new + 2, device=dev)
+        try:
+            dm.generate(ids, 2)                                    # warm-up: pipelines built
+            wall = []
+            dm.generate(ids, 1)                                    # the caches hold the prompt
+            g = dm.decode_graph(False)
+            for _ in range(args.new):
+                t0 = time.perf_counter()
+                g.run()
+                dm._token()
+                wall.append((time.perf_counter() - t0) * 1e3)
+            gt = dm.decode_graph(False, timestamps=True)          # the same step, timed on the device
+            devs = []
+            for _ in range(args.new):
+                gt.run()
+                devs.append(sum(ms for _, ms in gt.last_timings()))
+            held = dm.caches[0].length
+            py = python_us(g.submit, 2 * args.new, reset=lambda: [c.truncate(held) for c in dm.caches]) / 1e3
+            w = statistics.median(wall)
+            d = statistics.median(devs) if gt.timestamps else None
+            rows.append(dict(weights=wd, weight_mb=dm.weight_bytes / 1e6, layers=args.layers, tokens=args.new,
+                             wall_ms=w, device_ms=d, host_ms=None if d is None else w - d, python_ms=py,
+                             submissions_per_token=1, wall_runs=wall, device_runs=devs))
+        finally:
+            dm.close()
+    print(f"SmolLM2-135M's shape ({args.layers} layers, random weights), decode after a 32-token prompt, "
+          f"median of {args.new} tokens")
+    print(f"device: {dev.name}; CPU: {cpu_name()}")
+    print("| weights | MB on device | wall ms per token | device ms per token | host ms per token (wall - device) "
+          "| vkattn's Python per token, submission stubbed (ms) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        dms = "-" if r["device_ms"] is None else f"{r['device_ms']:.3f}"
+        hms = "- (no timestamp queries)" if r["host_ms"] is None else f"{r['host_ms']:.3f}"
+        print(f"| {r['weights']} | {r['weight_mb']:.0f} | {r['wall_ms']:.3f} | {dms} | {hms} | {r['python_ms']:.3f} |")
+    out = pathlib.Path(__file__).resolve().parent / "out"
+    out.mkdir(exist_ok=True)
+    (out / "model_random.json").write_text(json.dumps(dict(device=dev.name, cpu=cpu_name(), rows=rows), indent=1))
+    print(f"\nresults: {out / 'model_random.json'}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -61,13 +61,13 @@ def run(shape: Shape, device) -> list:
     return out
 
 
-def _python_us(fn, iters: int, reset=None) -> float:
-    """Median microseconds of ``fn`` with every recorded submission replaced by nothing: the host
-    code around the device (vkattn's Python, numpy, kp's bindings up to the submit); ``reset``
-    (untimed) runs after each call."""
+def python_us(fn, iters: int, reset=None) -> float:
+    """Median microseconds of ``fn`` with every recorded submission replaced by nothing (run, and
+    a graph's submit): the host code around the device (vkattn's Python, numpy, kp's bindings up
+    to the submit); ``reset`` (untimed) runs after each call."""
     from vkattn import _kp
-    real = _kp.Recording.run
-    _kp.Recording.run = lambda self: None
+    real = _kp.Recording.run, _kp.Recording.submit
+    _kp.Recording.run = _kp.Recording.submit = lambda self: None
     try:
         times = []
         for _ in range(iters):
@@ -77,7 +77,7 @@ def _python_us(fn, iters: int, reset=None) -> float:
             if reset is not None:
                 reset()
     finally:
-        _kp.Recording.run = real
+        _kp.Recording.run, _kp.Recording.submit = real
     return float(np.median(times)) * 1e6
 
 
@@ -141,7 +141,7 @@ def device_path(shape: Shape, device) -> list:
     for name, fn, only in (("numpy", numpy_call, numpy_only), ("device arrays", device_call, device_only)):
         t = time_calls(fn, iters, warmup)
         t["device_ms"] = time_calls(timed_call(name != "numpy"), iters, warmup, device_of=timed)["device_ms"]
-        py = _python_us(only, 10 * iters, reset=lambda: c0.truncate(L))
+        py = python_us(only, 10 * iters, reset=lambda: c0.truncate(L))
         print(f"{tag} {name}: vkattn's Python {py:.1f} us per call (submission stubbed out)")
         rows.append(Row(case=f"decode forward L={L}, {name}", kernel="overhead", shape=tag,
                         vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr, speedup_vs_numpy=tr / t["median_ms"],
@@ -168,12 +168,19 @@ def device_path(shape: Shape, device) -> list:
     for c in caches:
         c.truncate(L)
     t = time_calls(step, max(iters // 5, 10), max(warmup // 5, 2))
+
+    def truncate_all():
+        for c in caches:
+            c.truncate(L)
+    gpy = python_us(graph.submit, max(iters // 5, 10), reset=truncate_all)
+    print(f"{tag} graph of {layers} layers: vkattn's Python {gpy:.1f} us per replay, "
+          f"{gpy / layers:.1f} us per layer (submission stubbed out)")
     rows.append(Row(case=f"decode step of {layers} layers L={L}, one graph submission", kernel="overhead",
                     shape=tag, vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
                     speedup_vs_numpy=tr * layers / t["median_ms"], metric="ms per layer",
                     value=t["median_ms"] / layers, verified=ok and gok,
                     extra={"bare_ms": bare["median_ms"], "recordings": graph.recordings,
-                           "submissions": graph.submissions}))
+                           "submissions": graph.submissions, "python_us_per_replay": gpy}))
     graph.close()
     for o in qs + ks + vs + outs + [qd, kd, vd, od]:
         o.close()

@@ -124,6 +124,10 @@ def assert_unchanged(cache, snap):
 
 # log-sum-exp tolerance of the variant tests (all kernels)
 LSE_TOL = dict(atol=2e-5, rtol=2e-4)
+# the oldest transformers vkattn.hf supports (pyproject.toml's hf extra, vkattn.hf.TRANSFORMERS_MIN):
+# an older one skips the tests that need it, naming the version, instead of failing inside transformers
+TRANSFORMERS_MIN = "5.23"
+HF_SKIP = f"the hf extra is not installed, or its transformers is older than {TRANSFORMERS_MIN} (make setup-hf)"
 
 
 def variant_args(name, rng, hq, s, total):

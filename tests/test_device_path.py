@@ -196,6 +196,79 @@ def test_graph_records_again_when_a_plan_changes_and_refuses_what_breaks_its_rul
         g2.upload(q)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "q4"])
+def test_graph_replay_with_rope_equals_the_general_path(device, rng, dtype):
+    """Two caches sharing one RoPE (a model's layers): the replayed decode step writes only the
+    words that follow the length and the rotary rows of the new position (memoised across the
+    caches); each step's outputs equal, bit for bit, the general path's (return_lse) call by call."""
+    hkv, d, hq = 2, 32, 4
+    rope = vkattn.RoPE(base=1000.0)
+    gpu = [vkattn.KVCache(40, hkv, d, dtype=dtype, device=device, rope=rope) for _ in range(2)]
+    cpu = [vkattn.KVCache(40, hkv, d, dtype=dtype, device=device, rope=rope) for _ in range(2)]
+    for a, b in zip(gpu, cpu):
+        k, v = _data(rng, hkv, 9, d), _data(rng, hkv, 9, d)
+        a.append(k, v)
+        b.append(k, v)
+    q = [vkattn.empty((hq, 1, d), device) for _ in gpu]
+    k = [vkattn.empty((hkv, 1, d), device) for _ in gpu]
+    v = [vkattn.empty((hkv, 1, d), device) for _ in gpu]
+    out = [vkattn.empty((hq, 1, d), device) for _ in gpu]
+    g = vkattn.Graph(device)
+    with g.capture():
+        g.upload(*q, *k, *v)
+        for i, c in enumerate(gpu):
+            c.forward(q[i], k[i], v[i], out=out[i])
+        g.download(*out)
+    for step in range(6):
+        data = [(_data(rng, hq, 1, d), _data(rng, hkv, 1, d), _data(rng, hkv, 1, d)) for _ in gpu]
+        for i, (qq, kk, vv) in enumerate(data):
+            q[i].host_view()[...], k[i].host_view()[...], v[i].host_view()[...] = qq, kk, vv
+        g.run()
+        for i, (qq, kk, vv) in enumerate(data):
+            want, _ = cpu[i].forward(qq, kk, vv, return_lse=True)
+            assert np.array_equal(out[i].host_view(), want), (step, i)
+    assert [c.length for c in gpu] == [c.length for c in cpu] == [15, 15] and g.recordings == 1
+    for a, b in zip(gpu, cpu):
+        for x, y in zip(a.read(), b.read()):
+            assert np.array_equal(x, y)
+    g.close()
+
+
+def test_graph_timestamps_time_each_command_and_change_no_result(device, rng):
+    """A graph made with timestamps=True gives each recorded command's device time (in ``ops``'
+    order) and the same bits as one without; without, or on a device with no timestamp queries,
+    an empty list."""
+    hkv, d = 2, 24
+    caches = [vkattn.KVCache(32, hkv, d, dtype="float16", device=device) for _ in range(2)]
+    q, k, v = (vkattn.empty(s, device) for s in ((4, 1, d), (hkv, 1, d), (hkv, 1, d)))
+    outs = [vkattn.empty((4, 1, d), device) for _ in range(2)]
+    graphs = [vkattn.Graph(device, timestamps=t) for t in (False, True)]
+    for c, g, o in zip(caches, graphs, outs):
+        with g.capture():
+            g.upload(q, k, v)
+            c.forward(q, k, v, out=o)
+            g.download(o)
+    for step in range(3):
+        for a in (q, k, v):
+            a.host_view()[...] = _data(rng, *a.shape)
+        got = []
+        for g, o in zip(graphs, outs):
+            g.run()
+            got.append(o.host_view().copy())
+        assert np.array_equal(got[0], got[1]), step
+    assert graphs[0].last_timings() == []
+    timed = graphs[1].last_timings()
+    if device.info.timestamp_compute_and_graphics:
+        assert graphs[1].timestamps and [n for n, _ in timed] == graphs[1].ops
+        assert all(np.isfinite(ms) and ms >= 0 for _, ms in timed) and sum(ms for _, ms in timed) > 0
+    else:
+        assert not graphs[1].timestamps and timed == []
+    with pytest.raises(TypeError, match="timestamps: expected a bool"):
+        vkattn.Graph(device, timestamps="yes")
+    for g in graphs:
+        g.close()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 def test_paged_batches_on_device_arrays_equal_the_numpy_path_and_replay(device, rng, dtype):
     hkv, g, d = 2, 2, 32

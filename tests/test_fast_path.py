@@ -13,9 +13,16 @@ def _call(rng, hq, hkv, s, n, d):
             rng.standard_normal((hkv, n, d)).astype(np.float32))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "int8", "bfloat16"])
-def test_fast_path_equals_the_general_path(device, rng, dtype, monkeypatch):
-    fast, general = (vkattn.KVCache(96, 2, 40, dtype=dtype, device=device) for _ in range(2))
+ROPES = {"none": None, "neox": vkattn.RoPE(base=500.0), "gptj partial": vkattn.RoPE(base=10000.0, rotary_dim=32,
+                                                                                    style="gptj")}
+
+
+@pytest.mark.parametrize("dtype,rope", [(d, "none") for d in ("float32", "float16", "int8", "bfloat16")]
+                         + [("float16", "neox"), ("int8", "gptj partial"), ("q4", "neox")])
+def test_fast_path_equals_the_general_path(device, rng, dtype, rope, monkeypatch):
+    """Also with the cache's RoPE rotating K (the fast path writes the rotary rows of the new
+    positions, shared between caches of the same RoPE and position)."""
+    fast, general = (vkattn.KVCache(96, 2, 40, dtype=dtype, device=device, rope=ROPES[rope]) for _ in range(2))
     fills = []
     real = _attn.AttnPlan.fill
     monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))

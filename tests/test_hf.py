@@ -9,10 +9,11 @@ import os
 
 import numpy as np
 import pytest
+from conftest import HF_SKIP, TRANSFORMERS_MIN
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch", reason="the hf extra is not installed (make setup-hf)")
-transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (make setup-hf)")
+transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN, reason=HF_SKIP)
 
 import vkattn                                                  # noqa: E402
 import vkattn.hf                                               # noqa: E402
@@ -361,6 +362,19 @@ def test_errors_name_the_argument():
     right = mask.flip(1)                                     # right padding
     with pytest.raises(ValueError, match="left padding only"):
         generate(model, "vkattn", ids, right, VkattnCache(model.config, 64, batch_size=2))
+
+
+def test_an_older_transformers_is_refused_at_import_naming_the_version():
+    """transformers 5.17 imports but lacks the cache-layer API vkattn.hf implements: the import
+    fails with the version found and the one needed, not later inside generate()."""
+    import subprocess
+    import sys
+    code = ("import transformers\ntransformers.__version__ = '5.17.0'\nimport vkattn.hf")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 1
+    assert "ImportError: vkattn.hf needs transformers >= 5.23, < 6" in r.stderr and "found 5.17.0" in r.stderr
+    assert vkattn.hf._release("5.23.0.dev0") == (5, 23) and vkattn.hf._release("6") == (6, 0)
 
 
 def test_registered_under_from_pretrained(tmp_path):

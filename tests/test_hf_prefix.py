@@ -3,9 +3,10 @@ the new turn, and generates what eager attention generates from scratch. Seeded 
 Llama (no download); needs the hf extra (torch, transformers), skipped where it is absent."""
 import numpy as np
 import pytest
+from conftest import HF_SKIP, TRANSFORMERS_MIN
 
 torch = pytest.importorskip("torch", reason="the hf extra is not installed (make setup-hf)")
-transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (make setup-hf)")
+transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN, reason=HF_SKIP)
 
 import vkattn.hf                                                # noqa: E402
 from vkattn.errors import CacheFullError                        # noqa: E402

@@ -16,9 +16,10 @@ import os
 
 import numpy as np
 import pytest
+from conftest import HF_SKIP, TRANSFORMERS_MIN
 
 torch = pytest.importorskip("torch", reason="the hf extra is not installed (make setup-hf)")
-transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (make setup-hf)")
+transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN, reason=HF_SKIP)
 
 import vkattn                                                             # noqa: E402
 import vkattn._kp                                                         # noqa: E402

@@ -35,3 +35,22 @@ def test_bad_context_list(monkeypatch):
     monkeypatch.setenv("VKATTN_PERF_CONTEXT", "512,,x")
     with pytest.raises(PerfConfigError, match="comma list"):
         env_int_list("VKATTN_PERF_CONTEXT", [1])
+
+
+def test_perf_model_random_reports_wall_device_and_host_per_token(capsys):
+    """`python -m perf model --random` (the GPU machine's host time per token, issue 30): one
+    layer of SmolLM2's shape with random weights runs, each token one graph replay, and the
+    figures add up (host = wall - device where the device has timestamp queries)."""
+    import json
+
+    import vkattn
+    from perf import model
+    assert model.main(["--random", "--layers", "1", "--new", "3", "--weights", "float16"]) == 0
+    text = capsys.readouterr().out
+    assert "| float16 |" in text and "host ms per token" in text
+    out = json.loads((model.pathlib.Path(model.__file__).resolve().parent / "out" / "model_random.json").read_text())
+    (r,) = out["rows"]
+    assert r["layers"] == 1 and len(r["wall_runs"]) == 3 and r["wall_ms"] > 0
+    if vkattn.default_device().info.timestamp_compute_and_graphics:
+        assert r["device_ms"] > 0 and abs(r["host_ms"] - (r["wall_ms"] - r["device_ms"])) < 1e-9
+    assert model.main(["--random", "--layers", "0"]) == 2

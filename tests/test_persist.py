@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import HF_SKIP, TRANSFORMERS_MIN
 
 import vkattn
 from vkattn import persist
@@ -427,7 +428,7 @@ def test_bad_arguments(device, rng, saved, tmp_path):
 @pytest.fixture(scope="module")
 def hf():
     torch = pytest.importorskip("torch", reason="the hf extra is not installed (make setup-hf)")
-    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (make setup-hf)")
+    transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN, reason=HF_SKIP)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import vkattn.hf
 

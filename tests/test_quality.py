@@ -14,10 +14,11 @@ import os
 import sys
 
 import pytest
+from conftest import HF_SKIP, TRANSFORMERS_MIN
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch", reason="the hf extra is not installed (make setup-hf)")
-transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (make setup-hf)")
+transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN, reason=HF_SKIP)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vkattn.hf                                   # noqa: E402,F401  (registers attn_implementation="vkattn")

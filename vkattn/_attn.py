@@ -71,6 +71,21 @@ class RoPE:
         cos, sin = reference.rope_table(np.asarray(positions), rotary_dim, self.base)
         return np.concatenate([cos, sin], axis=1)
 
+    def rows(self, pos: int, n: int, rotary_dim: int) -> np.ndarray:
+        """table() of positions pos .. pos + n, flattened (read-only), the last few kept: the
+        caches of a model's layers share one RoPE and each decode step's position."""
+        key = (self.base, pos, n, rotary_dim)
+        hit = _ROPE_ROWS.get(key)
+        if hit is None:
+            if len(_ROPE_ROWS) >= 8:
+                _ROPE_ROWS.pop(next(iter(_ROPE_ROWS)))
+            hit = _ROPE_ROWS[key] = self.table(np.arange(pos, pos + n), rotary_dim).ravel()
+            hit.flags.writeable = False
+        return hit
+
+
+_ROPE_ROWS = {}                  # RoPE.rows: (base, pos, n, rotary_dim) -> its rows, oldest first
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -389,14 +404,15 @@ class AttnPlan:
         """Rows per head of a (heads, rows, dim) numpy array or DeviceArray."""
         return x.shape[1]
 
-    _simple = None                  # (rows, new rows, scale) whose whole aux block fill_simple left
+    _simple = None                  # (rows, new rows, scale, rope) whose whole aux block fill_simple left
 
-    def fill_simple(self, q, k, v, past: int, scale: float) -> None:
+    def fill_simple(self, q, k, v, past: int, scale: float, rope: RoPE | None = None) -> None:
         """fill() of the most common call -- one sequence of ``past`` cached keys, q (hq, s, d)
-        and new rows k, v as C-contiguous float32 numpy arrays, causal, no variant, mask or
-        rotation: the aux block of the last such call of the same counts is kept, and only the
-        four words that follow the length are written (vkattn.cache's fast path; a graph's
-        replay, whose q, k, v are DeviceArrays)."""
+        and new rows k, v as C-contiguous float32 numpy arrays, causal, no variant or mask,
+        rotated by the cache's ``rope`` or not: the aux block of the last such call of the same
+        counts is kept, and only the four words that follow the length are written, and the
+        rotary table's rows of the new positions (vkattn.cache's fast path; a graph's replay,
+        whose q, k, v are DeviceArrays)."""
         c = self.c
         s, n = q.shape[1], k.shape[1]
         wk, wv = c._dk4 * c._ch * 4, c._dv4 * c._ch * 4
@@ -407,10 +423,11 @@ class AttnPlan:
                 buf.view()[:x.size] = x.reshape(-1)
             else:
                 put_rows(buf, x, width)
-        if self._simple != (s, n, scale):
-            seq = SeqCall(past=past, n_new=n, q_start=0, q_len=s, rope_pos=past + n - max(s, n))
-            self.fill(q, k, v, [seq], True, scale, Variant())
-            self._simple = (s, n, scale)
+        rows = max(s, n)
+        if self._simple != (s, n, scale, rope):
+            seq = SeqCall(past=past, n_new=n, q_start=0, q_len=s, rope_pos=past + n - rows)
+            self.fill(q, k, v, [seq], True, scale, Variant(), rope)
+            self._simple = (s, n, scale, rope)
             return
         kstart, chunk = split_keys(past + n, s, None, self.cfg.splits, 0)
         aux = self.aux.view()
@@ -418,7 +435,10 @@ class AttnPlan:
         aux[at] = past
         aux[at + 4] = chunk
         aux[at + 6] = kstart
-        aux[at + 10] = past + n - max(s, n)
+        aux[at + 10] = pos = past + n - rows
+        if self.rope_dim:                # fill()'s table rows: positions pos .. pos + rows, from row 0
+            d = self.rope_dim
+            self.rope.view()[:rows * d] = rope.rows(pos, rows, d)
 
     def fill(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant,
              rope: RoPE | None = None) -> int:

@@ -203,7 +203,8 @@ class KVCache(CacheBase):
 
     def _fast_forward(self, q, k, v, scale=None, out=None):
         """forward() of the common call -- numpy float32 C-contiguous q, k, v (or DeviceArrays of
-        this device with ``out`` one too), causal, no variant, a fused append (at most
+        this device with ``out`` one too), causal, no variant, K rotated by the cache's RoPE or
+        not (q not: ``rope_q`` False), a fused append (at most
         FUSED_APPEND_MAX_ROWS new rows), nothing asked but the output -- with the same checks in
         fewer steps: shapes compared as tuples, numpy values by one dot product each
         (checks.plainly_finite), the plan's aux words patched (AttnPlan.fill_simple). None where
@@ -231,7 +232,7 @@ class KVCache(CacheBase):
             return None
         if out is not None and out.shape != (hq, s, self.v_head_dim):
             return None
-        if self.verify or self.rope is not None or n > FUSED_APPEND_MAX_ROWS:
+        if self.verify or n > FUSED_APPEND_MAX_ROWS:
             return None
         if scale is None:
             scale = self._scale
@@ -255,7 +256,8 @@ class KVCache(CacheBase):
             if hit == 0:
                 hit = None
                 if not self._appends_first(n, s):
-                    plan = self._attn_plan(hq, s, n, 0, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0), total)
+                    flags = self.rope.flags(False) if self.rope is not None else 0     # K rotated, not q
+                    plan = self._attn_plan(hq, s, n, flags, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0), total)
                     if not plan._check_width:
                         hit = (next(k for k, p in reversed(self._plans.items()) if p is plan), plan)
                 memo = self._fast_plans = self._fast_plans or {}     # a plan built may have evicted some
@@ -264,7 +266,7 @@ class KVCache(CacheBase):
                 return None
             key, plan = hit
             self._plans.move_to_end(key)
-            plan.fill_simple(q, k, v, self._length, scale)
+            plan.fill_simple(q, k, v, self._length, scale, self.rope)
             rec = plan.out_only() if out is None else plan.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
             rec.run()
             self._last_rec = rec
@@ -273,6 +275,25 @@ class KVCache(CacheBase):
                 return out
             dv = self.v_head_dim
             return plan.out.view()[:hq * s * dv].reshape(hq, s, dv).copy()
+
+    def _step_plans(self, step, q, n: int, call, total: int) -> tuple:
+        """_call_plans of a graph step (its q, n and call fixed at capture) at ``total`` keys,
+        memoised per step and key bound in ``_fast_plans`` (dropped whenever a plan is destroyed),
+        the plans touched in the LRU as a lookup would: a replay does not search again."""
+        bound = self.capacity if q.shape[1] != 1 else decode_key_bound(total, self.capacity)
+        memo = self._fast_plans
+        hit = None if memo is None else memo.get((step, bound))
+        if hit is None:
+            plans = self._call_plans(q, n, call)
+            keys = tuple(next(k for k, p in reversed(self._plans.items()) if p is plan)
+                         for plan in plans if plan is not None)
+            memo = self._fast_plans = self._fast_plans or {}     # a plan built may have evicted some
+            if len(memo) > 256:
+                memo.clear()
+            hit = memo[(step, bound)] = (plans, keys)
+        for key in hit[1]:
+            self._plans.move_to_end(key)
+        return hit[0]
 
     def _call_flags(self, call) -> int:
         return call["variant"].flags(call["mask"] is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
@@ -296,14 +317,15 @@ class KVCache(CacheBase):
         self._check_graph_call(q, k, v, call)
         s, n = q.shape[1], 0 if k is None else k.shape[1]
         cache = self
-        simple = call["causal"] and self._call_flags(call) == 0   # no variant, mask or rotation: fill_simple
+        # no variant or mask (a rotation is fine): fill_simple
+        simple = call["causal"] and call["variant"].flags(call["mask"] is not None) == 0
 
         class Step:
             def prepare(self):
                 cache._check_open()
                 cache._check_fits(n)
                 total = cache._length + n
-                append, plan = cache._call_plans(q, n, call)
+                append, plan = cache._step_plans(self, q, n, call, total)
                 work, kk, vv = [], k, v
                 if append is not None:
                     append.fill_rows(n, np.arange(cache._length, total))
@@ -312,7 +334,7 @@ class KVCache(CacheBase):
                     kk = vv = None
                 fused = 0 if kk is None else n
                 if simple and fused:
-                    plan.fill_simple(q, kk, vv, cache._length, call["scale"])
+                    plan.fill_simple(q, kk, vv, cache._length, call["scale"], cache.rope)
                 else:
                     plan.fill(q, kk, vv, [cache._seq_call(s, fused, total, call["mask"])], call["causal"],
                               call["scale"], call["variant"], cache.rope)

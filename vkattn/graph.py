@@ -70,13 +70,17 @@ class Handle:
 class Graph:
     """A recorded submission on ``device`` (default: vkattn.default_device()); module docstring."""
 
-    def __init__(self, device: Device | None = None):
+    def __init__(self, device: Device | None = None, timestamps: bool = False):
         if device is not None and not isinstance(device, Device):
             raise TypeError(f"device: expected a vkattn.Device or None, got {type(device).__name__}")
+        if not isinstance(timestamps, bool):
+            raise TypeError(f"timestamps: expected a bool, got {type(timestamps).__name__}")
         if not HAS_BARRIER:
             raise SyncHazardError("vkattn.Graph needs kp built with scripts/kp-0.9.0-features.patch "
                                   "(kp.OpMemoryBarrier): make setup builds it")
         self.device = device or default_device()
+        # a timestamp query around every recorded command (last_timings), where the device has them
+        self.timestamps = timestamps and self.device.info.timestamp_compute_and_graphics
         self._items = []            # ("cache", step) | ("dispatch", program) | ("upload"/"download", buffer)
         self._caches = set()
         self._rec = None
@@ -174,7 +178,7 @@ class Graph:
                         rec.upload_after(w)
                     else:
                         rec.download(w)
-                self._rec, self._progs = rec.build(), progs
+                self._rec, self._progs = rec.build(self.timestamps), progs
                 self.recordings += 1
             self._rec.submit()
             be.pending = self._rec
@@ -188,6 +192,17 @@ class Graph:
     def run(self) -> None:
         """submit() and wait."""
         self.submit().wait()
+
+    def last_timings(self) -> list:
+        """Device time of each recorded command of the last submission, waited for, as ``[(op,
+        ms), ...]`` in ``ops``' order, from Vulkan timestamp queries: a graph made with
+        ``timestamps=True`` on a device that has them (``Device.info.timestamp_compute_and_graphics``;
+        otherwise an empty list). Their sum is the submission's device time."""
+        if not self.timestamps or self._rec is None:
+            return []
+        if self._handle is not None:
+            self._handle.wait()
+        return self._rec.timings(self.device.info.timestamp_period)
 
     @property
     def ops(self) -> list:

@@ -46,6 +46,7 @@ returned in the query's dtype.
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import numpy as np
@@ -68,9 +69,18 @@ from .errors import CacheFileCorruptError, CacheFileMismatchError, CacheFullErro
 from .formats import DTYPES, dtype_list
 from .paging import check_token_ids
 
-if int(transformers.__version__.split(".")[0]) < 5:
-    raise ImportError(f"vkattn.hf needs transformers 5.x (AttentionInterface, cache layers); found "
-                      f"{transformers.__version__}: pip install 'transformers>=5.23,<6'")
+TRANSFORMERS_MIN = (5, 23)       # pyproject.toml's hf extra: the cache-layer API this module implements
+
+
+def _release(version: str) -> tuple:
+    """(major, minor) of a version string such as '5.23.0' or '5.24.0.dev0'."""
+    return tuple(int(re.match(r"\d*", p).group() or 0) for p in (version.split(".") + ["0"])[:2])
+
+
+if not TRANSFORMERS_MIN <= _release(transformers.__version__) < (6, 0):
+    raise ImportError(f"vkattn.hf needs transformers >= {'.'.join(map(str, TRANSFORMERS_MIN))}, < 6 (its cache "
+                      f"layers and attention interface); found {transformers.__version__}: "
+                      f"pip install 'transformers>=5.23,<6'")
 
 NAME = "vkattn"
 BLOCK_SIZE = 16                  # paged stores: tokens per block

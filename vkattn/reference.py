@@ -1,6 +1,7 @@
 """CPU numpy reference: the definition every device result is checked against."""
 from __future__ import annotations
 
+import functools
 import numbers
 
 import numpy as np
@@ -150,9 +151,16 @@ def rope_table(positions, rotary_dim: int, base: float = 10000.0):
     positions = np.asarray(positions)
     if positions.ndim != 1:
         raise ValueError(f"positions must be 1-D (n,), got shape {positions.shape}")
-    inv_freq = np.float64(base) ** (-2.0 * np.arange(rotary_dim // 2, dtype=np.float64) / rotary_dim)
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    angles = positions.astype(np.float64)[:, None] * _inv_freq(rotary_dim, float(base))[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(rotary_dim: int, base: float) -> np.ndarray:
+    """base ** (-2 i / rotary_dim), i < rotary_dim / 2, float64 (rope_table's; read-only: shared)."""
+    f = np.float64(base) ** (-2.0 * np.arange(rotary_dim // 2, dtype=np.float64) / rotary_dim)
+    f.flags.writeable = False
+    return f
 
 
 def rope(x, positions, *, base: float = 10000.0, rotary_dim: int | None = None, style: str = "neox"):

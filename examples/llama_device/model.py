@@ -342,14 +342,17 @@ class DeviceLlama:
             g.download(a.logits)
         return algos
 
-    def decode_graph(self, return_logits: bool = False) -> vkattn.Graph:
-        """The decode step's graph (captured on first use, then replayed)."""
-        if return_logits not in self._graphs:
-            g = vkattn.Graph(self.device)
+    def decode_graph(self, return_logits: bool = False, timestamps: bool = False) -> vkattn.Graph:
+        """The decode step's graph (captured on first use, then replayed): each run() appends
+        the token in ``tok`` to every cache and writes the next one there. ``timestamps``: a graph
+        that times each command on the device (``last_timings()``, where the device can)."""
+        key = (return_logits, timestamps)
+        if key not in self._graphs:
+            g = vkattn.Graph(self.device, timestamps=timestamps)
             with g.capture():
                 g._algos = self._step(g, self._dec, self.tok, return_logits)
-            self._graphs[return_logits] = g
-        return self._graphs[return_logits]
+            self._graphs[key] = g
+        return self._graphs[key]
 
     # ------------------------------------------------------------------ generation
     def _token(self) -> int:

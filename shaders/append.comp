@@ -122,7 +122,7 @@ void main() {
         const uint row = dst[1u + 2u * hr], t = dst[2u + 2u * hr];
         vec4 x[CH];
 #if KV_FP8
-        const uint h = hr / (count / HKV);
+        const uint h = small_quotient(hr, count / HKV);     // HKV: a constant; no division by a run-time value
 #endif
         if (c < DK4) {
             for (uint e = 0u; e < CH; ++e) x[e] = new_val(true, hr, c * CH + e, t);

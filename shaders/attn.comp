@@ -127,7 +127,8 @@ layout(std430, binding = 1) buffer VC2 { uvec2 vc2[]; };
 uvec2 k_unit(uint row, uint u) { return kc2[row * DK4 * 2u + u]; }
 uvec2 v_unit(uint row, uint u) { return vc2[row * DV4 * 2u + u]; }
 #if KV_FP8
-void unpack_unit(uvec2 w, out vec4 x[UV]) { x[0] = fp8x4_to_float(w.x); x[1] = fp8x4_to_float(w.y); }
+// the values times 1 / FP8_RESTORE (common.glsl fp8x4_native): the key loop restores it per key
+void unpack_unit(uvec2 w, out vec4 x[UV]) { x[0] = fp8x4_native(w.x); x[1] = fp8x4_native(w.y); }
 #else
 void unpack_unit(uvec2 w, out vec4 x[UV]) { x[0] = unpack_i8x4(w.x); x[1] = unpack_i8x4(w.y); }
 #endif
@@ -289,7 +290,7 @@ void consume(uint lo, uint hi) {
 #if KV_I8
                 dsum *= kscale[rows[i]];
 #elif KV_FP8
-                dsum *= kscale[hh];
+                dsum *= FP8_RESTORE * kscale[hh];   // finite: scale * 448 is (check_fp8_scale)
 #endif
                 const uint j = js[i];
                 bool vis = j < hi && j < vis_end[r];
@@ -321,7 +322,7 @@ void consume(uint lo, uint hi) {
 #if KV_I8
             const float vsc = vscale[rows[i]];
 #elif KV_FP8
-            const float vsc = vscale[hh];
+            const float vsc = FP8_RESTORE * vscale[hh];
 #else
             const float vsc = 1.0;
 #endif

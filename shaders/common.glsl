@@ -229,6 +229,40 @@ vec4 fp8x4_to_float(uint w) {
     return uintBitsToFloat(f | ((b & 0x80u) << 24));
 }
 
+#if HALF_NATIVE
+// the same four values through the GPU's half conversion (GPUs convert two halves in one or two
+// instructions; the integer form above costs about ten per value): each byte becomes a half --
+// e5m2 is a half's top byte (Inf and NaN included); e4m3's sign and 7 magnitude bits moved into a
+// half's sign and under its exponent give the value times 2^-8 (FP8_RESTORE, applied by the
+// caller once per key to the dot product and the probability, undoes it; powers of two: exact).
+// Exact for normals and zeros, fp8 subnormals (half subnormals here) as the driver's float16
+// denormal mode says, as float16's HALF_NATIVE decode; a word holding e4m3's NaN pattern 0x7f
+// (which a half would read as 1.875) takes the integer form
+#if KV_FP8 == 1
+#define FP8_RESTORE 256.0
+// two bytes at bits 0 and 16 of a -> two halves: the magnitude shifted under the exponent, the sign
+// (bit 7) carried from bit 14 to 15 by adding it once more; 0x7f (NaN) gets the exponent all ones
+uint e4m3x2_halves(uint a) {
+    const uint nan = (((a & 0x007f007fu) + 0x00010001u) & 0x00800080u) * 0xf8u;
+    return ((a + (a & 0x00800080u)) << 7u) | nan;
+}
+vec4 fp8x4_native(uint w) {
+    const uint lo = w & 0xffffu, hi = w >> 16;
+    return vec4(unpackHalf2x16(e4m3x2_halves((lo | (lo << 8u)) & 0x00ff00ffu)),
+                unpackHalf2x16(e4m3x2_halves((hi | (hi << 8u)) & 0x00ff00ffu)));
+}
+#else
+#define FP8_RESTORE 1.0
+vec4 fp8x4_native(uint w) {
+    return vec4(unpackHalf2x16(((w & 0xffu) << 8u) | ((w & 0xff00u) << 16u)),
+                unpackHalf2x16(((w >> 8u) & 0xff00u) | (w & 0xff000000u)));
+}
+#endif
+#else
+#define FP8_RESTORE 1.0
+vec4 fp8x4_native(uint w) { return fp8x4_to_float(w); }
+#endif
+
 // CH float vec4 -> a storage word, each value / scale (fp8_prep) rounded to fp8
 uvec4 pack_chunk_fp8(vec4 x[CH], ivec2 s) {
     return uvec4(fp8_pack4(x[0], s), fp8_pack4(x[1], s), fp8_pack4(x[2], s), fp8_pack4(x[3], s));
@@ -337,6 +371,15 @@ float approx_rcp(float f) {
     float y = uintBitsToFloat(0x7ef311c7u - floatBitsToUint(f));     // 1/f within 1/8
     for (int i = 0; i < 4; ++i) y = y * (2.0 - f * y);                // error 1/8 -> 2^-24 + rounding
     return y;
+}
+
+// a / b, rounded down, for integers a < 2^24 and 1 <= b < 2^24 with a quotient below 2^16 (a kv
+// head's index), with no division instruction (a driver lowers `/` by a value known only at run
+// time through a float reciprocal, outside what the numerics audit can check): the estimate is
+// within 1/8 of a / b, so t is floor(a / b) or one less, and the exact remainder decides
+uint small_quotient(uint a, uint b) {
+    const uint t = uint(max(float(a) * approx_rcp(float(b)) - 0.25, 0.0));
+    return a - t * b >= b ? t + 1u : t;
 }
 
 uvec3 quant_prep(float scale) {

@@ -19,8 +19,9 @@
 //   MODE 3 (KV_FP8=1|2): item i: 16 float32 inv[4i .. 4i+3] -> out[i] = pack_chunk_fp8 with the
 //                      scale whose bits are params[1]: 16 fp8 bytes, low byte first.
 //                      numpy: vkattn.reference.fp8_bits(x, fmt, scale)
-//   MODE 4 (KV_FP8=1|2): item i: inv[i] (16 fp8) -> out[4i .. 4i+3] = the float32 bits of
-//                      unpack_chunk (unscaled).  numpy: vkattn.reference.fp8_to_float32
+//   MODE 4 (KV_FP8=1|2, HALF_NATIVE 0 or 1): item i: inv[i] (16 fp8) -> out[4i .. 4i+3] = the
+//                      float32 bits of unpack_chunk (unscaled; HALF_NATIVE: of fp8x4_native times
+//                      FP8_RESTORE, attn.comp's decode).  numpy: vkattn.reference.fp8_to_float32
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
@@ -62,7 +63,11 @@ void main() {
     outv[i] = pack_chunk_fp8(x, fp8_prep(uintBitsToFloat(params[1])));
 #elif MODE == 4
     vec4 x[CH];
+#if HALF_NATIVE
+    for (uint e = 0u; e < CH; ++e) x[e] = fp8x4_native(inv[i][e]) * FP8_RESTORE;
+#else
     unpack_chunk(inv[i], x);
+#endif
     for (uint e = 0u; e < CH; ++e) outv[4u * i + e] = floatBitsToUint(x[e]);
 #else
 #error "MODE must be 0 .. 4"

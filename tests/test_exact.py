@@ -679,12 +679,18 @@ def test_probe_fp8_encode_matches_reference(device, rng, fmt):
         assert bad.size == 0, [(hex(bits(x)[i]), hex(got[i]), hex(want[i])) for i in bad[:8]]
 
 
+@pytest.mark.parametrize("native", [0, 1])
 @pytest.mark.parametrize("fmt", FP8)
-def test_probe_fp8_decode_every_pattern(device, fmt):
+def test_probe_fp8_decode_every_pattern(device, fmt, native):
+    """Every byte, through the integer decode (append, attn_lane.comp, attn_coopmat.comp) and
+    through attn.comp's (HALF_NATIVE: halves, times FP8_RESTORE; the e4m3 NaN word's fallback):
+    numpy's float32 bits, NaN where it is NaN. Bytes are placed so that each word mixes patterns
+    (e4m3's 0x7f / 0xff beside normal ones: the fallback takes the whole word)."""
     b = np.arange(256, dtype=np.uint8)
+    b = np.concatenate([b, np.random.default_rng(3).permutation(b)])
     words = b.view(np.uint32)
-    out, _ = run_probe(device, {"MODE": 4, "KV_F16": 0, "KV_I8": 0, "KV_FP8": 1 if fmt == "fp8_e4m3" else 2},
-                       words, words.size // 4, 256)
+    out, _ = run_probe(device, {"MODE": 4, "KV_F16": 0, "KV_I8": 0, "KV_FP8": 1 if fmt == "fp8_e4m3" else 2,
+                                "HALF_NATIVE": native}, words, words.size // 4, b.size)
     want = bits(fp8_to_float32(b, fmt))
     nan = np.isnan(fp8_to_float32(b, fmt))
     assert np.array_equal(np.isnan(out.view(np.float32)), nan)

@@ -6,6 +6,9 @@
 // Contract: buf uint32 [GROUPS * ITERS * WG * 4 * (MODE == 1 ? 1 : 1)], out uint32 [GROUPS * WG]
 //   MODE 0: uvec4 loads (one load instruction brings 4 words per lane)
 //   MODE 1: the same words as 4 separate uint loads (one word per load instruction)
+//   MODE 2: the same words, each uvec4 read by the whole subgroup at one address (known uniform:
+//           from the workgroup id and loop counters only), lane l keeping the l-th of every WG --
+//           what a driver with a uniform-load path (one load, broadcast) would make cheap
 // numpy: out[g, l] = xor of every word lane l of group g read (only to keep the loads alive)
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint MODE = 0u;
@@ -21,7 +24,12 @@ void main() {
     for (uint it = 0u; it < ITERS; ++it) {
         const uint c = base + it * wg + lane;
         if (MODE == 0u) acc ^= b4[c];
-        else acc ^= uvec4(b1[4u * c], b1[4u * c + 1u], b1[4u * c + 2u], b1[4u * c + 3u]);
+        else if (MODE == 1u) acc ^= uvec4(b1[4u * c], b1[4u * c + 1u], b1[4u * c + 2u], b1[4u * c + 3u]);
+        else
+            for (uint s = 0u; s < wg; ++s) {
+                const uvec4 v = b4[base + it * wg + s];
+                acc ^= s == lane ? v : uvec4(0u);
+            }
     }
     o[gl_WorkGroupID.x * wg + lane] = acc.x ^ acc.y ^ acc.z ^ acc.w;
 }

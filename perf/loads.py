@@ -1,7 +1,9 @@
 """Load cost: what one 32-bit word read from a storage buffer costs in a shader on this device,
 streamed the way the lane kernel streams the K/V cache (``perf/loads.comp``), and the decode time
 that cost alone implies for the perf shape at L=4096. On lavapipe every storage-buffer load is a
-scalar loop over the subgroup's lanes, so this, not memory bandwidth, bounds decode there.
+scalar loop over the subgroup's lanes, so this, not memory bandwidth, bounds decode there; the
+third case reads the same words at addresses uniform across the subgroup (Mesa 22.3's lavapipe
+still loops over the lanes for those: no cheaper way to read a word there).
 
 numpy is the same bytes reduced on the CPU (``np.bitwise_xor.reduce``), the ``x numpy`` column
 the ratio. Checked: the shader's xor of what each lane read equals numpy's.
@@ -37,7 +39,7 @@ def run(shape: Shape, device) -> list:
     up.destroy()
     spv = compile_shader("loads", {}, src_dir=Path(__file__).parent)
     kv_words = 2 * shape.kv_heads * shape.head_dim * 4096 // 2        # float16 K and V at L=4096
-    for mode, what in ((0, "uvec4"), (1, "uint")):
+    for mode, what in ((0, "uvec4"), (1, "uint"), (2, "uvec4 at subgroup-uniform addresses")):
         name = f"loads {what} x{wg} lanes, 16 MiB"
         if not selected(name):
             continue

@@ -13,12 +13,12 @@
 #   4. python -m perf overhead: wall against device time per call, the device-array path, a
 #      30-layer graph replayed (issue 30)
 #   5. the device-path and cooperative-matrix parity tests (pytest), where time is left
-#   formats (only when VKATTN_GPU_STEPS names it): python -m perf decode at L=16384 with the cache in
+#   formats: python -m perf decode at L=16384 with the cache in
 #      q4 and in fp8_e4m3, each timed in alternated rounds beside float16 and int8 (issue 32)
-#   model (only when VKATTN_GPU_STEPS names it): python -m perf model --random, SmolLM2-135M's shape
+#   model: python -m perf model --random, SmolLM2-135M's shape
 #      with random weights (no transformers, no model package needed): wall, device and host time
 #      of a decode token, each token one replay of the 30 layers' graph (issue 30)
-#   suite (only when VKATTN_GPU_STEPS names it, in place of 5): the whole test suite but the files
+#   suite (in place of 5): the whole test suite but the files
 #      that need transformers' model downloads, the install, the soak and the fuzz runs, where time
 #      is left
 #   sweep (only when VKATTN_GPU_STEPS names it): attn.comp's decode shape on this GPU, float16,
@@ -27,8 +27,8 @@
 #      decode) -> OUT/sweep.txt
 #   VKATTN_GPU_EXTRA (a command, run last in the same environment where set): an experiment's
 #      script, its output to the log
-# VKATTN_GPU_STEPS picks steps (default "check coopmat bench overhead tests"; add "formats",
-# "model", "sweep", "suite").
+# VKATTN_GPU_STEPS picks steps (default "check coopmat bench overhead formats model suite", about
+# 7 minutes on the H100 of session 21; "tests" is the short form of "suite"; add "sweep").
 # Usage: bash perf/gpu_session.sh [BUNDLE] [OUT]   (OUT defaults to $OUT, then perf/out/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -75,7 +75,7 @@ if ! timeout 60 "$PY" -m vkattn devices >> "$log" 2>&1; then
   exit 1
 fi
 
-steps=" ${VKATTN_GPU_STEPS:-check coopmat bench overhead tests} "
+steps=" ${VKATTN_GPU_STEPS:-check coopmat bench overhead formats model suite} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 if want check; then
   step "python -m vkattn check"
@@ -111,7 +111,7 @@ if want formats; then
   for dt in q4 fp8_e4m3; do
     step "decode L=16384, $dt beside float16 and int8 (alternated rounds)"
     VKATTN_PERF_DTYPE=$dt VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_TORCH_DEVICE=cuda \
-      run "${VKATTN_GPU_FORMAT_S:-90}" "$PY" -m perf decode
+      run "${VKATTN_GPU_FORMAT_S:-150}" "$PY" -m perf decode
   done
 fi
 if want model; then

@@ -447,25 +447,75 @@ void write_out(uint r, uint orow) {
     if (lane_d == 0u) lsebuf[orow] = l[r] > 0.0 ? (m[r] + log2(l[r])) * LN2 : NEG_INF;
 }
 
-// the last workgroup of a tile: every split's partial of row r merged into out/lse
-// (rolled loops: unrolled over the splits they would hold every split's values in registers at once,
-// and the merge would set the kernel's register count)
-void merge_splits(uint r, uint orow, uint nrows) {
-    float mx = M_EMPTY;
-    [[dont_unroll]] for (uint s = 0u; s < gl_NumWorkGroups.x; ++s) mx = max(mx, mlbuf[s * nrows + orow].x);
-    float lt = 0.0;
-    [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] = vec4(0.0);
-    [[dont_unroll]] for (uint s = 0u; s < gl_NumWorkGroups.x; ++s) {
-            const vec2 ms = mlbuf[s * nrows + orow];
-            const float wgt = exp2(ms.x - mx);      // 0 for a split that saw nothing
-            lt += wgt * ms.y;
-            const uint base = (s * nrows + orow) * PV;
-            [[unroll]] for (uint w = 0u; w < VW; ++w)
+// COLS > 1: the columns' states of each row (m, l, acc) combined into column 0's -- rescaled to the
+// common max, summed in shared memory. Every thread of the workgroup calls it (barriers)
+void merge_columns() {
+    if (COLS == 1u) return;
+    [[unroll]] for (uint r = 0u; r < RPT; ++r)
+        if (lane_d == 0u && rg * RPT + r < NQ) s_m[col * NQ + rg * RPT + r] = m[r];
+    barrier();
+    [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+        const uint qv = min(rg * RPT + r, NQ - 1u);
+        float mx = M_EMPTY;
+        for (uint c2 = 0u; c2 < COLS; ++c2) mx = max(mx, s_m[c2 * NQ + qv]);
+        const float f = exp2(m[r] - mx);
+        m[r] = mx;
+        l[r] *= f;
+        [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] *= f;
+    }
+    barrier();
+    [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+        const uint qv = rg * RPT + r;
+        if (qv >= NQ) continue;
+        if (lane_d == 0u) s_l[col * NQ + qv] = l[r];
+        [[unroll]] for (uint w = 0u; w < VW; ++w)
+            if (unit_ok(w, DVU))
                 [[unroll]] for (uint e = 0u; e < UV; ++e)
-                    acc[(r * VW + w) * UV + e] += wgt * part[base + my_unit(w, DVU) * UV + e];
+                    s_acc[(col * NQ + qv) * PV + my_unit(w, DVU) * UV + e] = acc[(r * VW + w) * UV + e];
+    }
+    barrier();
+    if (col == 0u)
+        [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+            const uint qv = min(rg * RPT + r, NQ - 1u);
+            for (uint c2 = 1u; c2 < COLS; ++c2) {
+                l[r] += s_l[c2 * NQ + qv];
+                [[unroll]] for (uint w = 0u; w < VW; ++w)
+                    [[unroll]] for (uint e = 0u; e < UV; ++e)
+                        acc[(r * VW + w) * UV + e] += s_acc[(c2 * NQ + qv) * PV + my_unit(w, DVU) * UV + e];
+            }
         }
-    m[r] = mx;
-    l[r] = lt;
+}
+
+// the last workgroup of a tile merges every split's partial of its rows into out/lse, its COLS
+// columns side by side: column c takes splits c, c + COLS, ... (their max, then their partials
+// weighted by it), and merge_columns combines the columns. Each thread's serial chain of reads is
+// 2 * splits / COLS, not 2 * splits. The loops over the splits are rolled and outermost (unrolled
+// they would hold every split's values in registers at once; the rows inside them are unrolled)
+void merge_split_shares(uint R, uint nrows) {
+    uint orow[RPT];
+    bool ok[RPT];
+    [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+        const uint qv = rg * RPT + r;
+        ok[r] = qv < NQ && qrow[r] < sq.q_len;
+        orow[r] = ok[r] ? (hh * G + qv / BQ) * R + sq.q_start + qrow[r] : 0u;
+        m[r] = M_EMPTY;
+        l[r] = 0.0;
+        [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] = vec4(0.0);
+    }
+    [[dont_unroll]] for (uint s = col; s < gl_NumWorkGroups.x; s += COLS)
+        [[unroll]] for (uint r = 0u; r < RPT; ++r)
+            if (ok[r]) m[r] = max(m[r], mlbuf[s * nrows + orow[r]].x);
+    [[dont_unroll]] for (uint s = col; s < gl_NumWorkGroups.x; s += COLS)
+        [[unroll]] for (uint r = 0u; r < RPT; ++r)
+            if (ok[r]) {
+                const vec2 ms = mlbuf[s * nrows + orow[r]];
+                const float wgt = exp2(ms.x - m[r]);      // 0 for a split that saw nothing
+                l[r] += wgt * ms.y;
+                const uint base = (s * nrows + orow[r]) * PV;
+                [[unroll]] for (uint w = 0u; w < VW; ++w)
+                    [[unroll]] for (uint e = 0u; e < UV; ++e)
+                        acc[(r * VW + w) * UV + e] += wgt * part[base + my_unit(w, DVU) * UV + e];
+            }
 }
 
 void main() {
@@ -528,41 +578,7 @@ void main() {
         consume(a, b);
     }
 
-    if (COLS > 1u) {      // merge the columns: rescale to the common max, sum in shared memory
-        [[unroll]] for (uint r = 0u; r < RPT; ++r)
-            if (lane_d == 0u && rg * RPT + r < NQ) s_m[col * NQ + rg * RPT + r] = m[r];
-        barrier();
-        [[unroll]] for (uint r = 0u; r < RPT; ++r) {
-            const uint qv = min(rg * RPT + r, NQ - 1u);
-            float mx = M_EMPTY;
-            for (uint c2 = 0u; c2 < COLS; ++c2) mx = max(mx, s_m[c2 * NQ + qv]);
-            const float f = exp2(m[r] - mx);
-            m[r] = mx;
-            l[r] *= f;
-            [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] *= f;
-        }
-        barrier();
-        [[unroll]] for (uint r = 0u; r < RPT; ++r) {
-            const uint qv = rg * RPT + r;
-            if (qv >= NQ) continue;
-            if (lane_d == 0u) s_l[col * NQ + qv] = l[r];
-            [[unroll]] for (uint w = 0u; w < VW; ++w)
-                if (unit_ok(w, DVU))
-                    [[unroll]] for (uint e = 0u; e < UV; ++e)
-                        s_acc[(col * NQ + qv) * PV + my_unit(w, DVU) * UV + e] = acc[(r * VW + w) * UV + e];
-        }
-        barrier();
-        if (col == 0u)
-            [[unroll]] for (uint r = 0u; r < RPT; ++r) {
-                const uint qv = min(rg * RPT + r, NQ - 1u);
-                for (uint c2 = 1u; c2 < COLS; ++c2) {
-                    l[r] += s_l[c2 * NQ + qv];
-                    [[unroll]] for (uint w = 0u; w < VW; ++w)
-                        [[unroll]] for (uint e = 0u; e < UV; ++e)
-                            acc[(r * VW + w) * UV + e] += s_acc[(c2 * NQ + qv) * PV + my_unit(w, DVU) * UV + e];
-                }
-            }
-    }
+    merge_columns();
 
     // rows of this thread that exist (column 0 holds the merged state)
     [[unroll]] for (uint r = 0u; r < RPT; ++r) {
@@ -598,12 +614,11 @@ void main() {
     // recording replays with no upload of them (host memory the device uses directly, graphs)
     if (t == 0u) atomicExchange(auxc[aux[17] + hh * gl_NumWorkGroups.y + y], 0u);
     memoryBarrierBuffer();                                                    // F4
+    merge_split_shares(R, nrows);
+    merge_columns();
     [[unroll]] for (uint r = 0u; r < RPT; ++r) {
         const uint qv = rg * RPT + r;
-        if (col == 0u && qv < NQ && qrow[r] < sq.q_len) {
-            const uint orow = (hh * G + qv / BQ) * R + sq.q_start + qrow[r];
-            merge_splits(r, orow, nrows);
-            write_out(r, orow);
-        }
+        if (col == 0u && qv < NQ && qrow[r] < sq.q_len)
+            write_out(r, (hh * G + qv / BQ) * R + sq.q_start + qrow[r]);
     }
 }

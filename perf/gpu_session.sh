@@ -15,6 +15,9 @@
 #   5. the device-path and cooperative-matrix parity tests (pytest), where time is left
 #   formats: python -m perf decode at L=16384 with the cache in
 #      q4 and in fp8_e4m3, each timed in alternated rounds beside float16 and int8 (issue 32)
+#   splits: attn.comp's decode at L=16384 float16 (beside bfloat16, int8 and q4) under
+#      VKATTN_DECODE_SPLITS = the default, 32, 64 and 256: the split count after the merge was shared
+#      between the last workgroup's columns (session 21) -> OUT/splits.txt
 #   model: python -m perf model --random, SmolLM2-135M's shape
 #      with random weights (no transformers, no model package needed): wall, device and host time
 #      of a decode token, each token one replay of the 30 layers' graph (issue 30)
@@ -27,8 +30,8 @@
 #      decode) -> OUT/sweep.txt
 #   VKATTN_GPU_EXTRA (a command, run last in the same environment where set): an experiment's
 #      script, its output to the log
-# VKATTN_GPU_STEPS picks steps (default "check coopmat bench overhead formats model suite", about
-# 7 minutes on the H100 of session 21; "tests" is the short form of "suite"; add "sweep").
+# VKATTN_GPU_STEPS picks steps (default "check coopmat bench overhead formats splits model suite",
+# about 9 minutes on the H100 of session 21; "tests" is the short form of "suite"; add "sweep").
 # Usage: bash perf/gpu_session.sh [BUNDLE] [OUT]   (OUT defaults to $OUT, then perf/out/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -75,7 +78,7 @@ if ! timeout 60 "$PY" -m vkattn devices >> "$log" 2>&1; then
   exit 1
 fi
 
-steps=" ${VKATTN_GPU_STEPS:-check coopmat bench overhead formats model suite} "
+steps=" ${VKATTN_GPU_STEPS:-check coopmat bench overhead formats splits model suite} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 if want check; then
   step "python -m vkattn check"
@@ -113,6 +116,16 @@ if want formats; then
     VKATTN_PERF_DTYPE=$dt VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_TORCH_DEVICE=cuda \
       run "${VKATTN_GPU_FORMAT_S:-150}" "$PY" -m perf decode
   done
+fi
+if want splits; then
+  step "decode L=16384 under VKATTN_DECODE_SPLITS (default, 32, 64, 256)"
+  for splits in "" 32 64 256; do
+    echo "splits=${splits:-default}:" >> "$out/splits.txt"
+    VKATTN_DECODE_SPLITS=$splits VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20 \
+      VKATTN_PERF_TORCH_DEVICE=cuda timeout 90 "$PY" -m perf decode 2>&1 | grep -E "^decode L=16384|Error" >> "$out/splits.txt" ||
+      echo "failed" >> "$out/splits.txt"
+  done
+  cat "$out/splits.txt" >> "$log"
 fi
 if want model; then
   step "python -m perf model --random (SmolLM2-135M's shape, random weights)"

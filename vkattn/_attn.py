@@ -8,6 +8,7 @@ window, softcap, ALiBi, mask) is a spec constant, so the default path pays for n
 """
 from __future__ import annotations
 
+import functools
 import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -71,20 +72,13 @@ class RoPE:
         cos, sin = reference.rope_table(np.asarray(positions), rotary_dim, self.base)
         return np.concatenate([cos, sin], axis=1)
 
+    @functools.lru_cache(maxsize=8)
     def rows(self, pos: int, n: int, rotary_dim: int) -> np.ndarray:
         """table() of positions pos .. pos + n, flattened (read-only), the last few kept: the
         caches of a model's layers share one RoPE and each decode step's position."""
-        key = (self.base, pos, n, rotary_dim)
-        hit = _ROPE_ROWS.get(key)
-        if hit is None:
-            if len(_ROPE_ROWS) >= 8:
-                _ROPE_ROWS.pop(next(iter(_ROPE_ROWS)))
-            hit = _ROPE_ROWS[key] = self.table(np.arange(pos, pos + n), rotary_dim).ravel()
-            hit.flags.writeable = False
-        return hit
-
-
-_ROPE_ROWS = {}                  # RoPE.rows: (base, pos, n, rotary_dim) -> its rows, oldest first
+        rows = self.table(np.arange(pos, pos + n), rotary_dim).ravel()
+        rows.flags.writeable = False
+        return rows
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,10 @@ class CacheBase:
     # takes the general path; dropped whenever a plan is destroyed
     _fast_plans = None
 
+    def _plan_key(self, plan) -> tuple:
+        """The LRU key of a plan it holds (newest first: a plan just looked up is found at once)."""
+        return next(k for k, p in reversed(self._plans.items()) if p is plan)
+
     def _plan(self, key, make):
         """The plan for ``key`` from a small LRU, built by ``make()`` on a miss."""
         plan = self._plans.get(key)

@@ -259,7 +259,7 @@ class KVCache(CacheBase):
                     flags = self.rope.flags(False) if self.rope is not None else 0     # K rotated, not q
                     plan = self._attn_plan(hq, s, n, flags, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0), total)
                     if not plan._check_width:
-                        hit = (next(k for k, p in reversed(self._plans.items()) if p is plan), plan)
+                        hit = (self._plan_key(plan), plan)
                 memo = self._fast_plans = self._fast_plans or {}     # a plan built may have evicted some
                 memo[(hq, s, n, bound)] = hit
             if hit is None:
@@ -285,8 +285,7 @@ class KVCache(CacheBase):
         hit = None if memo is None else memo.get((step, bound))
         if hit is None:
             plans = self._call_plans(q, n, call)
-            keys = tuple(next(k for k, p in reversed(self._plans.items()) if p is plan)
-                         for plan in plans if plan is not None)
+            keys = tuple(self._plan_key(plan) for plan in plans if plan is not None)
             memo = self._fast_plans = self._fast_plans or {}     # a plan built may have evicted some
             if len(memo) > 256:
                 memo.clear()

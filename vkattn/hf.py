@@ -46,7 +46,6 @@ returned in the query's dtype.
 from __future__ import annotations
 
 import json
-import re
 import threading
 
 import numpy as np
@@ -55,6 +54,7 @@ try:
     import torch
     import transformers
     from transformers import AttentionInterface, AttentionMaskInterface
+    from packaging.version import Version
     from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 except ImportError as e:            # the extra is not installed
     raise ImportError(
@@ -73,8 +73,9 @@ TRANSFORMERS_MIN = (5, 23)       # pyproject.toml's hf extra: the cache-layer AP
 
 
 def _release(version: str) -> tuple:
-    """(major, minor) of a version string such as '5.23.0' or '5.24.0.dev0'."""
-    return tuple(int(re.match(r"\d*", p).group() or 0) for p in (version.split(".") + ["0"])[:2])
+    """(major, minor) of a version string such as '5.23.0' or '5.24.0.dev0' (packaging: a
+    dependency of transformers)."""
+    return (Version(version).release + (0,))[:2]
 
 
 if not TRANSFORMERS_MIN <= _release(transformers.__version__) < (6, 0):

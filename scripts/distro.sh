@@ -18,19 +18,22 @@
 # Whatever happens, what was mounted is unmounted before the root is deleted.
 #
 # Options: --mesa backports  (install mesa-vulkan-drivers and mesa-drm-shim from SUITE-backports
-# first); --out DIR (a host directory, bind-mounted into the root, that the command's results are
+# first); --mesa later (SUITE-backports in apt's sources but nothing from it installed: the command
+# runs on the stock Mesa and can move to the backported one part-way, one root and one set-up for
+# both, as .ci/run does: `apt-get install -t "$VKATTN_DISTRO_BACKPORTS" mesa-vulkan-drivers
+# mesa-drm-shim`, VKATTN_DISTRO_BACKPORTS naming the suite); --out DIR (a host directory, bind-mounted into the root, that the command's results are
 # written to: VKATTN_PERF_OUT points there, so `make gpu-report` leaves gpu_report_mesa26.* in it);
 # --keep (leave the root in place and print its path; unmount all the same).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-usage() { echo "usage: scripts/distro.sh SUITE [--mesa backports] [--out DIR] [--keep] -- COMMAND [ARGS...]" >&2; exit 2; }
+usage() { echo "usage: scripts/distro.sh SUITE [--mesa backports|later] [--out DIR] [--keep] -- COMMAND [ARGS...]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 suite=$1; shift
 case "$suite" in [a-z]*) ;; *) usage ;; esac
 mesa=stock keep=0 out=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --mesa) [ "${2:-}" = backports ] || usage; mesa=backports; shift 2 ;;
+    --mesa) case "${2:-}" in backports|later) mesa=$2 ;; *) usage ;; esac; shift 2 ;;
     --out) [ -n "${2:-}" ] || usage; mkdir -p "$2"; out=$(cd "$2" && pwd); shift 2 ;;
     --keep) keep=1; shift ;;
     --) shift; break ;;
@@ -160,7 +163,7 @@ for p in $( { cat "${pipconf[@]}" 2>/dev/null; env | grep -E '^PIP_' ; } |
 done
 
 # 3. Mesa from backports, before the README's set-up installs the stock one
-if [ "$mesa" = backports ]; then
+if [ "$mesa" != stock ]; then
   echo "deb $mirror $suite-backports main" >> "$root/etc/apt/sources.list"
 fi
 say "apt-get update"
@@ -179,6 +182,7 @@ git clone -q --no-hardlinks "$here" "$root/root/vkattn"
 git -C "$root/root/vkattn" checkout -q --detach "$head"
 pass=()
 while IFS= read -r v; do pass+=("$v"); done < <(env | grep -E '^(VKATTN_[A-Z0-9_]*|PYTEST_ADDOPTS|LP_[A-Z_]*|GALLIUM_[A-Z_]*)=' || true)
+[ "$mesa" != later ] || pass+=(VKATTN_DISTRO_BACKPORTS="$suite-backports" DEBIAN_FRONTEND=noninteractive)
 if [ -n "$out" ]; then            # results out of the root: the command writes there
   bind "$out" "$root/root/vkattn-out"
   pass+=(VKATTN_PERF_OUT=/root/vkattn-out)

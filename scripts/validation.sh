@@ -17,7 +17,11 @@
 #          for every case of tests/test_bounds.py) picks the cases: VKATTN_GPUAV_MARK= runs the whole
 #          module by hand (about 30 CPU-minutes cold on a 2-core machine without AVX-512).
 # VKATTN_VALIDATION=sync or =gpuav runs one pass (default: both). Arguments go to the sync pass's
-# pytest (e.g. a test selection).
+# pytest (e.g. a test selection) -- or, after `--`, name a command the sync pass runs under the layer
+# instead (CI: `VKATTN_VALIDATION=sync scripts/validation.sh -- make test`, the README's test
+# command itself under sync validation, so the suite runs once, not twice): its pytest runs with -s
+# (PYTEST_ADDOPTS) and tests/conftest.py points each xdist worker's stdout, which the layer logs to
+# and xdist would drop, at a file in VKATTN_LAYER_LOG_DIR that is counted with the command's output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${VENV:-.venv}/bin/python
@@ -52,7 +56,8 @@ export VK_LAYER_SETTINGS_PATH="$work/vk_layer_settings.txt" VK_INSTANCE_LAYERS=V
 
 # run_pass NAME PROBE EXPECTED SHARDS PYTEST-ARGS...: the probe must be reported, then the tests
 # give 0 messages. SHARDS: "" (one pytest) or -k expressions run as parallel pytest processes (the
-# layer logs to each process's stdout, which pytest-xdist workers would not pass on)
+# layer logs to each process's stdout, which pytest-xdist workers would not pass on), or "--": the
+# arguments are a command (make test), its workers' stdout kept in files (tests/conftest.py)
 run_pass() {
   local name=$1 probe=$2 expect=$3 shards=$4
   shift 4
@@ -70,7 +75,20 @@ run_pass() {
   fi
   echo "validation ($name): layer active (probe reported $(grep -oE -- "$expect" "$work/probe.log" | head -1)); running the tests under it"
   local start=$SECONDS status=0
-  if [ -z "$shards" ]; then
+  if [ "$shards" = -- ]; then
+    mkdir -p "$work/workers"
+    PYTEST_ADDOPTS="-s ${PYTEST_ADDOPTS:-}" VKATTN_LAYER_LOG_DIR="$work/workers" "$@" 2>&1 | tee "$work/$name.log"
+    status=${PIPESTATUS[0]}
+    # each xdist worker creates its file as it starts (tests/conftest.py): workers without one
+    # would mean their layer messages went nowhere
+    local files=("$work/workers"/*.log)
+    if [ -e "${files[0]}" ]; then
+      cat "${files[@]}" >> "$work/$name.log"
+    elif grep -q "bringing up nodes" "$work/$name.log"; then
+      echo "validation ($name): xdist workers ran but none wrote a log under VKATTN_LAYER_LOG_DIR" >&2
+      status=1
+    fi
+  elif [ -z "$shards" ]; then
     "$PY" -m pytest -q -s -p no:cacheprovider "$@" 2>&1 | tee "$work/$name.log"
     status=${PIPESTATUS[0]}
   else
@@ -127,6 +145,7 @@ khronos_validation.syncval_shader_accesses_heuristic = true"
       # the whole suite (no arguments) in two processes at once, one per core: the lane kernel's
       # tests and the rest (VKATTN_SYNC_SHARDS: pytest -k expressions separated by ';')
       shards=""
+      if [ "${1:-}" = -- ]; then shift; shards=--; fi
       [ $# -gt 0 ] || shards=${VKATTN_SYNC_SHARDS-lane or cascade or persist or prefix or hf;not (lane or cascade or persist or prefix or hf)}
       run_pass sync tests/sync_probe.py SYNC-HAZARD-READ-AFTER-WRITE "$shards" "$@" || rc=1 ;;
     gpuav)

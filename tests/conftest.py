@@ -7,6 +7,16 @@ import pytest
 import vkattn
 from vkattn.reference import TOLERANCE, attention, round_to
 
+# scripts/validation.sh's sync pass around a command (`-- make test`): the Khronos layer logs to
+# stdout, which an xdist worker points at /dev/null, so each worker's stdout (file descriptor 1,
+# where the layer writes) goes to its own file there, opened for appending, which the script counts
+if os.environ.get("VKATTN_LAYER_LOG_DIR") and os.environ.get("PYTEST_XDIST_WORKER"):
+    _fd = os.open(os.path.join(os.environ["VKATTN_LAYER_LOG_DIR"],
+                               f"{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}.log"),
+                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(_fd, 1)
+    os.close(_fd)
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpuav: a case of the GPU-assisted validation sweep (tests/test_bounds.py "

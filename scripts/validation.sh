@@ -10,10 +10,11 @@
 #          tests/gpuav_probe.py, an out-of-bounds read that must give VUID-vkCmdDispatch-None-02706):
 #          every kernel stays inside its buffers. GPU-AV instruments every buffer access, so lavapipe
 #          compiles slowly there: one pytest process per shard of VKATTN_GPUAV_KERNELS (pytest -k
-#          expressions separated by ';', one process each; default the lane kernel's cases in two
-#          halves -- its three instrumented odd-shape compiles take about 200 s each on a 2-core
-#          machine without AVX-512, so one lane process was the pass's critical path -- then tile,
-#          coopmat, whose cases skip where the device has no cooperative matrices). VKATTN_GPUAV_MARK (default gpuav; ""
+#          expressions separated by ';', one process each; default the lane kernel's cases in three
+#          -- its three instrumented odd-shape compiles take about 200 s each on a 2-core machine
+#          without AVX-512 -- and the tile kernel's in two (464 s cold in one process in session
+#          21), so that the processes keep both cores busy to the end; then coopmat, whose cases
+#          skip where the device has no cooperative matrices). VKATTN_GPUAV_MARK (default gpuav; ""
 #          for every case of tests/test_bounds.py) picks the cases: VKATTN_GPUAV_MARK= runs the whole
 #          module by hand (about 30 CPU-minutes cold on a 2-core machine without AVX-512).
 # VKATTN_VALIDATION=sync or =gpuav runs one pass (default: both). Arguments go to the sync pass's
@@ -157,7 +158,7 @@ khronos_validation.gpuav_enable = true
 khronos_validation.gpuav_shader_instrumentation = true
 khronos_validation.gpuav_descriptor_checks = true"
       run_pass gpuav tests/gpuav_probe.py 'VUID-vkCmdDispatch-None-02706|VUID-vkCmdDispatch-storageBuffers-06936' \
-        "${VKATTN_GPUAV_KERNELS:-lane and (float16 or mask);lane and not (float16 or mask);tile;coopmat}" \
+        "${VKATTN_GPUAV_KERNELS:-lane and (float16 or mask);lane and int8;lane and q4;tile and (float16 or float32 or mask);tile and not (float16 or float32 or mask);coopmat}" \
         -m "${VKATTN_GPUAV_MARK-gpuav}" tests/test_bounds.py --durations=5 || rc=1 ;;
     *) echo "validation: unknown pass '$pass' in VKATTN_VALIDATION (sync, gpuav)" >&2; exit 2 ;;
   esac

@@ -77,6 +77,16 @@ run_pass() {
   echo "validation ($name): layer active (probe reported $(grep -oE -- "$expect" "$work/probe.log" | head -1)); running the tests under it"
   local start=$SECONDS status=0
   if [ "$shards" = -- ]; then
+    # first the probe again, in an xdist worker, through the same files: it must be counted
+    mkdir -p "$work/probe-workers"
+    PYTEST_ADDOPTS="-s" VKATTN_LAYER_LOG_DIR="$work/probe-workers" \
+      "$PY" -m pytest -q -n 1 -p no:cacheprovider tests/sync_probe.py > "$work/probe-worker.log" 2>&1
+    if ! cat "$work/probe-workers"/*.log 2>/dev/null | grep -qE -- "$expect"; then
+      echo "validation ($name): the probe run in an xdist worker was not reported through VKATTN_LAYER_LOG_DIR" >&2
+      cat "$work/probe-worker.log" >&2
+      return 1
+    fi
+    echo "validation ($name): an xdist worker's messages reach the count (the probe in a worker reported)"
     mkdir -p "$work/workers"
     PYTEST_ADDOPTS="-s ${PYTEST_ADDOPTS:-}" VKATTN_LAYER_LOG_DIR="$work/workers" "$@" 2>&1 | tee "$work/$name.log"
     status=${PIPESTATUS[0]}

@@ -7,6 +7,8 @@ talks to kp directly on purpose: vkattn's own recordings refuse this pattern.
 ``sync_probe.py war``: a write after another dispatch's read of the same buffer, no barrier between
 (must give SYNC-HAZARD-WRITE-AFTER-READ); ``war-download``: the same with a download of a third
 buffer between them, which vkattn/_kp.py takes as ordering the pair (must give no message).
+``pytest -n 1 tests/sync_probe.py``: the racy sequence in an xdist worker (scripts/validation.sh's
+check that a worker's messages are counted, before it runs `make test` under the layer).
 """
 import sys
 
@@ -49,6 +51,12 @@ def write_after_read(download: bool) -> None:
     if download:
         seq.record(kp.OpTensorSyncLocal([mid]))
     seq.record(kp.OpAlgoDispatch(writer)).record(kp.OpTensorSyncLocal([src])).eval()
+
+
+def test_racy_sequence_in_a_worker():
+    """Not part of the suite (the file is not named test_*): scripts/validation.sh runs it in an
+    xdist worker before `-- make test`, to show that a worker's layer messages reach its count."""
+    main()
 
 
 if __name__ == "__main__":

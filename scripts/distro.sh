@@ -13,8 +13,12 @@
 # Every run starts from a fresh copy of the minimal root and a fresh `git clone`, so nothing one
 # run leaves behind is trusted by the next. Cached between runs on this machine, under
 # $VKATTN_DISTRO_CACHE (default ~/.cache/vkattn/distro), is only what a fresh machine makes by
-# itself: the debootstrapped root as a tarball, apt's downloaded .debs, pip's cache and the kp
-# wheel. Mesa's shader cache is not kept: every run compiles its pipelines, as a new machine would.
+# itself: the debootstrapped root as a tarball, apt's downloaded .debs, pip's cache, the kp wheel
+# and Mesa's shader cache (as the host's own persists in ~/.cache: the pipelines lavapipe compiled,
+# keyed by Mesa's build and the pipeline, so a changed shader or driver compiles afresh; since
+# session 22, when a cold run's Debian 13 stage of `.ci/run` took about 30 min on the slower
+# machine, most of it compiling). VKATTN_DISTRO_COLD=1 leaves Mesa's shader cache out (every
+# pipeline compiled, as on a new machine: the cold CI time in docs/platforms.md).
 # Whatever happens, what was mounted is unmounted before the root is deleted.
 #
 # Options: --mesa backports  (install mesa-vulkan-drivers and mesa-drm-shim from SUITE-backports
@@ -128,6 +132,10 @@ mkdir -p "$cache/apt-$suite" "$cache/pip-$suite" "$cache/wheels-$suite"
 bind "$cache/apt-$suite" "$root/var/cache/apt/archives"
 bind "$cache/pip-$suite" "$root/root/.cache/pip"
 bind "$cache/wheels-$suite" "$root/root/.cache/vkattn/wheels"
+if [ "${VKATTN_DISTRO_COLD:-0}" = 0 ]; then
+  mkdir -p "$cache/mesa-$suite"
+  bind "$cache/mesa-$suite" "$root/root/.cache/mesa_shader_cache"
+fi
 cp -L /etc/resolv.conf "$root/etc/resolv.conf"
 printf 'deb %s %s main\ndeb %s %s-updates main\n' "$mirror" "$suite" "$mirror" "$suite" > "$root/etc/apt/sources.list"
 # the host's apt proxy settings, if any

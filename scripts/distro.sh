@@ -16,9 +16,10 @@
 # itself: the debootstrapped root as a tarball, apt's downloaded .debs, pip's cache, the kp wheel
 # and Mesa's shader cache (as the host's own persists in ~/.cache: the pipelines lavapipe compiled,
 # keyed by Mesa's build and the pipeline, so a changed shader or driver compiles afresh; since
-# session 22, when a cold run's Debian 13 stage of `.ci/run` took about 30 min on the slower
-# machine, most of it compiling). VKATTN_DISTRO_COLD=1 leaves Mesa's shader cache out (every
-# pipeline compiled, as on a new machine: the cold CI time in docs/platforms.md).
+# session 22: `.ci/run`'s Debian 13 command took 1401 s with it empty, 674 s with it filled --
+# Mesa 26's lavapipe keeps its compiled code there, Mesa 25's does not). VKATTN_DISTRO_COLD=1
+# leaves Mesa's shader cache out (every pipeline compiled, as on a new machine: the cold CI time in
+# docs/platforms.md).
 # Whatever happens, what was mounted is unmounted before the root is deleted.
 #
 # Options: --mesa backports  (install mesa-vulkan-drivers and mesa-drm-shim from SUITE-backports

@@ -153,11 +153,15 @@ for pass in $passes; do
 khronos_validation.validate_sync = true
 khronos_validation.syncval_shader_accesses_heuristic = true"
       war_check || rc=1
-      # the whole suite (no arguments) in two processes at once, one per core: the lane kernel's
-      # tests and the rest (VKATTN_SYNC_SHARDS: pytest -k expressions separated by ';')
+      # `-- COMMAND`: that command under the layer; no arguments: the whole suite, as `make test`
+      # runs it (xdist on every core, each worker's messages counted the same way); arguments: one
+      # pytest process with them
       shards=""
-      if [ "${1:-}" = -- ]; then shift; shards=--; fi
-      [ $# -gt 0 ] || shards=${VKATTN_SYNC_SHARDS-lane or cascade or persist or prefix or hf;not (lane or cascade or persist or prefix or hf)}
+      if [ "${1:-}" = -- ]; then
+        shift; shards=--
+      elif [ $# -eq 0 ]; then
+        shards=--; set -- "$PY" -m pytest -q -n auto --dist worksteal -p no:cacheprovider
+      fi
       run_pass sync tests/sync_probe.py SYNC-HAZARD-READ-AFTER-WRITE "$shards" "$@" || rc=1 ;;
     gpuav)
       # enables + gpuav_buffer_oob: Debian 12's layer; gpuav_enable + descriptor checks: Debian 13's,

@@ -81,7 +81,9 @@ test-subgroup4: setup
 # the speed probe's, whose recordings are the parity tests' own: minutes under the layer),
 # then the bounds sweep's coopmat cases under GPU-assisted validation (two processes: int8's cases and the rest)
 # (0 messages each). They skip, naming why, where the device or glslang has no cooperative
-# matrices; CI runs this on Mesa 26's lavapipe: scripts/distro.sh trixie --mesa backports -- make test-coopmat
+# matrices; CI runs this on Mesa 26's lavapipe (scripts/distro.sh trixie --mesa backports), its
+# sync pass alone (VKATTN_VALIDATION=sync make test-coopmat): the coopmat cases run there in the
+# whole GPU-AV sweep (VKATTN_VALIDATION=gpuav scripts/validation.sh)
 test-coopmat: setup
 	VKATTN_REQUIRE_COOPMAT=1 VKATTN_GPUAV_KERNELS="coopmat and not int8;coopmat and int8" bash scripts/validation.sh tests/test_coopmat.py tests/test_check.py \
 		-k "coopmat and not failed_case_is_named and not speed_probe" --durations=5

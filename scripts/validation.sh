@@ -11,10 +11,12 @@
 #          every kernel stays inside its buffers. GPU-AV instruments every buffer access, so lavapipe
 #          compiles slowly there: one pytest process per shard of VKATTN_GPUAV_KERNELS (pytest -k
 #          expressions separated by ';', one process each; default the lane kernel's cases in three
-#          -- its three instrumented odd-shape compiles take about 200 s each on a 2-core machine
-#          without AVX-512 -- and the tile kernel's in two (464 s cold in one process in session
-#          21), so that the processes keep both cores busy to the end; then coopmat, whose cases
-#          skip where the device has no cooperative matrices). VKATTN_GPUAV_MARK (default gpuav; ""
+#          -- on Mesa 22.3 its three instrumented odd-shape compiles take about 200 s each on a
+#          2-core machine without AVX-512 -- and the tile kernel's in two (464 s cold in one process
+#          in session 21), so that the processes keep both cores busy to the end; then coopmat,
+#          whose cases skip where the device has no cooperative matrices). CI runs this pass on
+#          Debian 13's Mesa 26 (its LLVM 19 lavapipe compiles the instrumented pipelines about 3x
+#          faster, and its layer validates the cooperative-matrix kernel too; docs/testing.md). VKATTN_GPUAV_MARK (default gpuav; ""
 #          for every case of tests/test_bounds.py) picks the cases: VKATTN_GPUAV_MARK= runs the whole
 #          module by hand (about 30 CPU-minutes cold on a 2-core machine without AVX-512).
 # VKATTN_VALIDATION=sync or =gpuav runs one pass (default: both). Arguments go to the sync pass's
@@ -62,8 +64,9 @@ export VK_LAYER_SETTINGS_PATH="$work/vk_layer_settings.txt" VK_INSTANCE_LAYERS=V
 run_pass() {
   local name=$1 probe=$2 expect=$3 shards=$4
   shift 4
-  # up to 3 tries: Debian 13's layer (1.4.309) on lavapipe 26 reports the GPU-AV probe's read in
-  # about 3 runs of 4, Debian 12's every time (docs/platforms.md)
+  # up to 3 tries, a guard: Debian 13's layer (1.4.309) reports a submission's GPU-AV finding when
+  # the queue next submits, and reported the probe's read in about 3 runs of 4 until the probe
+  # submitted once more after it (since: 12 of 12, docs/platforms.md); Debian 12's every time
   local try
   for try in 1 2 3; do
     "$PY" "$probe" > "$work/probe.log" 2>&1

@@ -43,7 +43,7 @@ LSE_TOL = dict(atol=2e-5, rtol=2e-4)
 #   vectors) on tile;
 # - attn_coopmat.comp's float16 and int8 cases where the device has cooperative matrices (Mesa 26).
 GPUAV_SWEEP = {
-    "test_every_variant_odd_shapes": ["lane-float16", "lane-int8", "lane-q4",
+    "test_every_variant_odd_shapes": ["lane-float16", "lane-float32", "lane-int8", "lane-fp8_e4m3", "lane-q4",
                                       "tile-float16", "tile-float32", "tile-int8", "tile-fp8_e4m3", "tile-q4",
                                       "coopmat-float16", "coopmat-int8"],
     "test_paged_batch_fork_read": ["lane-float16", "tile-int8", "coopmat-float16", "coopmat-int8"],

@@ -11,7 +11,7 @@
 #          every kernel stays inside its buffers. GPU-AV instruments every buffer access, so lavapipe
 #          compiles slowly there: one pytest process per shard of VKATTN_GPUAV_KERNELS (pytest -k
 #          expressions separated by ';', one process each; default the lane kernel's cases in three
-#          -- on Mesa 22.3 its three instrumented odd-shape compiles take about 200 s each on a
+#          -- on Mesa 22.3 its int8, q4 and float16 odd-shape compiles take about 200 s each on a
 #          2-core machine without AVX-512 -- and the tile kernel's in two (464 s cold in one process
 #          in session 21), so that the processes keep both cores busy to the end; then coopmat,
 #          whose cases skip where the device has no cooperative matrices). CI runs this pass on
@@ -175,7 +175,7 @@ khronos_validation.gpuav_enable = true
 khronos_validation.gpuav_shader_instrumentation = true
 khronos_validation.gpuav_descriptor_checks = true"
       run_pass gpuav tests/gpuav_probe.py 'VUID-vkCmdDispatch-None-02706|VUID-vkCmdDispatch-storageBuffers-06936' \
-        "${VKATTN_GPUAV_KERNELS:-lane and (float16 or mask);lane and int8;lane and q4;tile and (float16 or float32 or mask);tile and not (float16 or float32 or mask);coopmat}" \
+        "${VKATTN_GPUAV_KERNELS:-lane and (float16 or float32 or mask);lane and (int8 or fp8);lane and q4;tile and (float16 or float32 or mask);tile and not (float16 or float32 or mask);coopmat}" \
         -m "${VKATTN_GPUAV_MARK-gpuav}" tests/test_bounds.py --durations=5 || rc=1 ;;
     *) echo "validation: unknown pass '$pass' in VKATTN_VALIDATION (sync, gpuav)" >&2; exit 2 ;;
   esac

@@ -28,14 +28,14 @@ KERNELS = ["lane", "tile", "coopmat"]    # coopmat: prefill and chunks (decode: 
 LSE_TOL = dict(atol=2e-5, rtol=2e-4)
 
 # The cases scripts/validation.sh runs under GPU-assisted validation (`-m gpuav`; every case here
-# also runs as a parity test in the suite). Lavapipe compiles each instrumented pipeline cold, 1-5
-# min apiece on a 2-core machine without AVX-512, so the sweep takes each buffer-access pattern once:
+# also runs as a parity test in the suite). Mesa 22.3's lavapipe compiles each instrumented
+# pipeline cold in 1-5 min apiece on a 2-core machine without AVX-512 (Mesa 26's, where CI runs the
+# sweep since session 23, in seconds to 2 min), so the sweep takes each buffer-access pattern once:
 # - every storage layout on both kernels' odd-shape case: 32-bit (float32), 16-bit (float16;
 #   bfloat16 reads the same words), bytes with a row scale (int8), bytes with a head scale
-#   (fp8_e4m3; e5m2 differs in arithmetic only), 4-bit blocks with their scale inside the row (q4),
-#   except float32 on the lane kernel (plain words; the tile kernel's float32 case and the lane
-#   kernel's float16 one bound its reads) and fp8 on the lane kernel (int8's byte addressing, and the
-#   head scale the tile kernel's case reads: its GPU-AV compile alone took 12 min, session 18);
+#   (fp8_e4m3; e5m2 differs in arithmetic only), 4-bit blocks with their scale inside the row (q4)
+#   (lane float32 and fp8 joined in session 23: 15 s and 18 s of instrumented compiling on Mesa
+#   26, where fp8's alone had taken 12 min on Mesa 22.3 in session 18);
 # - the variants' own buffers (mask words, ALiBi slopes, sinks, the aux block) with float16 and
 #   float32 (test_every_variant_odd_shapes turns them on there only; they do not depend on storage);
 # - paged block tables: float16 on the lane kernel, int8 (row scales through the table) on tile;

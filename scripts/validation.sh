@@ -15,10 +15,12 @@
 #          2-core machine without AVX-512 -- and the tile kernel's in two (464 s cold in one process
 #          in session 21), so that the processes keep both cores busy to the end; then coopmat,
 #          whose cases skip where the device has no cooperative matrices). CI runs this pass on
-#          Debian 13's Mesa 26 (its LLVM 19 lavapipe compiles the instrumented pipelines about 3x
-#          faster, and its layer validates the cooperative-matrix kernel too; docs/testing.md). VKATTN_GPUAV_MARK (default gpuav; ""
-#          for every case of tests/test_bounds.py) picks the cases: VKATTN_GPUAV_MARK= runs the whole
-#          module by hand (about 30 CPU-minutes cold on a 2-core machine without AVX-512).
+#          Debian 13's Mesa 26 (its LLVM 19 lavapipe compiled the sweep cold 3x faster than the
+#          host's Mesa 22.3, and its layer validates the cooperative-matrix kernel too;
+#          docs/testing.md). VKATTN_GPUAV_MARK (default gpuav; "" for every case of
+#          tests/test_bounds.py) picks the cases: VKATTN_GPUAV_MARK= runs the whole module by hand
+#          (Mesa 22.3: about 30 CPU-minutes cold on a 2-core machine without AVX-512; Mesa 26: 189 s
+#          on the 2-core AVX-512 machine, session 23).
 # VKATTN_VALIDATION=sync or =gpuav runs one pass (default: both). Arguments go to the sync pass's
 # pytest (e.g. a test selection) -- or, after `--`, name a command the sync pass runs under the layer
 # instead (CI: `VKATTN_VALIDATION=sync scripts/validation.sh -- make test`, the README's test

@@ -29,7 +29,7 @@ def main() -> None:
     seq.record(kp.OpTensorSyncDevice([src, out, params])).record(kp.OpAlgoDispatch(algo))
     seq.record(kp.OpTensorSyncLocal([out])).eval()
     # one more submission: Debian 13's layer (1.4.309) reports a submission's finding when the queue
-    # next submits; left for the process's exit it went unreported in about one run of eight
+    # next submits; left for the process's exit it sometimes went unreported (1 run of 8, session 23)
     mgr.sequence().record(kp.OpTensorSyncDevice([out])).eval()
     print("gpuav probe: dispatched a read of row", BAD_ROW, "of a", ROWS, "row buffer")
 

@@ -56,8 +56,8 @@ GPUAV_SWEEP = {
 def _last_dispatch_reported(device):
     """One more queue submission after each case: Debian 13's GPU-assisted validation (1.4.309)
     reports a submission's out-of-bounds accesses when the queue next submits, and one left for
-    the process's exit went unreported in about one run of eight (docs/platforms.md); so a case's
-    last dispatch is checked within the case."""
+    the process's exit sometimes went unreported (the probe: 1 run of 8 in session 23, about 1 of
+    4 before; docs/platforms.md); so a case's last dispatch is checked within the case."""
     yield
     # kp itself: with lavapipe's host-visible memory a vkattn round trip submits nothing
     a = vkattn.DeviceArray((4,), device)

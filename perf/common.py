@@ -100,18 +100,22 @@ def selected(name: str) -> bool:
 
 def time_calls(fn, iters: int, warmup: int, device_of=None) -> dict:
     """Wall time per call (median, min); with ``device_of`` (a KVCache built with timestamps=True)
-    also the median device time of the call's whole submission."""
+    also the median device time of the call's whole submission, and ``host_ms``: the median over
+    the same calls of wall minus device time (the host's share of a call, its timestamps' own cost
+    included)."""
     for _ in range(warmup):
         fn()
-    times, dev = [], []
+    times, dev, host = [], [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
         if device_of is not None and device_of.last_timings():
             dev.append(sum(ms for _, ms in device_of.last_timings()))
+            host.append(times[-1] * 1e3 - dev[-1])
     return {"median_ms": float(np.median(times)) * 1e3, "min_ms": float(np.min(times)) * 1e3,
-            "device_ms": float(np.median(dev)) if dev else None}
+            "device_ms": float(np.median(dev)) if dev else None,
+            "host_ms": float(np.median(host)) if host else None}
 
 
 def torch_case(q, k, v, causal: bool, ref, dtype: str, iters: int, warmup: int):

@@ -25,9 +25,10 @@ picks by default marked ``*``:
   whose reciprocal is inexact: quotients exactly on the midpoints between fp8 values (ties both
   ways) and one float32 either side, saturation past the largest value, subnormals, half the
   smallest subnormal, float32 denormals, -0, and through a device array NaN and +-Inf; q4
-  blocks of 32 whose quotients land on .5 (ties both ways) and one float32 either side, the
-  block's max at the clamp (7) or at -amax only, zero, denormal-only and -0 blocks, subnormal
-  scales and denormal elements, a last partial block (d 72)) appended and read back, compared bit
+  blocks of 16 whose quotients land on .5 (ties both ways) and one float32 either side, with the
+  zero point inside 0 .. 15 and far outside it, scales from 2^-90 to 2^60, ranges whose scale
+  carries or sits on a shift boundary, zero, denormal and -0 blocks, a last partial block (d 72);
+  ``q4_adversarial_blocks``) appended and read back, compared bit
   for bit with ``reference.round_to`` / ``reference.fp8_bits`` (q4: also the stored row words,
   scales included, with ``reference.q4_words``);
 - a split-K stress: a long decode split over many workgroups (coopmat: a 7-row chunk over the

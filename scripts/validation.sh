@@ -158,14 +158,14 @@ for pass in $passes; do
 khronos_validation.validate_sync = true
 khronos_validation.syncval_shader_accesses_heuristic = true"
       war_check || rc=1
-      # `-- COMMAND`: that command under the layer; no arguments: the whole suite, as `make test`
-      # runs it (xdist on every core, each worker's messages counted the same way); arguments: one
-      # pytest process with them
+      # `-- COMMAND`: that command under the layer; no arguments: `make test` itself (the whole
+      # suite on xdist, each worker's messages counted the same way); arguments: one pytest
+      # process with them
       shards=""
       if [ "${1:-}" = -- ]; then
         shift; shards=--
       elif [ $# -eq 0 ]; then
-        shards=--; set -- "$PY" -m pytest -q -n auto --dist worksteal -p no:cacheprovider
+        shards=--; set -- make test VENV="${VENV:-.venv}"
       fi
       run_pass sync tests/sync_probe.py SYNC-HAZARD-READ-AFTER-WRITE "$shards" "$@" || rc=1 ;;
     gpuav)

@@ -52,16 +52,22 @@ GPUAV_SWEEP = {
 }
 
 
+@pytest.fixture(scope="module")
+def _one_more_submission(device):
+    """A 4-float upload recorded once (kp itself: with lavapipe's host-visible memory a vkattn
+    round trip submits nothing), submitted again by each case."""
+    a = vkattn.DeviceArray((4,), device)
+    return a, a.manager.sequence().record(kp.OpTensorSyncDevice([a.tensor]))
+
+
 @pytest.fixture(autouse=True)
-def _last_dispatch_reported(device):
+def _last_dispatch_reported(_one_more_submission):
     """One more queue submission after each case: Debian 13's GPU-assisted validation (1.4.309)
     reports a submission's out-of-bounds accesses when the queue next submits, and one left for
     the process's exit sometimes went unreported (the probe: 1 run of 8 in session 23, about 1 of
     4 before; docs/platforms.md); so a case's last dispatch is checked within the case."""
     yield
-    # kp itself: with lavapipe's host-visible memory a vkattn round trip submits nothing
-    a = vkattn.DeviceArray((4,), device)
-    a.manager.sequence().record(kp.OpTensorSyncDevice([a.tensor])).eval()
+    _one_more_submission[1].eval()
 
 
 @pytest.fixture(params=KERNELS)

@@ -16,7 +16,8 @@ from vkattn.reference import attention, round_to
 from .common import Row, Shape, check, env_int, selected, time_calls
 
 
-def bare_round_trip_ms(device, iters: int, warmup: int) -> dict:
+def bare_round_trip(device):
+    """(run, destroy): a recorded bare round trip and the function that frees it."""
     be = device.backend
     src, dst = be.buffer(16, np.uint32, name="src"), be.buffer(16, np.uint32, name="dst")
     params = be.buffer(5, np.uint32, name="params")
@@ -26,10 +27,37 @@ def bare_round_trip_ms(device, iters: int, warmup: int) -> dict:
     prog = be.program(compile_shader("gather_slots"), [src, src, dst, dst, params] + unused, (1, 1, 1),
                       [64, 1, 1], writes=(2, 3, 7, 8), name="copy")
     rec = be.recording().upload(src, params).dispatch(prog).download(dst).build()
-    t = time_calls(rec.run, iters, warmup)
-    for o in [rec, prog, src, dst, params] + unused:
-        o.destroy()
+
+    def destroy():
+        for o in [rec, prog, src, dst, params] + unused:
+            o.destroy()
+    return rec.run, destroy
+
+
+def bare_round_trip_ms(device, iters: int, warmup: int) -> dict:
+    run, destroy = bare_round_trip(device)
+    t = time_calls(run, iters, warmup)
+    destroy()
     return t
+
+
+def interleaved_ms(cases: dict, rounds: int, per: int) -> dict:
+    """Median wall ms of each ``name: (fn, reset)`` over ``rounds`` rounds, each a block of
+    ``per`` timed calls of every case in turn (two untimed first); ``reset`` (or None) runs
+    untimed after each call. Blocks keep each case in its steady state; rounds spread the
+    machine's drift over all cases alike."""
+    times = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, (fn, reset) in cases.items():
+            for i in range(per + 2):
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                if reset is not None:
+                    reset()
+                if i >= 2:
+                    times[name].append(dt)
+    return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
 
 
 def run(shape: Shape, device) -> list:
@@ -180,6 +208,32 @@ def device_path(shape: Shape, device) -> list:
     gpy = python_us(graph.submit, max(iters // 5, 10), reset=truncate_all)
     print(f"{tag} graph of {layers} layers: vkattn's Python {gpy:.1f} us per replay, "
           f"{gpy / layers:.1f} us per layer (submission stubbed out)")
+    # Device time without timestamps: what one more layer adds to a submission. The graph of
+    # `layers` calls and a graph of the first cache's call alone, the two single calls and the
+    # bare round trip are timed in interleaved rounds (truncations untimed); one call's device
+    # time is (T_n - T_1 - their Python's difference) / (n - 1), every per-submission cost
+    # (submit, fence, wake-up) left on the host's side of the call.
+    one = vkattn.Graph(device)
+    with one.capture():
+        c0.forward(qs[0], ks[0], vs[0], out=outs[0])
+    bare_run, bare_destroy = bare_round_trip(device)
+    m = interleaved_ms({"bare": (bare_run, None), "numpy": (numpy_only, lambda: c0.truncate(L)),
+                        "device arrays": (device_only, lambda: c0.truncate(L)),
+                        "graph": (graph.run, truncate_all), "one": (one.run, truncate_all)},
+                       rounds=5, per=max(iters // 5, 10))
+    bare_destroy()
+    py1 = python_us(one.submit, max(iters // 5, 10), reset=truncate_all)
+    dev = (m["graph"] - m["one"] - (gpy - py1) / 1e3) / (layers - 1) if layers > 1 else None
+    one.close()
+    if dev is not None:
+        for r, name in zip(rows, ("numpy", "device arrays")):
+            host = m[name] - dev
+            print(f"{tag} {name}, interleaved: wall {m[name]:.4f} ms, device {dev:.4f} ms (graphs of {layers} / 1 "
+                  f"layer {m['graph']:.3f} / {m['one']:.3f} ms), wall - device {host:.4f} ms = "
+                  f"{host / m['bare']:.2f}x bare ({m['bare']:.4f} ms)")
+            r.extra.update({"interleaved_wall_ms": m[name], "device_marginal_ms": dev,
+                            "host_marginal_ms": host, "bare_interleaved_ms": m["bare"],
+                            "x_bare_marginal": host / m["bare"], "graph_ms": m["graph"], "graph_one_ms": m["one"]})
     rows.append(Row(case=f"decode step of {layers} layers L={L}, one graph submission", kernel="overhead",
                     shape=tag, vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
                     speedup_vs_numpy=tr * layers / t["median_ms"], metric="ms per layer",
@@ -192,3 +246,4 @@ def device_path(shape: Shape, device) -> list:
     for c in caches + [timed]:
         c.close()
     return rows
+

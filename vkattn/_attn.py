@@ -399,6 +399,7 @@ class AttnPlan:
         return x.shape[1]
 
     _simple = None                  # (rows, new rows, scale, rope) whose whole aux block fill_simple left
+    _simple_dst = (None, None, None)    # fill_simple's views of the q, nk, nv host copies
 
     def fill_simple(self, q, k, v, past: int, scale: float, rope: RoPE | None = None) -> None:
         """fill() of the most common call -- one sequence of ``past`` cached keys, q (hq, s, d)
@@ -407,22 +408,30 @@ class AttnPlan:
         counts is kept, and only the four words that follow the length are written, and the
         rotary table's rows of the new positions (vkattn.cache's fast path; a graph's replay,
         whose q, k, v are DeviceArrays)."""
-        c = self.c
         s, n = q.shape[1], k.shape[1]
-        wk, wv = c._dk4 * c._ch * 4, c._dv4 * c._ch * 4
-        for buf, x, width in ((self.q, q, wk), (self.nk, k, wk), (self.nv, v, wv)):
-            if isinstance(x, DeviceArray):
-                continue                 # read where it lies (a graph step: AttnPlan.bound)
-            if x.shape[2] == width:
-                buf.view()[:x.size] = x.reshape(-1)
-            else:
-                put_rows(buf, x, width)
         rows = max(s, n)
         if self._simple != (s, n, scale, rope):
             seq = SeqCall(past=past, n_new=n, q_start=0, q_len=s, rope_pos=past + n - rows)
             self.fill(q, k, v, [seq], True, scale, Variant(), rope)
             self._simple = (s, n, scale, rope)
+            self._simple_dst = [None, None, None]
             return
+        dst = self._simple_dst
+        for i, x in enumerate((q, k, v)):
+            if type(x) is not np.ndarray:
+                continue                 # a DeviceArray is read where it lies (AttnPlan.bound)
+            view = dst[i]
+            if view is None or view.shape != x.shape:
+                # the host copy seen with x's shape where its rows are unpadded (kept for the
+                # next such call: one assignment); padded rows go through put_rows
+                c = self.c
+                buf, width = ((self.q, c._dk4), (self.nk, c._dk4), (self.nv, c._dv4))[i]
+                width *= c._ch * 4
+                if x.shape[2] != width:
+                    put_rows(buf, x, width)
+                    continue
+                view = dst[i] = buf.view()[:x.size].reshape(x.shape)
+            view[...] = x
         kstart, chunk = split_keys(past + n, s, None, self.cfg.splits, 0)
         aux = self.aux.view()
         at = HEADER                      # the one sequence record: past, n_new, .., chunk, bt, kstart

@@ -259,12 +259,12 @@ class KVCache(CacheBase):
                     flags = self.rope.flags(False) if self.rope is not None else 0     # K rotated, not q
                     plan = self._attn_plan(hq, s, n, flags, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0), total)
                     if not plan._check_width:
-                        hit = (self._plan_key(plan), plan)
+                        hit = [self._plan_key(plan), plan, None]     # None: out's host view, once used
                 memo = self._fast_plans = self._fast_plans or {}     # a plan built may have evicted some
                 memo[(hq, s, n, bound)] = hit
             if hit is None:
                 return None
-            key, plan = hit
+            key, plan, result = hit
             self._plans.move_to_end(key)
             plan.fill_simple(q, k, v, self._length, scale, self.rope)
             rec = plan.out_only() if out is None else plan.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
@@ -273,8 +273,10 @@ class KVCache(CacheBase):
             self._length = total
             if out is not None:
                 return out
-            dv = self.v_head_dim
-            return plan.out.view()[:hq * s * dv].reshape(hq, s, dv).copy()
+            if result is None:
+                dv = self.v_head_dim
+                result = hit[2] = plan.out.view()[:hq * s * dv].reshape(hq, s, dv)
+            return result.copy()
 
     def _step_plans(self, step, q, n: int, call, total: int) -> tuple:
         """_call_plans of a graph step (its q, n and call fixed at capture) at ``total`` keys,

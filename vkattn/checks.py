@@ -39,7 +39,7 @@ FP16_SSQ_BOUND = FP16_MAX * FP16_MAX * 0.99      # sdot's rounding stays well in
 
 # plainly_finite's dot overflowing to Inf is its signal, not a fault: numpy's warning for it is
 # silenced for this module only (a filter costs nothing per call; np.errstate costs ~5 us a call)
-warnings.filterwarnings("ignore", message="overflow encountered in dot", category=RuntimeWarning,
+warnings.filterwarnings("ignore", message="overflow encountered in v?dot", category=RuntimeWarning,
                         module=r"vkattn\.checks$")
 
 
@@ -49,8 +49,7 @@ def plainly_finite(x: np.ndarray, fp16_range: bool = False) -> bool:
     (NaN and Inf propagate; so does an overflow of huge finite values) and, for the range, at most
     FP16_MAX^2 (each square is at most the sum). False means "not shown": the exact checks of
     check_array decide then."""
-    flat = x.reshape(-1)
-    ssq = float(np.dot(flat, flat))
+    ssq = float(np.vdot(x, x))        # flattens a C-contiguous array in place: no view object
     return ssq <= FP16_SSQ_BOUND if fp16_range else ssq < float("inf")
 
 

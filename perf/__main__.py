@@ -1,6 +1,7 @@
 """``python -m perf [decode|prefill|append|overhead|batch|cascade|loads|hf|newlen|prefix ...]``: run the perf cases, print a table, write
 perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py).
 ``python -m perf gpu``: the GPU compiler report (perf/gpu.py), without a GPU.
+``python -m perf nvk``: the attention pipelines on NVK's compiler for NVIDIA chips, without a GPU (perf/nvk.py).
 ``python -m perf gpubench``: the perf cases on a Vulkan GPU (perf/gpubench.py, ``make gpu-bench``).
 ``python -m perf llama [DIR]``: llama.cpp's flash attention compiled like vkattn's (perf/llama_cpp.py).
 ``python -m perf model``: the whole-model example (SmolLM2 on the device) against transformers eager (perf/model.py).
@@ -39,6 +40,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["q4study"]:         # candidate 4-bit layouts simulated on the host, same model and text
         from . import q4_study
         return q4_study.main(argv[1:])
+    if argv[:1] == ["nvk"]:             # the pipelines on NVK's compiler (NAK), nouveau's drm-shim
+        from . import nvk
+        return nvk.main(argv[1:])
     if argv == ["features"]:            # what the features kp leaves off would change (compiler study)
         from . import features
         return features.main()

@@ -145,7 +145,8 @@ from .._vkinfo import (DeviceInfo, VkBool32, VkFlags, VkPhysicalDevice, VkPhysic
                       _make_api_version, _result_name)
 
 __all__ = ["Job", "Executable", "JobResult", "CompileResult", "DeviceSupport", "FEATURES",
-           "DEFAULT_FAMILIES", "SHIM_FAMILIES", "NullMechanism", "null_mechanism", "compile_stats",
+           "DEFAULT_FAMILIES", "SHIM_FAMILIES", "NVK_FAMILIES", "NVK_CHIPSETS", "NullMechanism",
+           "null_mechanism", "nvk_mechanism", "compile_stats",
            "device_support", "family_stats", "available_families", "default_families",
            "family_device_info", "canonical_family", "radeon_icd", "radv_library", "mesa_version",
            "drm_shim_library", "radv_waves_per_simd", "spirv_bindings", "format_table", "main"]
@@ -946,9 +947,21 @@ _MARK = "@vkattn-stats "
 _DROPPED_ENV = ("VK_INSTANCE_LAYERS", "VK_LOADER_LAYERS_ENABLE", "VK_ICD_FILENAMES",
                 "VK_DRIVER_FILES", "VK_ADD_DRIVER_FILES", "VK_LOADER_DRIVERS_SELECT",
                 "VK_LOADER_DRIVERS_DISABLE", "RADV_FORCE_FAMILY", "AMDGPU_GPU_ID", "RADV_DEBUG",
-                "RADV_PERFTEST", "ACO_DEBUG", "MESA_VK_DEVICE_SELECT")
+                "RADV_PERFTEST", "ACO_DEBUG", "MESA_VK_DEVICE_SELECT", "NOUVEAU_CHIPSET",
+                "MESA_LOADER_DRIVER_OVERRIDE", "NAK_DEBUG", "NVK_DEBUG")
 
-FORCE_FAMILY, DRM_SHIM = "force-family", "drm-shim"
+FORCE_FAMILY, DRM_SHIM, NOUVEAU_SHIM = "force-family", "drm-shim", "nouveau-shim"
+#: nouveau's drm-shim (Debian 13: mesa-drm-shim): NVK compiling with NAK for an NVIDIA chip that
+#: is not there (``MESA_LOADER_DRIVER_OVERRIDE=nouveau NOUVEAU_CHIPSET=<hex id>``), :func:`nvk_mechanism`
+NOUVEAU_SHIM_LIBRARY = "libnouveau_noop_drm_shim.so"
+#: NVIDIA chips by name -> NOUVEAU_CHIPSET (hex, as the shim reads it). Mesa 26.1's shim gives an
+#: NVK device for Turing (TU1xx) and Ampere (GA10x) only: Ada (19x), Hopper (180) and Blackwell
+#: (1a0+) give none (measured: NOUVEAU_CHIPSET=180, 192, 194, 1a2 enumerate no NVK device)
+NVK_CHIPSETS = {"tu102": "162", "tu104": "164", "tu106": "166", "ga100": "170", "ga102": "172",
+                "ga104": "174", "ga106": "176", "ga107": "177"}
+#: what ``perf nvk`` compiles for: the datacenter Ampere (A100, the H100's predecessor: 164 KiB of
+#: shared memory per SM, 64 warps) and the consumer one (RTX 3090: 100 KiB, 48 warps), and Turing
+NVK_FAMILIES = ("ga100", "ga102", "tu102")
 #: AMDGPU's drm-shim library (Debian: mesa-drm-shim): RADV on a fake amdgpu device
 DRM_SHIM_LIBRARY = "libamdgpu_noop_drm_shim.so"
 #: the first Mesa without RADV_FORCE_FAMILY ("removed. Please use AMDGPU drm-shim now.")
@@ -966,20 +979,21 @@ def canonical_family(family: str) -> str:
     return _GFX_NAME.get(family, family)
 
 
-def radeon_icd() -> Optional[str]:
+def radeon_icd(prefix: str = "radeon_icd") -> Optional[str]:
     """Path of RADV's ICD manifest (radeon_icd.<arch>.json, or radeon_icd.json as in Mesa 26),
     or None where RADV is not installed. A RADV manifest named in VK_DRIVER_FILES /
-    VK_ICD_FILENAMES comes first (a private Mesa, e.g. scripts/mesa25.sh's)."""
+    VK_ICD_FILENAMES comes first (a private Mesa, e.g. scripts/mesa25.sh's). ``prefix``: another
+    driver's manifest the same way (``"nouveau_icd"``: NVK's)."""
     for var in ("VK_DRIVER_FILES", "VK_ICD_FILENAMES"):
         named = [p for p in os.environ.get(var, "").split(os.pathsep)
-                 if os.path.basename(p).startswith("radeon_icd") and os.path.isfile(p)]
+                 if os.path.basename(p).startswith(prefix) and os.path.isfile(p)]
         if named:
             return named[0]
     dirs = [d for d in os.environ.get("XDG_DATA_DIRS", "/usr/local/share:/usr/share").split(":")
             if d] + ["/usr/share", "/usr/local/share"]
     found = []
     for base in [os.path.join(d, "vulkan", "icd.d") for d in dirs] + ["/etc/vulkan/icd.d"]:
-        found += sorted(glob.glob(os.path.join(base, "radeon_icd*.json")))
+        found += sorted(glob.glob(os.path.join(base, prefix + "*.json")))
     machine = platform.machine()
     found.sort(key=lambda p: machine not in os.path.basename(p))
     return found[0] if found else None
@@ -1042,15 +1056,15 @@ def mesa_version(library: Optional[str]) -> Optional[tuple]:
     return _version_cache[key]
 
 
-def drm_shim_library(near: Optional[str] = None) -> Optional[str]:
-    """AMDGPU's drm-shim (:data:`DRM_SHIM_LIBRARY`): ``$VKATTN_DRM_SHIM`` if set, else beside the
-    RADV library ``near``, else in the system's library directories; None where absent."""
-    env = os.environ.get("VKATTN_DRM_SHIM")
+def drm_shim_library(near: Optional[str] = None, name: str = DRM_SHIM_LIBRARY) -> Optional[str]:
+    """AMDGPU's drm-shim (:data:`DRM_SHIM_LIBRARY`; ``name``: another shim, e.g.
+    :data:`NOUVEAU_SHIM_LIBRARY`): ``$VKATTN_DRM_SHIM`` if set (AMDGPU's only), else beside the
+    driver library ``near``, else in the system's library directories; None where absent."""
+    env = os.environ.get("VKATTN_DRM_SHIM") if name == DRM_SHIM_LIBRARY else None
     if env:
         return env if os.path.isfile(env) else None
     dirs = ([os.path.dirname(near)] if near else []) + _library_dirs()
-    return next((os.path.join(d, DRM_SHIM_LIBRARY) for d in dirs
-                 if os.path.isfile(os.path.join(d, DRM_SHIM_LIBRARY))), None)
+    return next((os.path.join(d, name) for d in dirs if os.path.isfile(os.path.join(d, name))), None)
 
 
 @dataclass(frozen=True)
@@ -1075,13 +1089,15 @@ class NullMechanism:
 
     @property
     def device_match(self) -> str:
-        """What the child's device name contains (the loader sees RADV's manifest alone)."""
-        return NULL_DEVICE if self.kind == FORCE_FAMILY else "RADV"
+        """What the child's device name contains (the loader sees the driver's manifest alone)."""
+        return NULL_DEVICE if self.kind == FORCE_FAMILY else "NVK" if self.kind == NOUVEAU_SHIM else "RADV"
 
     def spellings(self, family: str) -> list:
         """The names to try for ``family``, in order: as given, then its other spelling (RADV_FORCE_FAMILY:
         22.3 knows gfx1100, 25 navi31); the drm-shim knows code names only, so those first."""
         family = family.lower()
+        if self.kind == NOUVEAU_SHIM:
+            return [family]
         other = _GFX_NAME.get(family) or _CODE_NAME.get(family)
         names = [family] + ([other] if other else [])
         if self.kind == DRM_SHIM:
@@ -1100,7 +1116,15 @@ class NullMechanism:
         if self.kind == DRM_SHIM:
             pre = [p for p in os.environ.get("LD_PRELOAD", "").split() if p != self.shim]
             return {"LD_PRELOAD": " ".join([self.shim] + pre), "AMDGPU_GPU_ID": self.family_id(family)}
-        raise RuntimeError(f"no AMD compiler is reachable: {self.reason}")
+        if self.kind == NOUVEAU_SHIM:
+            chip = NVK_CHIPSETS.get(family.lower(), family.lower())
+            if not re.fullmatch(r"[0-9a-f]{3}", chip):
+                raise ValueError(f"NVIDIA chip {family!r}: name one of {', '.join(NVK_CHIPSETS)} or a "
+                                 "3-digit hex NOUVEAU_CHIPSET")
+            pre = [p for p in os.environ.get("LD_PRELOAD", "").split() if p != self.shim]
+            return {"LD_PRELOAD": " ".join([self.shim] + pre), "MESA_LOADER_DRIVER_OVERRIDE": "nouveau",
+                    "NOUVEAU_CHIPSET": chip}
+        raise RuntimeError(f"no GPU compiler is reachable: {self.reason}")
 
     def describe(self) -> str:
         mesa = "Mesa " + ".".join(map(str, self.mesa)) if self.mesa else "Mesa (version unknown)"
@@ -1108,7 +1132,9 @@ class NullMechanism:
             return f"RADV/ACO of {mesa}, RADV_FORCE_FAMILY (null hardware)"
         if self.kind == DRM_SHIM:
             return f"RADV/ACO of {mesa}, AMDGPU drm-shim ({self.shim})"
-        return f"no AMD compiler: {self.reason}"
+        if self.kind == NOUVEAU_SHIM:
+            return f"NVK/NAK of {mesa}, nouveau drm-shim ({self.shim})"
+        return f"no GPU compiler: {self.reason}"
 
 
 _MECHANISMS = (FORCE_FAMILY, DRM_SHIM)
@@ -1156,9 +1182,31 @@ def null_mechanism(icd: Optional[str] = None) -> NullMechanism:
     return NullMechanism(FORCE_FAMILY, icd, mesa, shim)
 
 
+def nvk_mechanism() -> NullMechanism:
+    """NVK (Mesa's NVIDIA driver, compiler NAK) on nouveau's drm-shim, where both are installed
+    (Debian 13 with trixie-backports' Mesa 26: mesa-vulkan-drivers and mesa-drm-shim): a child
+    process with :meth:`NullMechanism.env` sees a device named "NVK" that compiles for the chip
+    ``NOUVEAU_CHIPSET`` names and answers VK_KHR_pipeline_executable_properties (NAK's GPRs,
+    warps per SM, spills, instruction and static cycle counts). Families: :data:`NVK_CHIPSETS`."""
+    icd = radeon_icd("nouveau_icd")
+    if icd is None:
+        return NullMechanism(None, reason="NVK is not installed (no nouveau_icd*.json under "
+                             "*/vulkan/icd.d; Debian 13: apt-get install mesa-vulkan-drivers)")
+    lib = radv_library(icd)
+    shim = drm_shim_library(lib, NOUVEAU_SHIM_LIBRARY)
+    if shim is None:
+        return NullMechanism(None, icd, mesa_version(lib), None,
+                             f"nouveau's drm-shim ({NOUVEAU_SHIM_LIBRARY}) is not installed "
+                             "(Debian 13: apt-get install mesa-drm-shim)")
+    return NullMechanism(NOUVEAU_SHIM, icd, mesa_version(lib), shim)
+
+
 def default_families(mechanism: Optional[NullMechanism] = None) -> tuple:
-    """:data:`DEFAULT_FAMILIES` for RADV_FORCE_FAMILY; :data:`SHIM_FAMILIES` for the drm-shim."""
+    """:data:`DEFAULT_FAMILIES` for RADV_FORCE_FAMILY; :data:`SHIM_FAMILIES` for the drm-shim;
+    :data:`NVK_FAMILIES` for nouveau's."""
     mechanism = mechanism or null_mechanism()
+    if mechanism.kind == NOUVEAU_SHIM:
+        return NVK_FAMILIES
     return SHIM_FAMILIES if mechanism.kind == DRM_SHIM else DEFAULT_FAMILIES
 
 

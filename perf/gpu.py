@@ -410,13 +410,15 @@ def _is_coopmat(cfg) -> bool:
     return getattr(cfg, "kernel", "") == "coopmat"
 
 
-def pipeline_job(name: str, p, cfg=None, src_dir=None):
+def pipeline_job(name: str, p, cfg=None, src_dir=None, pin=None):
     """The vp.Job of a planned pipeline. attn_coopmat.comp's pipelines are pinned to the subgroup
     size its config names (cfg.sg, full subgroups), as the caches create them: compiled at another
-    size the kernel runs no matrix (it checks) and the statistics would be a dead shader's."""
+    size the kernel runs no matrix (it checks) and the statistics would be a dead shader's. ``pin``:
+    the planning device's Device.coopmat_pin() instead (NVK: no required size, its only one)."""
     sg = getattr(cfg, "sg", 0) if _is_coopmat(cfg) else 0
+    size, full = (pin if pin is not None else (sg, True)) if sg else (0, False)
     return vp.Job(name, compile_shader(p.shader, p.defines, src_dir=src_dir), list(p.spec), p.bindings,
-                  subgroup_size=sg or None, full_subgroups=bool(sg))
+                  subgroup_size=size or None, full_subgroups=full)
 
 
 def _features_for(cfgs) -> list:

@@ -112,12 +112,13 @@ def build(chips, mechanism=None) -> dict:
                                      f"(NOUVEAU_CHIPSET={vp.NVK_CHIPSETS.get(chip, chip)})"}
             continue
         planned = plan_chip(info)
+        pin = PlanningDevice(info).coopmat_pin()
         jobs, cfgs, seen = [], [], set()
         for _, disps, _ in planned:
             for _, name, p, cfg in disps:
                 if _job_key(p) not in seen:
                     seen.add(_job_key(p))
-                    jobs.append(pipeline_job(name, p, cfg))
+                    jobs.append(pipeline_job(name, p, cfg, pin=pin))
                     cfgs.append(cfg)
         res = vp.family_stats([chip], jobs, features=_features_for(cfgs), mechanism=mechanism)[chip]
         stats = {}

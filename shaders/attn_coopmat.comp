@@ -120,6 +120,14 @@ layout(std430, binding = 12) readonly buffer VS { float vscale[]; };
 #ifndef COOPMAT_UNROLL
 #define COOPMAT_UNROLL 1
 #endif
+// COOPMAT_FIXED_TRIPS (vkattn.tuning.coopmat_fixed_trips): the loops over a tile of O's words,
+// SG lanes at a time, take a fixed ceil(words / SG) steps, so that the loops over O's tiles around
+// them unroll and o[] stays in registers (NVK's compiler kept o[] in local memory, 256 bytes a
+// thread read and written at every key block, while these loops started from the lane index and
+// ran to the end: perf/gpu_report_nvk.md); 0 builds those earlier loops
+#ifndef COOPMAT_FIXED_TRIPS
+#define COOPMAT_FIXED_TRIPS 1
+#endif
 #if COOPMAT_UNROLL
 #define OPT_LOOP [[unroll]]
 #else
@@ -390,8 +398,15 @@ void block(uint j0, uint kh, bool live) {
             if (live) coopMatStore(o[t], s_mem, XBASE, OROW, ROW_MAJOR);
             subgroupMemoryBarrierShared();
             subgroupBarrier();
+            // the tile's words, SG lanes at a time (COOPMAT_FIXED_TRIPS: see its definition)
+#if COOPMAT_FIXED_TRIPS
+            if (live)
+                OPT_LOOP for (uint i = 0u, e = lane; i < (MM * MN / 4u + SG - 1u) / SG; ++i, e += SG) {
+                    if (e >= MM * MN / 4u) break;
+#else
             if (live)
                 for (uint e = lane; e < MM * MN / 4u; e += SG) {
+#endif
                     const uint rr = e / (MN / 4u), w = XBASE + rr * OROW + e % (MN / 4u);
                     s_mem[w] = floatBitsToUint(uintBitsToFloat(s_mem[w]) * s_alpha[sid * MM + rr]);
                 }
@@ -502,14 +517,20 @@ void main() {
         if (live) coopMatStore(o[t], s_mem, XBASE, OROW, ROW_MAJOR);
         subgroupMemoryBarrierShared();
         subgroupBarrier();
+#if COOPMAT_FIXED_TRIPS
+        if (live)
+            OPT_LOOP for (uint i = 0u, e = lane; i < (MM * MN + SG - 1u) / SG; ++i, e += SG) {
+                if (e >= MM * MN) break;
+#else
         for (uint e = lane; live && e < MM * MN; e += SG) {
-            const uint qv = sid * MM + e / MN, c = t * MN + e % MN;
-            const uint orow = out_row(qv, qt);
-            if (orow == ~0u || c >= DV) continue;
-            const float x = uintBitsToFloat(s_mem[XBASE + (e / MN) * OROW + (e % MN) / 4u][e % 4u]);
-            if (SPLIT != 0u) part[(sp * nrows + orow) * DVP + c] = x;
-            else outbuf[orow * DV + c] = s_l[qv] > 0.0 ? x / s_l[qv] : 0.0;
-        }
+#endif
+                const uint qv = sid * MM + e / MN, c = t * MN + e % MN;
+                const uint orow = out_row(qv, qt);
+                if (orow == ~0u || c >= DV) continue;
+                const float x = uintBitsToFloat(s_mem[XBASE + (e / MN) * OROW + (e % MN) / 4u][e % 4u]);
+                if (SPLIT != 0u) part[(sp * nrows + orow) * DVP + c] = x;
+                else outbuf[orow * DV + c] = s_l[qv] > 0.0 ? x / s_l[qv] : 0.0;
+            }
         subgroupMemoryBarrierShared();
         subgroupBarrier();
     }

@@ -537,6 +537,28 @@ def test_planner_names_what_is_missing(device, monkeypatch, fields, reason):
         attn_pipeline(gpu, fmt, 4, 64, 0, 1, 0, 4096, False)
 
 
+def test_a_device_of_one_subgroup_size_runs_the_kernel_unpinned(device, monkeypatch):
+    """NVK (Mesa 26.1 on an Ampere, perf/gpu_report_nvk.md) lists no stage in
+    requiredSubgroupSizeStages and has subgroups of 32 only: the kernel needs no pin there, and a
+    required size would be invalid usage. Its pipelines ask for full subgroups alone."""
+    nvk = planning(device, monkeypatch, **dict(GPU, name="NVK", subgroup_size=32, min_subgroup_size=32,
+                                               max_subgroup_size=32, required_subgroup_size_stages=0))
+    assert nvk.coopmat_problem() == "" and nvk.coopmat_subgroup() == 32 and nvk.coopmat_pin() == (0, True)
+    monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
+    cfg, pipe = attn_pipeline(nvk, StorageFormat(2, 64, dtype="float16"), 4, 64, 0, 1, 0, 4096, False)
+    assert cfg.kernel == "coopmat" and cfg.sg == 32 and pipe.defines["COOPMAT_FIXED_TRIPS"] == 1
+    # where the device can pin (the GPU above), it does; sizes 32..64 without a pin: no kernel
+    assert planning(device, monkeypatch, **GPU).coopmat_pin() == (32, True)
+    wide = planning(device, monkeypatch, **dict(GPU, required_subgroup_size_stages=0))
+    assert "not always 32" in wide.coopmat_problem()
+    monkeypatch.setenv("VKATTN_COOPMAT_FIXED_TRIPS", "0")
+    assert attn_pipeline(nvk, StorageFormat(2, 64, dtype="float16"), 4, 64, 0, 1, 0, 4096,
+                         False)[1].defines["COOPMAT_FIXED_TRIPS"] == 0
+    monkeypatch.setenv("VKATTN_COOPMAT_FIXED_TRIPS", "yes")
+    with pytest.raises(ValueError, match="VKATTN_COOPMAT_FIXED_TRIPS='yes'"):
+        attn_pipeline(nvk, StorageFormat(2, 64, dtype="float16"), 4, 64, 0, 1, 0, 4096, False)
+
+
 def test_planner_leaves_cpu_drivers_on_their_kernel_unless_forced(device, monkeypatch):
     monkeypatch.delenv("VKATTN_KERNEL", raising=False)
     cpu = planning(device, monkeypatch, device_type="cpu", subgroup_size=8, min_subgroup_size=8,

@@ -397,3 +397,54 @@ def test_numerics_audit_flags_nothing_and_would_flag_builtin_rounding(jobs, tmp_
     assert old["pipelines"]["append-float16"].get("round toward zero", 0) > 0, old
     assert old["pipelines"]["decode-f16"].get("round toward zero", 0) > 0, old     # the fused store
     assert old["pipelines"]["append-int8"].get("reciprocal / division", 0) > 0, old
+
+
+# ------------------------------------------------------------------ NVK (NVIDIA's ISA, compiler NAK)
+
+def test_nvk_mechanism_spells_chips_for_nouveaus_shim():
+    mech = vp.NullMechanism(vp.NOUVEAU_SHIM, "/x/nouveau_icd.json", (26, 1, 6), "/x/" + vp.NOUVEAU_SHIM_LIBRARY)
+    env = mech.env("GA100")
+    assert env["NOUVEAU_CHIPSET"] == "170" and env["MESA_LOADER_DRIVER_OVERRIDE"] == "nouveau"
+    assert env["LD_PRELOAD"].split()[0] == mech.shim and mech.env("172")["NOUVEAU_CHIPSET"] == "172"
+    assert mech.device_match == "NVK" and vp.default_families(mech) == vp.NVK_FAMILIES
+    assert "NVK/NAK of Mesa 26.1.6" in mech.describe()
+    with pytest.raises(ValueError, match="NVIDIA chip 'ad102'"):
+        mech.env("ad102")
+    for var in ("NOUVEAU_CHIPSET", "MESA_LOADER_DRIVER_OVERRIDE"):       # not inherited by a child
+        assert var in vp._DROPPED_ENV
+
+
+def test_nvk_compiles_the_kernels_with_no_local_memory_for_them(monkeypatch):
+    """Where Mesa 26's NVK and nouveau's drm-shim are installed (Debian 13 with trixie-backports):
+    on GA100 the float16 decode (attn.comp, NVIDIA's decode shape) and the cooperative-matrix
+    prefill compile with no spill to memory, and the prefill keeps its O accumulators out of local
+    memory (COOPMAT_FIXED_TRIPS: NAK put o[], 256 bytes a thread, there before)."""
+    mech = vp.nvk_mechanism()
+    if not mech.available:
+        pytest.skip(f"no NVIDIA compiler reachable: {mech.reason}")
+    info = vp.family_device_info("ga100", mechanism=mech)
+    if info is None:
+        pytest.skip("the installed NVK gives no device for GA100 through nouveau's drm-shim")
+    dev = PlanningDevice(info)
+    assert info.vendor_id == 0x10DE and dev.coopmat_problem() == "" and dev.coopmat_pin() == (0, True)
+    fmt = StorageFormat(8, 128, dtype="float16", block_size=4096)
+    monkeypatch.delenv("VKATTN_KERNEL", raising=False)
+    monkeypatch.delenv("VKATTN_COOPMAT_FIXED_TRIPS", raising=False)
+    dcfg, dp = attn_pipeline(dev, fmt, 32, 1, 1, 1, 0, 4096, True)
+    monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
+    pcfg, pp = attn_pipeline(dev, fmt, 32, 512, 0, 1, 0, 4096, False)
+    assert dcfg.kernel == "tile" and pcfg.kernel == "coopmat" and pp.defines["COOPMAT_FIXED_TRIPS"] == 1
+    jobs = [vp.Job("decode", compile_shader(dp.shader, dp.defines), list(dp.spec), dp.bindings),
+            vp.Job("prefill", compile_shader(pp.shader, pp.defines), list(pp.spec), pp.bindings,
+                   full_subgroups=True)]
+    run = vp.family_stats(["ga100"], jobs, features=["shaderFloat16", "cooperativeMatrix", "vulkanMemoryModel",
+                                                     "vulkanMemoryModelDeviceScope", "computeFullSubgroups"],
+                          mechanism=mech)["ga100"]
+    assert run.available, run.reason
+    for jr in run.jobs:
+        assert jr.ok, (jr.name, jr.result, jr.error)
+        st, exe = jr.executables[0].stats, jr.executables[0]
+        assert exe.subgroup_size == 32 and 0 < st["Number of GPRs"] <= 255 and st["Max warps/SM"] >= 4, (jr.name, st)
+        assert st["Spills to memory"] == 0, (jr.name, st)
+    decode, prefill = (jr.executables[0].stats for jr in run.jobs)
+    assert decode["SLM size"] == 0 and prefill["SLM size"] < 256, (decode, prefill)

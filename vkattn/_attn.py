@@ -22,7 +22,7 @@ from .compiler import compile_shader
 from .errors import DeviceLimitError
 from .formats import FORMATS
 from .reference import bfloat16_to_float32, fp8_to_float32, q4_words_to_float32
-from .tuning import MIN_CHUNK, WORKGROUP, attention_config
+from .tuning import MIN_CHUNK, WORKGROUP, attention_config, coopmat_fixed_trips
 
 _LOG2E = 1.4426950408889634
 HEADER = 32
@@ -191,7 +191,8 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
     if cfg.kernel == "lane":
         shader, defines = "attn_lane", dict(fmt._defines)
     elif cfg.kernel == "coopmat":
-        shader, defines = "attn_coopmat", dict(fmt._defines, COOPMAT_UNROLL=int(cfg.unroll))
+        shader, defines = "attn_coopmat", dict(fmt._defines, COOPMAT_UNROLL=int(cfg.unroll),
+                                               COOPMAT_FIXED_TRIPS=int(coopmat_fixed_trips()))
     else:
         shader, defines = "attn", dict(fmt._defines, TILE_SHUFFLE=int(cfg.ds > 1 and cfg.shuffle))
     return cfg, Pipeline(shader, shader, defines, tuple(spec), grid, ATTN_BINDINGS)
@@ -250,8 +251,8 @@ class AttnPlan:
         pin = c.device.subgroup_pin(cfg.wg, need) if shuffles else (0, False)
         if cfg.kernel == "lane" and pin[0] != cfg.wg:
             pin = (0, False)
-        if cfg.kernel == "coopmat":     # its matrices are sized for cfg.sg: always pinned (coopmat_problem)
-            pin = (cfg.sg, True)
+        if cfg.kernel == "coopmat":     # its matrices are sized for cfg.sg: pinned, or the device's only size
+            pin = c.device.coopmat_pin()
         self.subgroup = pin
         self._check_width = bool(shuffles) and cfg.kernel in ("tile", "coopmat") and (
             not pin[0] or cfg.kernel == "coopmat")

@@ -121,6 +121,17 @@ class _Limits:
             return COOPMAT_SUBGROUP
         return self.subgroup_size
 
+    def coopmat_pin(self) -> tuple:
+        """(required subgroup size, full subgroups) of attn_coopmat.comp's pipelines: the size
+        coopmat_subgroup() where the device can require it of a compute pipeline
+        (requiredSubgroupSizeStages), else 0 -- a device whose subgroups always have that size
+        needs no requirement, and NVK (min = max = 32) lists no stage there, so requiring one would
+        be invalid; full subgroups always (coopmat_problem asks for computeFullSubgroups)."""
+        info, sg = self.info, self.coopmat_subgroup()
+        if info.required_subgroup_size_stages & COMPUTE_STAGE and info.min_subgroup_size <= sg <= info.max_subgroup_size:
+            return sg, True
+        return 0, True
+
     def coopmat_problem(self) -> str:
         """Why attn_coopmat.comp cannot run on this device ("" when it can): it needs
         VK_KHR_cooperative_matrix in compute with a float16 x float16 -> float32 subgroup shape of
@@ -128,7 +139,8 @@ class _Limits:
         vulkanMemoryModel (+ device scope: the split-K merge), subgroupSizeControl and
         computeFullSubgroups turned on (kp built with scripts/kp-0.9.0-features.patch), subgroup
         shuffles and votes in compute, a pipeline subgroup size it can pin (VKATTN_PIN_SUBGROUP not
-        0), and a glslangValidator with GL_KHR_cooperative_matrix."""
+        0) or subgroups that always have that size (coopmat_pin), and a glslangValidator with
+        GL_KHR_cooperative_matrix."""
         info = self.info
         if not info.cooperative_matrix or not info.coopmat_stages & COMPUTE_STAGE:
             return f"{self.name!r} does not offer VK_KHR_cooperative_matrix in compute shaders"
@@ -144,10 +156,11 @@ class _Limits:
         if not self._shuffles(vote=True):
             return f"{self.name!r} has no subgroup shuffles and votes in compute shaders"
         sg = self.coopmat_subgroup()
-        if not (info.required_subgroup_size_stages & COMPUTE_STAGE and
-                info.min_subgroup_size <= sg <= info.max_subgroup_size):
-            return f"{self.name!r} cannot pin a compute pipeline's subgroup size to {sg}"
-        if not pinning_enabled():
+        pin = self.coopmat_pin()[0]
+        if not pin and not info.min_subgroup_size == info.max_subgroup_size == sg:
+            return (f"{self.name!r} cannot pin a compute pipeline's subgroup size to {sg}, and its subgroups "
+                    f"are not always {sg} (sizes {info.min_subgroup_size}..{info.max_subgroup_size})")
+        if pin and not pinning_enabled():
             return "VKATTN_PIN_SUBGROUP=0: the kernel's matrices need a pinned subgroup size"
         if getattr(self, "_coopmat_broken", ""):
             return self._coopmat_broken

@@ -151,6 +151,20 @@ def forced_kernel() -> str:
     return env
 
 
+def coopmat_fixed_trips() -> bool:
+    """attn_coopmat.comp's COOPMAT_FIXED_TRIPS: its loops over O's tiles walk each tile's words in
+    a fixed number of steps per lane, so that a compiler unrolls them and keeps the O accumulators
+    in registers (NVK's NAK, GA100: 96 -> 224 GPRs, 20 -> 8 warps per SM, its 256 bytes a thread of
+    local memory gone; RADV: the same VGPRs, more instructions; perf/gpu_report_nvk.md). Where the
+    words were walked from the lane index (before session 24) NAK kept o[] in local memory, read and
+    written at every key block. VKATTN_COOPMAT_FIXED_TRIPS=0 builds the earlier loops (to time both
+    on a GPU: perf/gpu_session.sh)."""
+    env = os.environ.get("VKATTN_COOPMAT_FIXED_TRIPS", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"VKATTN_COOPMAT_FIXED_TRIPS={env!r}: expected 0 or 1")
+    return env != "0"
+
+
 @contextlib.contextmanager
 def kernel_forced(kernel: str):
     """VKATTN_KERNEL=kernel for the plans built inside (the planner reads it when a plan is

@@ -6,7 +6,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-hf model install demo check test test-validation test-noshuffle test-subgroup4 test-coopmat test-spirv test-platform test-platform-core perf gpu-report gpu-bench clean
+.PHONY: setup setup-hf model install demo check test test-validation test-noshuffle test-subgroup4 test-coopmat test-spirv test-platform test-platform-core perf gpu-report gpu-report-nvk gpu-report-nvk-here gpu-bench clean
 setup:
 	@bash scripts/setup.sh
 
@@ -98,6 +98,13 @@ perf: setup
 
 gpu-report: setup      # registers, spills, LDS, waves per AMD family from RADV's compiler: no GPU needed
 	$(PY) -m perf gpu
+
+gpu-report-nvk:        # the attention pipelines on NVIDIA's ISA (NVK's compiler NAK, nouveau's drm-shim), no GPU:
+	scripts/distro.sh trixie --mesa backports --out perf/out -- make setup gpu-report-nvk-here
+	cp perf/out/gpu_report_nvk.md perf/gpu_report_nvk.md
+
+gpu-report-nvk-here: setup      # the same where Mesa 26's NVK and mesa-drm-shim are installed
+	$(PY) -m perf nvk
 
 gpu-bench: setup       # the perf cases on this machine's Vulkan GPU (VKATTN_DEVICE picks one)
 	$(PY) -m perf gpubench

@@ -18,6 +18,10 @@
 #   splits: attn.comp's decode at L=16384 float16 (beside bfloat16, int8 and q4) under
 #      VKATTN_DECODE_SPLITS = the default, 32, 64 and 256: the split count after the merge was shared
 #      between the last workgroup's columns (session 21) -> OUT/splits.txt
+#   trips: attn_coopmat.comp's prefill S=512 from empty and over 15872 cached, float16, built
+#      with COOPMAT_FIXED_TRIPS 1 (O in registers: NVK's NAK 224 GPRs, 8 warps per SM) and 0 (the
+#      earlier loops: 96 GPRs, o[] in 256 bytes a thread of local memory there), alternated twice
+#      -> OUT/trips.txt (session 24; perf/gpu_report_nvk.md)
 #   model: python -m perf model --random, SmolLM2-135M's shape
 #      with random weights (no transformers, no model package needed): wall, device and host time
 #      of a decode token, each token one replay of the 30 layers' graph (issue 30)
@@ -30,7 +34,7 @@
 #      decode) -> OUT/sweep.txt
 #   VKATTN_GPU_EXTRA (a command, run last in the same environment where set): an experiment's
 #      script, its output to the log
-# VKATTN_GPU_STEPS picks steps (default "check coopmat bench overhead formats splits model suite",
+# VKATTN_GPU_STEPS picks steps (default "check coopmat bench overhead formats splits trips model suite",
 # about 9 minutes on the H100 of session 21; "tests" is the short form of "suite"; add "sweep").
 # Usage: bash perf/gpu_session.sh [BUNDLE] [OUT]   (OUT defaults to $OUT, then perf/out/gpu)
 set -uo pipefail
@@ -78,7 +82,7 @@ if ! timeout 60 "$PY" -m vkattn devices >> "$log" 2>&1; then
   exit 1
 fi
 
-steps=" ${VKATTN_GPU_STEPS:-check coopmat bench overhead formats splits model suite} "
+steps=" ${VKATTN_GPU_STEPS:-check coopmat bench overhead formats splits trips model suite} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 if want check; then
   step "python -m vkattn check"
@@ -126,6 +130,17 @@ if want splits; then
       echo "failed" >> "$out/splits.txt"
   done
   cat "$out/splits.txt" >> "$log"
+fi
+if want trips; then
+  step "coopmat prefill S=512, past 0 and 15872: COOPMAT_FIXED_TRIPS 1 / 0, alternated"
+  for t in 1 0 1 0; do
+    echo "COOPMAT_FIXED_TRIPS=$t:" >> "$out/trips.txt"
+    VKATTN_KERNEL=coopmat VKATTN_COOPMAT_FIXED_TRIPS=$t VKATTN_PERF_QLEN=512 VKATTN_PERF_CONTEXT=512,16384 \
+      VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=10 VKATTN_PERF_TORCH_DEVICE=cuda \
+      timeout 90 "$PY" -m perf prefill 2>&1 | grep -E "^prefill S=512|Error" >> "$out/trips.txt" ||
+      echo "failed" >> "$out/trips.txt"
+  done
+  cat "$out/trips.txt" >> "$log"
 fi
 if want model; then
   step "python -m perf model --random (SmolLM2-135M's shape, random weights)"

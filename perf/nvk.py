@@ -34,7 +34,6 @@ import os
 import sys
 from pathlib import Path
 
-from vkattn import tuning
 from vkattn.device import PlanningDevice
 from vkattn.tools import vkpipeline as vp
 
@@ -48,40 +47,47 @@ STATS = ("Number of GPRs", "Max warps/SM", "Spills to memory", "Fills from memor
 
 
 @contextlib.contextmanager
-def _tile_decode(value):
-    """VKATTN_TILE_DECODE=value (None: unset) while plans are built inside."""
-    old = os.environ.get("VKATTN_TILE_DECODE")
-    if value is None:
-        os.environ.pop("VKATTN_TILE_DECODE", None)
-    else:
-        os.environ["VKATTN_TILE_DECODE"] = value
+def _environ(values: dict):
+    """The VKATTN_* variables in ``values`` set (None: unset) while plans are built inside."""
+    old = {k: os.environ.get(k) for k in values}
     try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         yield
     finally:
-        if old is None:
-            os.environ.pop("VKATTN_TILE_DECODE", None)
-        else:
-            os.environ["VKATTN_TILE_DECODE"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def cases() -> list:
-    """[(label, Call, kernel forced or None, VKATTN_TILE_DECODE or None)]."""
+    """[(label, Call, {VKATTN_* variable: value or None})]: VKATTN_KERNEL, VKATTN_TILE_DECODE and
+    VKATTN_COOPMAT_FIXED_TRIPS as each case plans (None: unset, the default)."""
+    base = {"VKATTN_KERNEL": None, "VKATTN_TILE_DECODE": None, "VKATTN_COOPMAT_FIXED_TRIPS": None}
     out = []
     for dt in DTYPES:
         out.append((f"decode L=4096 {dt}", Call("decode step L=4096", "32/8 d128", dt, "forward", past=4095,
-                                                 n_new=1), None, None))
+                                                 n_new=1), base))
     for env, name in DECODE_SHAPES:
         out.append((f"decode L=16384 float16, decode shape {name}",
                     Call("decode step L=16384", "32/8 d128", "float16", "forward", past=16383, n_new=1,
-                         capacity=16384), None, env))
+                         capacity=16384), dict(base, VKATTN_TILE_DECODE=env)))
     for past in (0, 15872):
-        for kernel in ("tile", "coopmat"):
-            out.append((f"prefill 512 over {past} float16, {kernel}",
-                        Call(f"prefill 512 over {past}", "32/8 d128", "float16", "forward", past=past, s=512,
-                             n_new=512, capacity=past + 512), kernel, None))
+        call = Call(f"prefill 512 over {past}", "32/8 d128", "float16", "forward", past=past, s=512, n_new=512,
+                    capacity=past + 512)
+        out.append((f"prefill 512 over {past} float16, tile", call, dict(base, VKATTN_KERNEL="tile")))
+        out.append((f"prefill 512 over {past} float16, coopmat", call, dict(base, VKATTN_KERNEL="coopmat")))
+    out.append(("prefill 512 over 0 float16, coopmat, COOPMAT_FIXED_TRIPS=0 (the loops before session 24)",
+                Call("prefill 512 over 0", "32/8 d128", "float16", "forward", s=512, n_new=512, capacity=512),
+                dict(base, VKATTN_KERNEL="coopmat", VKATTN_COOPMAT_FIXED_TRIPS="0")))
     for shape in ("8/8 d64", "16/2 d256"):
         out.append((f"decode L=4096 float16 {shape}", Call("decode step L=4096", shape, "float16", "forward",
-                                                            past=4095, n_new=1), None, None))
+                                                            past=4095, n_new=1), base))
     return out
 
 
@@ -89,9 +95,9 @@ def plan_chip(info) -> list:
     """[(label, [(role, job name, pipeline, cfg)], note)] of every case on the chip ``info``."""
     dev = PlanningDevice(info)
     out = []
-    for label, call, kernel, shape in cases():
+    for label, call, env in cases():
         try:
-            with (tuning.kernel_forced(kernel) if kernel else contextlib.nullcontext()), _tile_decode(shape):
+            with _environ(env):
                 pc = plan_call(dev, call)
             out.append((label, [(d.role, _job_name(d.pipeline), d.pipeline, d.cfg) for d in pc.dispatches], ""))
         except Exception as exc:        # a case the chip cannot plan (reported, the rest go on)
@@ -160,9 +166,10 @@ def markdown(report: dict) -> str:
     if "unavailable" in report:
         return "\n".join(lines + [f"Not available here: {report['unavailable']}", ""])
     lines += ["NAK's statistics per pipeline (NVK's `VK_KHR_pipeline_executable_properties`): GPRs per "
-              "thread, the warps per SM they allow, spills to memory / register moves, instructions, "
-              "NAK's static cycle estimate. Not the proprietary compiler the H100 runs: what the "
-              "kernels' source asks of an NVIDIA ISA. perf/nvk.py says how each case is planned.", ""]
+              "thread, the warps per SM they allow, local memory per thread (NAK's \"SLM size\": private "
+              "arrays it could not keep in registers, and spills), spills to memory / register moves, "
+              "instructions, NAK's static cycle estimate. Not the proprietary compiler the H100 runs: "
+              "what the kernels' source asks of an NVIDIA ISA. perf/nvk.py says how each case is planned.", ""]
     for chip, c in report["chips"].items():
         lines.append(f"## {chip.upper()} ({c.get('device', '').strip() or 'NVK'}; "
                      f"subgroup {c.get('subgroup_size')}, {c.get('shared_memory', 0) // 1024} KiB shared memory "
@@ -170,18 +177,19 @@ def markdown(report: dict) -> str:
         lines.append("")
         if "rows" not in c:
             continue
-        lines += ["| case | dispatch | plan | GPRs | warps/SM | spills mem / reg | instructions | static cycles |",
-                  "| --- | --- | --- | ---: | ---: | --- | ---: | ---: |"]
+        lines += ["| case | dispatch | plan | GPRs | warps/SM | local memory B | spills mem / reg | instructions "
+                  "| static cycles |",
+                  "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
         for r in c["rows"]:
             if "error" in r and "pipeline" not in r:
-                lines.append(f"| {r['case']} | | {r['error']} | | | | | |")
+                lines.append(f"| {r['case']} | | {r['error']} | | | | | | |")
                 continue
             if "error" in r:
-                lines.append(f"| {r['case']} | {r['role']} | {r['error']} | | | | | |")
+                lines.append(f"| {r['case']} | {r['role']} | {r['error']} | | | | | | |")
                 continue
             lines.append(
                 f"| {r['case']} | {r['role']} {r['pipeline'].split('[')[0]} | {_cfg_text(r.get('config'))} "
-                f"| {r.get('Number of GPRs')} | {r.get('Max warps/SM')} "
+                f"| {r.get('Number of GPRs')} | {r.get('Max warps/SM')} | {r.get('SLM size')} "
                 f"| {r.get('Spills to memory')} / {r.get('Spills to reg')} | {r.get('Instruction count')} "
                 f"| {r.get('Static cycle count')} |")
         lines.append("")

@@ -119,7 +119,11 @@ def device_path(shape: Shape, device) -> list:
     round trip; metric: (wall - device) / bare, both from the twin's own calls (per call, then the
     median): the host's share of a call, an upper bound, since it includes the timestamps' own
     cost (on lavapipe about 0.1 ms a call: the twin's wall exceeds the plain cache's, so a
-    difference across the two loops can go negative)."""
+    difference across the two loops can go negative). Then the same ratio with a device time that
+    has no timestamps in it (printed "interleaved" lines, extra ``x_bare_marginal``): one more
+    layer's cost in a replayed graph, (graph of ``layers`` - graph of 1 - their Python's
+    difference) / (layers - 1), the single calls, both graphs and the bare round trip timed in
+    interleaved rounds (interleaved_ms)."""
     L = env_int("VKATTN_PERF_OVERHEAD_CONTEXT", 16)
     layers = env_int("VKATTN_PERF_OVERHEAD_LAYERS", 30)
     tag = f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim}"

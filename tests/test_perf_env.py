@@ -54,3 +54,31 @@ def test_perf_model_random_reports_wall_device_and_host_per_token(capsys):
     if vkattn.default_device().info.timestamp_compute_and_graphics:
         assert r["device_ms"] > 0 and abs(r["host_ms"] - (r["wall_ms"] - r["device_ms"])) < 1e-9
     assert model.main(["--random", "--layers", "0"]) == 2
+
+
+def test_perf_overhead_takes_device_time_from_one_more_layer(monkeypatch, capsys):
+    """`python -m perf overhead`'s device path (issue 30's lavapipe ratio): the interleaved rounds
+    time each case alike and reset after each call, and the rows carry a device time taken from
+    what one more layer adds to a replayed graph, with its (wall - device) / bare."""
+    import math
+
+    import vkattn
+    from perf import overhead
+    calls, resets = [], []
+    got = overhead.interleaved_ms({"a": (lambda: calls.append("a"), lambda: resets.append("a")),
+                                   "b": (lambda: calls.append("b"), None)}, rounds=2, per=3)
+    assert set(got) == {"a", "b"} and all(v >= 0 for v in got.values())
+    assert calls == ["a"] * 5 + ["b"] * 5 + ["a"] * 5 + ["b"] * 5 and resets == ["a"] * 10
+    monkeypatch.setenv("VKATTN_PERF_OVERHEAD_LAYERS", "3")
+    shape = Shape(heads=4, kv_heads=2, head_dim=32, v_head_dim=32, dtype="float16", qlen=1, capacity=None,
+                  iters=1, warmup=1)
+    rows = overhead.device_path(shape, vkattn.default_device())
+    assert [r.case for r in rows] == ["decode forward L=16, numpy", "decode forward L=16, device arrays",
+                                      "decode step of 3 layers L=16, one graph submission"]
+    assert all(r.verified for r in rows)
+    for r in rows[:2]:
+        e = r.extra
+        assert math.isfinite(e["device_marginal_ms"]) and e["graph_ms"] > 0 and e["graph_one_ms"] > 0
+        assert abs(e["host_marginal_ms"] - (e["interleaved_wall_ms"] - e["device_marginal_ms"])) < 1e-12
+        assert abs(e["x_bare_marginal"] - e["host_marginal_ms"] / e["bare_interleaved_ms"]) < 1e-12
+    assert "interleaved: wall" in capsys.readouterr().out

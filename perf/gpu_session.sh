@@ -18,10 +18,11 @@
 #   splits: attn.comp's decode at L=16384 float16 (beside bfloat16, int8 and q4) under
 #      VKATTN_DECODE_SPLITS = the default, 32, 64 and 256: the split count after the merge was shared
 #      between the last workgroup's columns (session 21) -> OUT/splits.txt
-#   trips: attn_coopmat.comp's prefill S=512 from empty and over 15872 cached, float16, built
-#      with COOPMAT_FIXED_TRIPS 1 (O in registers: NVK's NAK 224 GPRs, 8 warps per SM) and 0 (the
-#      earlier loops: 96 GPRs, o[] in 256 bytes a thread of local memory there), alternated twice
-#      -> OUT/trips.txt (session 24; perf/gpu_report_nvk.md)
+#   trips: attn_coopmat.comp's prefill S=512 from empty and over 15872 cached, float16, in its
+#      four builds of session 24, two alternated rounds -> OUT/trips.txt: COOPMAT_FIXED_TRIPS (O in
+#      registers: NVK's NAK 96 -> 224 GPRs, 20 -> 8 warps per SM, no more 256 bytes a thread of
+#      local memory) x COOPMAT_STAGE_BATCH (a key block's K/V loads in flight together);
+#      "0,0" is the kernel of session 21's H100 figures (perf/gpu_report_nvk.md)
 #   model: python -m perf model --random, SmolLM2-135M's shape
 #      with random weights (no transformers, no model package needed): wall, device and host time
 #      of a decode token, each token one replay of the 30 layers' graph (issue 30)
@@ -132,11 +133,12 @@ if want splits; then
   cat "$out/splits.txt" >> "$log"
 fi
 if want trips; then
-  step "coopmat prefill S=512, past 0 and 15872: COOPMAT_FIXED_TRIPS 1 / 0, alternated"
-  for t in 1 0 1 0; do
-    echo "COOPMAT_FIXED_TRIPS=$t:" >> "$out/trips.txt"
-    VKATTN_KERNEL=coopmat VKATTN_COOPMAT_FIXED_TRIPS=$t VKATTN_PERF_QLEN=512 VKATTN_PERF_CONTEXT=512,16384 \
-      VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=10 VKATTN_PERF_TORCH_DEVICE=cuda \
+  step "coopmat prefill S=512, past 0 and 15872: COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH 1,1 0,0 1,0 0,1 twice"
+  for tb in 1,1 0,0 1,0 0,1 1,1 0,0 1,0 0,1; do
+    echo "COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH=$tb:" >> "$out/trips.txt"
+    VKATTN_KERNEL=coopmat VKATTN_COOPMAT_FIXED_TRIPS=${tb%,*} VKATTN_COOPMAT_STAGE_BATCH=${tb#*,} \
+      VKATTN_PERF_QLEN=512 VKATTN_PERF_CONTEXT=512,16384 \
+      VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=8 VKATTN_PERF_TORCH_DEVICE=cuda \
       timeout 90 "$PY" -m perf prefill 2>&1 | grep -E "^prefill S=512|Error" >> "$out/trips.txt" ||
       echo "failed" >> "$out/trips.txt"
   done

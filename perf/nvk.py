@@ -66,9 +66,10 @@ def _environ(values: dict):
 
 
 def cases() -> list:
-    """[(label, Call, {VKATTN_* variable: value or None})]: VKATTN_KERNEL, VKATTN_TILE_DECODE and
-    VKATTN_COOPMAT_FIXED_TRIPS as each case plans (None: unset, the default)."""
-    base = {"VKATTN_KERNEL": None, "VKATTN_TILE_DECODE": None, "VKATTN_COOPMAT_FIXED_TRIPS": None}
+    """[(label, Call, {VKATTN_* variable: value or None})]: VKATTN_KERNEL, VKATTN_TILE_DECODE,
+    VKATTN_COOPMAT_FIXED_TRIPS and VKATTN_COOPMAT_STAGE_BATCH as each case plans (None: unset)."""
+    base = {"VKATTN_KERNEL": None, "VKATTN_TILE_DECODE": None, "VKATTN_COOPMAT_FIXED_TRIPS": None,
+            "VKATTN_COOPMAT_STAGE_BATCH": None}
     out = []
     for dt in DTYPES:
         out.append((f"decode L=4096 {dt}", Call("decode step L=4096", "32/8 d128", dt, "forward", past=4095,
@@ -82,9 +83,13 @@ def cases() -> list:
                     capacity=past + 512)
         out.append((f"prefill 512 over {past} float16, tile", call, dict(base, VKATTN_KERNEL="tile")))
         out.append((f"prefill 512 over {past} float16, coopmat", call, dict(base, VKATTN_KERNEL="coopmat")))
-    out.append(("prefill 512 over 0 float16, coopmat, COOPMAT_FIXED_TRIPS=0 (the loops before session 24)",
-                Call("prefill 512 over 0", "32/8 d128", "float16", "forward", s=512, n_new=512, capacity=512),
-                dict(base, VKATTN_KERNEL="coopmat", VKATTN_COOPMAT_FIXED_TRIPS="0")))
+    for trips, batch, what in (("0", "0", "the kernel before session 24"), ("1", "0", "O in registers only"),
+                               ("0", "1", "the batched staging only")):
+        out.append((f"prefill 512 over 0 float16, coopmat, COOPMAT_FIXED_TRIPS={trips} COOPMAT_STAGE_BATCH={batch} "
+                    f"({what})",
+                    Call("prefill 512 over 0", "32/8 d128", "float16", "forward", s=512, n_new=512, capacity=512),
+                    dict(base, VKATTN_KERNEL="coopmat", VKATTN_COOPMAT_FIXED_TRIPS=trips,
+                         VKATTN_COOPMAT_STAGE_BATCH=batch)))
     for shape in ("8/8 d64", "16/2 d256"):
         out.append((f"decode L=4096 float16 {shape}", Call("decode step L=4096", shape, "float16", "forward",
                                                             past=4095, n_new=1), base))

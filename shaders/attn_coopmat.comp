@@ -128,6 +128,12 @@ layout(std430, binding = 12) readonly buffer VS { float vscale[]; };
 #ifndef COOPMAT_FIXED_TRIPS
 #define COOPMAT_FIXED_TRIPS 1
 #endif
+// COOPMAT_STAGE_BATCH (vkattn.tuning.coopmat_stage_batch): stage() issues all of a block's K/V
+// loads before its shared stores (see there); 0 builds the loop that loads and stores a word at a
+// time
+#ifndef COOPMAT_STAGE_BATCH
+#define COOPMAT_STAGE_BATCH 1
+#endif
 #if COOPMAT_UNROLL
 #define OPT_LOOP [[unroll]]
 #else
@@ -229,7 +235,41 @@ float team_sum(float x) {
 
 // keys j0 .. j0+BC-1 (those below hi exist; the rest are zeros) of K and V into shared memory as
 // float16 rows; int8: the key and value scales of the block (0 past hi)
+// a staged word: K or V row c's word ww at shared row base (int8: two words of float16 integers)
+void put_word(uint base, uint ww, uvec4 word) {
+#if KV_I8
+    s_mem[base + 2u * ww] = i8_halves(word.x, word.y);
+    s_mem[base + 2u * ww + 1u] = i8_halves(word.z, word.w);
+#else
+    s_mem[base + ww] = word;
+#endif
+}
+
 void stage(uint j0, uint hi) {
+#if COOPMAT_STAGE_BATCH
+    // every global load of the block first, unconditional (past hi: the last key's row, zeroed
+    // after), K's then V's, then the shared stores: straight-line loads stay in flight together,
+    // one memory latency a block. (NVK's NAK waited for each load at the end of the branch that
+    // held it: 8 latencies a block for a thread's 8 words, float16 d128; perf/gpu_report_nvk.md)
+    const uint TK = (BC * DK4 + WG - 1u) / WG, TV = (BC * DV4 + WG - 1u) / WG;
+    uvec4 kw[TK], vw[TV];
+    OPT_LOOP for (uint t = 0u; t < TK; ++t) {
+        const uint i = min(tid + t * WG, BC * DK4 - 1u);
+        kw[t] = kc[cache_row(sq.bt, hh, min(j0 + i / DK4, hi - 1u)) * DK4 + i % DK4];
+    }
+    OPT_LOOP for (uint t = 0u; t < TV; ++t) {
+        const uint i = min(tid + t * WG, BC * DV4 - 1u);
+        vw[t] = vc[cache_row(sq.bt, hh, min(j0 + i / DV4, hi - 1u)) * DV4 + i % DV4];
+    }
+    OPT_LOOP for (uint t = 0u; t < TK; ++t) {
+        const uint i = tid + t * WG, c = i / DK4;
+        if (i < BC * DK4) put_word(c * KROW, i % DK4, j0 + c < hi ? kw[t] : uvec4(0u));
+    }
+    OPT_LOOP for (uint t = 0u; t < TV; ++t) {
+        const uint i = tid + t * WG, c = i / DV4;
+        if (i < BC * DV4) put_word(VOFF + c * VROW, i % DV4, j0 + c < hi ? vw[t] : uvec4(0u));
+    }
+#else
     const uint wpr = DK4 + DV4;
     for (uint i = tid; i < BC * wpr; i += WG) {
         const uint c = i / wpr, w = i % wpr, j = j0 + c;
@@ -240,14 +280,9 @@ void stage(uint j0, uint hi) {
             const uint row = cache_row(sq.bt, hh, j);
             word = is_k ? kc[row * DK4 + ww] : vc[row * DV4 + ww];
         }
-        const uint base = is_k ? c * KROW : VOFF + c * VROW;
-#if KV_I8
-        s_mem[base + 2u * ww] = i8_halves(word.x, word.y);
-        s_mem[base + 2u * ww + 1u] = i8_halves(word.z, word.w);
-#else
-        s_mem[base + ww] = word;
-#endif
+        put_word(is_k ? c * KROW : VOFF + c * VROW, ww, word);
     }
+#endif
 #if KV_I8
     for (uint c = tid; c < BC; c += WG) {
         const uint j = j0 + c;

@@ -546,14 +546,16 @@ def test_a_device_of_one_subgroup_size_runs_the_kernel_unpinned(device, monkeypa
     assert nvk.coopmat_problem() == "" and nvk.coopmat_subgroup() == 32 and nvk.coopmat_pin() == (0, True)
     monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
     cfg, pipe = attn_pipeline(nvk, StorageFormat(2, 64, dtype="float16"), 4, 64, 0, 1, 0, 4096, False)
-    assert cfg.kernel == "coopmat" and cfg.sg == 32 and pipe.defines["COOPMAT_FIXED_TRIPS"] == 1
+    assert cfg.kernel == "coopmat" and cfg.sg == 32 and pipe.defines["COOPMAT_FIXED_TRIPS"] == 1 \
+        and pipe.defines["COOPMAT_STAGE_BATCH"] == 1
     # where the device can pin (the GPU above), it does; sizes 32..64 without a pin: no kernel
     assert planning(device, monkeypatch, **GPU).coopmat_pin() == (32, True)
     wide = planning(device, monkeypatch, **dict(GPU, required_subgroup_size_stages=0))
     assert "not always 32" in wide.coopmat_problem()
     monkeypatch.setenv("VKATTN_COOPMAT_FIXED_TRIPS", "0")
-    assert attn_pipeline(nvk, StorageFormat(2, 64, dtype="float16"), 4, 64, 0, 1, 0, 4096,
-                         False)[1].defines["COOPMAT_FIXED_TRIPS"] == 0
+    monkeypatch.setenv("VKATTN_COOPMAT_STAGE_BATCH", "0")
+    defines = attn_pipeline(nvk, StorageFormat(2, 64, dtype="float16"), 4, 64, 0, 1, 0, 4096, False)[1].defines
+    assert defines["COOPMAT_FIXED_TRIPS"] == 0 and defines["COOPMAT_STAGE_BATCH"] == 0
     monkeypatch.setenv("VKATTN_COOPMAT_FIXED_TRIPS", "yes")
     with pytest.raises(ValueError, match="VKATTN_COOPMAT_FIXED_TRIPS='yes'"):
         attn_pipeline(nvk, StorageFormat(2, 64, dtype="float16"), 4, 64, 0, 1, 0, 4096, False)

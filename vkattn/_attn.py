@@ -22,7 +22,7 @@ from .compiler import compile_shader
 from .errors import DeviceLimitError
 from .formats import FORMATS
 from .reference import bfloat16_to_float32, fp8_to_float32, q4_words_to_float32
-from .tuning import MIN_CHUNK, WORKGROUP, attention_config, coopmat_fixed_trips
+from .tuning import MIN_CHUNK, WORKGROUP, attention_config, coopmat_fixed_trips, coopmat_stage_batch
 
 _LOG2E = 1.4426950408889634
 HEADER = 32
@@ -192,7 +192,8 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
         shader, defines = "attn_lane", dict(fmt._defines)
     elif cfg.kernel == "coopmat":
         shader, defines = "attn_coopmat", dict(fmt._defines, COOPMAT_UNROLL=int(cfg.unroll),
-                                               COOPMAT_FIXED_TRIPS=int(coopmat_fixed_trips()))
+                                               COOPMAT_FIXED_TRIPS=int(coopmat_fixed_trips()),
+                                               COOPMAT_STAGE_BATCH=int(coopmat_stage_batch()))
     else:
         shader, defines = "attn", dict(fmt._defines, TILE_SHUFFLE=int(cfg.ds > 1 and cfg.shuffle))
     return cfg, Pipeline(shader, shader, defines, tuple(spec), grid, ATTN_BINDINGS)

@@ -159,9 +159,22 @@ def coopmat_fixed_trips() -> bool:
     words were walked from the lane index (before session 24) NAK kept o[] in local memory, read and
     written at every key block. VKATTN_COOPMAT_FIXED_TRIPS=0 builds the earlier loops (to time both
     on a GPU: perf/gpu_session.sh)."""
-    env = os.environ.get("VKATTN_COOPMAT_FIXED_TRIPS", "")
+    return _switch("VKATTN_COOPMAT_FIXED_TRIPS")
+
+
+def coopmat_stage_batch() -> bool:
+    """attn_coopmat.comp's COOPMAT_STAGE_BATCH: a key block's K/V words are all loaded before any
+    is stored to shared memory, so their memory latencies overlap (NVK's NAK kept each load beside
+    its store and waited for it, 8 words a thread at float16 d128). VKATTN_COOPMAT_STAGE_BATCH=0
+    builds the word-at-a-time loop (perf/gpu_session.sh times both)."""
+    return _switch("VKATTN_COOPMAT_STAGE_BATCH")
+
+
+def _switch(name: str) -> bool:
+    """An on-by-default 0/1 variable (ValueError naming it for anything else)."""
+    env = os.environ.get(name, "")
     if env not in ("", "0", "1"):
-        raise ValueError(f"VKATTN_COOPMAT_FIXED_TRIPS={env!r}: expected 0 or 1")
+        raise ValueError(f"{name}={env!r}: expected 0 or 1")
     return env != "0"
 
 

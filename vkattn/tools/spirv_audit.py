@@ -35,7 +35,7 @@ COOPMAT_FORMATS = tuple(name for name, f in STORAGE.items() if f.matrices)
 def planned_variants() -> list:
     """(shader, defines) of every pipeline the runtime builds: per storage format the append,
     attn.comp (with and without its subgroup shuffles), attn_lane.comp and, for the formats its
-    matrices hold (float16, int8), attn_coopmat.comp (loops rolled or unrolled, COOPMAT_FIXED_TRIPS either way); the paged and persistence copies; the split
+    matrices hold (float16, int8), attn_coopmat.comp (loops rolled or unrolled, COOPMAT_FIXED_TRIPS and COOPMAT_STAGE_BATCH either way); the paged and persistence copies; the split
     merge; the subgroup probe."""
     out = []
     for fmt, d in FORMATS.items():
@@ -43,7 +43,8 @@ def planned_variants() -> list:
         out += [("attn", dict(d, TILE_SHUFFLE=s)) for s in (0, 1)]
         out.append(("attn_lane", dict(d)))
         if fmt in COOPMAT_FORMATS:
-            out += [("attn_coopmat", dict(d, COOPMAT_UNROLL=u, COOPMAT_FIXED_TRIPS=t)) for u in (0, 1) for t in (0, 1)]
+            out += [("attn_coopmat", dict(d, COOPMAT_UNROLL=u, COOPMAT_FIXED_TRIPS=t, COOPMAT_STAGE_BATCH=b))
+                    for u in (0, 1) for t in (0, 1) for b in (0, 1)]
     for i8 in (0, 1):
         out += [("gather_slots", {"KV_I8": i8}), ("scatter_slots", {"KV_I8": i8})]
     out += [("copy_rows", {}), ("merge_lse", {}), ("subgroup_probe", {})]

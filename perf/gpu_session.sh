@@ -23,6 +23,10 @@
 #      registers: NVK's NAK 96 -> 224 GPRs, 20 -> 8 warps per SM, no more 256 bytes a thread of
 #      local memory) x COOPMAT_STAGE_BATCH (a key block's K/V loads in flight together);
 #      "0,0" is the kernel of session 21's H100 figures (perf/gpu_report_nvk.md)
+#   merge: attn.comp's decode at L=16384 (float16, bfloat16, int8) with the split merge reading 2
+#      splits at once (the default since session 24), 1 at a time as before (0) and 4, alternated
+#      twice -> OUT/merge.txt (perf/RESULTS.md session 24: the merge's serial reads, not the K/V
+#      reads, likely bound the H100's decode at 128 splits)
 #   model: python -m perf model --random, SmolLM2-135M's shape
 #      with random weights (no transformers, no model package needed): wall, device and host time
 #      of a decode token, each token one replay of the 30 layers' graph (issue 30)
@@ -35,7 +39,7 @@
 #      decode) -> OUT/sweep.txt
 #   VKATTN_GPU_EXTRA (a command, run last in the same environment where set): an experiment's
 #      script, its output to the log
-# VKATTN_GPU_STEPS picks steps (default "check coopmat bench overhead formats splits trips model suite",
+# VKATTN_GPU_STEPS picks steps (default "check coopmat bench overhead formats splits merge trips model suite",
 # about 9 minutes on the H100 of session 21; "tests" is the short form of "suite"; add "sweep").
 # Usage: bash perf/gpu_session.sh [BUNDLE] [OUT]   (OUT defaults to $OUT, then perf/out/gpu)
 set -uo pipefail
@@ -83,7 +87,7 @@ if ! timeout 60 "$PY" -m vkattn devices >> "$log" 2>&1; then
   exit 1
 fi
 
-steps=" ${VKATTN_GPU_STEPS:-check coopmat bench overhead formats splits trips model suite} "
+steps=" ${VKATTN_GPU_STEPS:-check coopmat bench overhead formats splits merge trips model suite} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 if want check; then
   step "python -m vkattn check"
@@ -131,6 +135,17 @@ if want splits; then
       echo "failed" >> "$out/splits.txt"
   done
   cat "$out/splits.txt" >> "$log"
+fi
+if want merge; then
+  step "decode L=16384: VKATTN_TILE_MERGE_BATCH default (2), 0, 4, twice"
+  for mb in "" 0 4 "" 0 4; do
+    echo "TILE_MERGE_BATCH=${mb:-default}:" >> "$out/merge.txt"
+    VKATTN_TILE_MERGE_BATCH=$mb VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20 \
+      VKATTN_PERF_CASE="decode L=16384 cap=16384" VKATTN_PERF_TORCH_DEVICE=cuda \
+      timeout 90 "$PY" -m perf decode 2>&1 | grep -E "^decode L=16384|Error" >> "$out/merge.txt" ||
+      echo "failed" >> "$out/merge.txt"
+  done
+  cat "$out/merge.txt" >> "$log"
 fi
 if want trips; then
   step "coopmat prefill S=512, past 0 and 15872: COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH 1,1 0,0 1,0 0,1 twice"

@@ -491,6 +491,16 @@ void merge_columns() {
 // weighted by it), and merge_columns combines the columns. Each thread's serial chain of reads is
 // 2 * splits / COLS, not 2 * splits. The loops over the splits are rolled and outermost (unrolled
 // they would hold every split's values in registers at once; the rows inside them are unrolled)
+//
+// TILE_MERGE_BATCH = B (vkattn.tuning.tile_merge_batch; 0: the loops before session 24): each
+// thread reads B of its splits at once, unconditionally (a split index past the last is clamped to
+// it: no max changes, and its weight is 0), before using any, so their memory latencies overlap --
+// B times fewer round trips in the chain. (Before, NVK's NAK waited for each read in turn, three
+// a split and row in the weighted pass; on the H100, 128 splits at L=16384 against 32 at 4096 cost
+// 0.074 ms more, about 0.4 us per extra read: perf/RESULTS.md session 21.)
+#ifndef TILE_MERGE_BATCH
+#define TILE_MERGE_BATCH 2
+#endif
 void merge_split_shares(uint R, uint nrows) {
     uint orow[RPT];
     bool ok[RPT];
@@ -502,6 +512,39 @@ void merge_split_shares(uint R, uint nrows) {
         l[r] = 0.0;
         [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] = vec4(0.0);
     }
+#if TILE_MERGE_BATCH > 0
+    const uint NS = gl_NumWorkGroups.x, STEP = COLS * TILE_MERGE_BATCH;
+    [[dont_unroll]] for (uint s0 = col; s0 < NS; s0 += STEP) {
+        float mx[TILE_MERGE_BATCH * RPT];
+        [[unroll]] for (uint b = 0u; b < TILE_MERGE_BATCH; ++b)
+            [[unroll]] for (uint r = 0u; r < RPT; ++r)
+                mx[b * RPT + r] = mlbuf[min(s0 + b * COLS, NS - 1u) * nrows + orow[r]].x;
+        [[unroll]] for (uint b = 0u; b < TILE_MERGE_BATCH; ++b)
+            [[unroll]] for (uint r = 0u; r < RPT; ++r)
+                if (ok[r]) m[r] = max(m[r], mx[b * RPT + r]);
+    }
+    [[dont_unroll]] for (uint s0 = col; s0 < NS; s0 += STEP) {
+        vec2 ms[TILE_MERGE_BATCH * RPT];
+        vec4 pv[TILE_MERGE_BATCH * RPT * VW * UV];
+        [[unroll]] for (uint b = 0u; b < TILE_MERGE_BATCH; ++b)
+            [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+                const uint row = min(s0 + b * COLS, NS - 1u) * nrows + orow[r];
+                ms[b * RPT + r] = mlbuf[row];
+                [[unroll]] for (uint w = 0u; w < VW; ++w)
+                    [[unroll]] for (uint e = 0u; e < UV; ++e)
+                        pv[((b * RPT + r) * VW + w) * UV + e] = part[row * PV + my_unit(w, DVU) * UV + e];
+            }
+        [[unroll]] for (uint b = 0u; b < TILE_MERGE_BATCH; ++b)
+            [[unroll]] for (uint r = 0u; r < RPT; ++r) {
+                const vec2 mr = ms[b * RPT + r];
+                // 0 for a clamped repeat, a row that does not exist, a split that saw nothing
+                const float wgt = ok[r] && s0 + b * COLS < NS ? exp2(mr.x - m[r]) : 0.0;
+                l[r] += wgt * mr.y;
+                [[unroll]] for (uint x = 0u; x < VW * UV; ++x)
+                    acc[r * VW * UV + x] += wgt * pv[(b * RPT + r) * VW * UV + x];
+            }
+    }
+#else
     [[dont_unroll]] for (uint s = col; s < gl_NumWorkGroups.x; s += COLS)
         [[unroll]] for (uint r = 0u; r < RPT; ++r)
             if (ok[r]) m[r] = max(m[r], mlbuf[s * nrows + orow[r]].x);
@@ -516,6 +559,7 @@ void merge_split_shares(uint R, uint nrows) {
                     [[unroll]] for (uint e = 0u; e < UV; ++e)
                         acc[(r * VW + w) * UV + e] += wgt * part[base + my_unit(w, DVU) * UV + e];
             }
+#endif
 }
 
 void main() {

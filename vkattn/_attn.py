@@ -22,7 +22,8 @@ from .compiler import compile_shader
 from .errors import DeviceLimitError
 from .formats import FORMATS
 from .reference import bfloat16_to_float32, fp8_to_float32, q4_words_to_float32
-from .tuning import MIN_CHUNK, WORKGROUP, attention_config, coopmat_fixed_trips, coopmat_stage_batch
+from .tuning import MIN_CHUNK, WORKGROUP, attention_config, coopmat_fixed_trips, coopmat_stage_batch, \
+    tile_merge_batch
 
 _LOG2E = 1.4426950408889634
 HEADER = 32
@@ -196,6 +197,8 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
                                                COOPMAT_STAGE_BATCH=int(coopmat_stage_batch()))
     else:
         shader, defines = "attn", dict(fmt._defines, TILE_SHUFFLE=int(cfg.ds > 1 and cfg.shuffle))
+        if tile_merge_batch() is not None:        # the shader's default unless VKATTN_TILE_MERGE_BATCH
+            defines["TILE_MERGE_BATCH"] = tile_merge_batch()
     return cfg, Pipeline(shader, shader, defines, tuple(spec), grid, ATTN_BINDINGS)
 
 

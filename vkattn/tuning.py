@@ -170,6 +170,21 @@ def coopmat_stage_batch() -> bool:
     return _switch("VKATTN_COOPMAT_STAGE_BATCH")
 
 
+def tile_merge_batch() -> int | None:
+    """attn.comp's TILE_MERGE_BATCH from VKATTN_TILE_MERGE_BATCH (0 to 8), or None: the shader's
+    own default, 2. The split-K merge reads this many of a thread's splits at once, so their
+    latencies overlap (0: the one-at-a-time loops before session 24; perf/gpu_session.sh times
+    them). 2 costs no register: the same VGPRs and waves on RADV (navi21, navi31), the same GPRs on
+    NVK's GA100 for float16 and q4 (int8 40 -> 48); 4 costs occupancy everywhere (navi21 24 -> 18
+    waves, navi31 32 -> 24, GA100 float16 16 -> 12 warps): perf/RESULTS.md session 24."""
+    env = os.environ.get("VKATTN_TILE_MERGE_BATCH", "")
+    if not env:
+        return None
+    if not env.isdigit() or int(env) > 8:
+        raise ValueError(f"VKATTN_TILE_MERGE_BATCH={env!r}: expected 0 to 8")
+    return int(env)
+
+
 def _switch(name: str) -> bool:
     """An on-by-default 0/1 variable (ValueError naming it for anything else)."""
     env = os.environ.get(name, "")

@@ -495,9 +495,9 @@ void merge_columns() {
 // TILE_MERGE_BATCH = B (vkattn.tuning.tile_merge_batch; 0: the loops before session 24): each
 // thread reads B of its splits at once, unconditionally (a split index past the last is clamped to
 // it: no max changes, and its weight is 0), before using any, so their memory latencies overlap --
-// B times fewer round trips in the chain. (Before, NVK's NAK waited for each read in turn, three
-// a split and row in the weighted pass; on the H100, 128 splits at L=16384 against 32 at 4096 cost
-// 0.074 ms more, about 0.4 us per extra read: perf/RESULTS.md session 21.)
+// B times fewer round trips in the chain. (Before, NVK's NAK waited for each read in turn, 8 a
+// split; on the H100, 128 splits at L=16384 against 32 at 4096 cost 0.074 ms more, about 0.19 us
+// per extra round trip: perf/RESULTS.md sessions 21 and 24.)
 #ifndef TILE_MERGE_BATCH
 #define TILE_MERGE_BATCH 2
 #endif

@@ -39,8 +39,11 @@
 #      decode) -> OUT/sweep.txt
 #   VKATTN_GPU_EXTRA (a command, run last in the same environment where set): an experiment's
 #      script, its output to the log
-# VKATTN_GPU_STEPS picks steps (default "check coopmat bench overhead formats splits merge trips model suite",
-# about 9 minutes on the H100 of session 21; "tests" is the short form of "suite"; add "sweep").
+# VKATTN_GPU_STEPS picks steps (default "check coopmat merge trips bench overhead model splits suite",
+# in that order, about 8 minutes by session 21's step times on the H100 -- check 58 s, coopmat 14,
+# a perf decode 10-30, bench 94, model 31 -- the suite taking what is left of
+# VKATTN_GPU_SESSION_S; "formats" (session 21 measured them) and "sweep" only when named; "tests"
+# is the short form of "suite").
 # Usage: bash perf/gpu_session.sh [BUNDLE] [OUT]   (OUT defaults to $OUT, then perf/out/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,7 +90,7 @@ if ! timeout 60 "$PY" -m vkattn devices >> "$log" 2>&1; then
   exit 1
 fi
 
-steps=" ${VKATTN_GPU_STEPS:-check coopmat bench overhead formats splits merge trips model suite} "
+steps=" ${VKATTN_GPU_STEPS:-check coopmat merge trips bench overhead model splits suite} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 if want check; then
   step "python -m vkattn check"
@@ -96,6 +99,29 @@ fi
 if want coopmat; then
   step "python -m vkattn check, the cooperative-matrix kernel forced"
   VKATTN_KERNEL=coopmat run "${VKATTN_GPU_CHECK_S:-150}" "$PY" -m vkattn check --json "$out/check_coopmat.json"
+fi
+if want merge; then
+  step "decode L=16384: VKATTN_TILE_MERGE_BATCH default (2), 0, 4, twice"
+  for mb in "" 0 4 "" 0 4; do
+    echo "TILE_MERGE_BATCH=${mb:-default}:" >> "$out/merge.txt"
+    VKATTN_TILE_MERGE_BATCH=$mb VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20 \
+      VKATTN_PERF_CASE="decode L=16384 cap=16384" VKATTN_PERF_TORCH_DEVICE=cuda \
+      timeout 90 "$PY" -m perf decode 2>&1 | grep -E "^decode L=16384|Error" >> "$out/merge.txt" ||
+      echo "failed" >> "$out/merge.txt"
+  done
+  cat "$out/merge.txt" >> "$log"
+fi
+if want trips; then
+  step "coopmat prefill S=512, past 0 and 15872: COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH 1,1 0,0 1,0 0,1 twice"
+  for tb in 1,1 0,0 1,0 0,1 1,1 0,0 1,0 0,1; do
+    echo "COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH=$tb:" >> "$out/trips.txt"
+    VKATTN_KERNEL=coopmat VKATTN_COOPMAT_FIXED_TRIPS=${tb%,*} VKATTN_COOPMAT_STAGE_BATCH=${tb#*,} \
+      VKATTN_PERF_QLEN=512 VKATTN_PERF_CONTEXT=512,16384 \
+      VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=8 VKATTN_PERF_TORCH_DEVICE=cuda \
+      timeout 90 "$PY" -m perf prefill 2>&1 | grep -E "^prefill S=512|Error" >> "$out/trips.txt" ||
+      echo "failed" >> "$out/trips.txt"
+  done
+  cat "$out/trips.txt" >> "$log"
 fi
 if want bench; then
   step "python -m perf gpubench (make gpu-bench)"
@@ -135,29 +161,6 @@ if want splits; then
       echo "failed" >> "$out/splits.txt"
   done
   cat "$out/splits.txt" >> "$log"
-fi
-if want merge; then
-  step "decode L=16384: VKATTN_TILE_MERGE_BATCH default (2), 0, 4, twice"
-  for mb in "" 0 4 "" 0 4; do
-    echo "TILE_MERGE_BATCH=${mb:-default}:" >> "$out/merge.txt"
-    VKATTN_TILE_MERGE_BATCH=$mb VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20 \
-      VKATTN_PERF_CASE="decode L=16384 cap=16384" VKATTN_PERF_TORCH_DEVICE=cuda \
-      timeout 90 "$PY" -m perf decode 2>&1 | grep -E "^decode L=16384|Error" >> "$out/merge.txt" ||
-      echo "failed" >> "$out/merge.txt"
-  done
-  cat "$out/merge.txt" >> "$log"
-fi
-if want trips; then
-  step "coopmat prefill S=512, past 0 and 15872: COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH 1,1 0,0 1,0 0,1 twice"
-  for tb in 1,1 0,0 1,0 0,1 1,1 0,0 1,0 0,1; do
-    echo "COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH=$tb:" >> "$out/trips.txt"
-    VKATTN_KERNEL=coopmat VKATTN_COOPMAT_FIXED_TRIPS=${tb%,*} VKATTN_COOPMAT_STAGE_BATCH=${tb#*,} \
-      VKATTN_PERF_QLEN=512 VKATTN_PERF_CONTEXT=512,16384 \
-      VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=8 VKATTN_PERF_TORCH_DEVICE=cuda \
-      timeout 90 "$PY" -m perf prefill 2>&1 | grep -E "^prefill S=512|Error" >> "$out/trips.txt" ||
-      echo "failed" >> "$out/trips.txt"
-  done
-  cat "$out/trips.txt" >> "$log"
 fi
 if want model; then
   step "python -m perf model --random (SmolLM2-135M's shape, random weights)"

@@ -512,6 +512,7 @@ class AttnPlan:
     def destroy(self) -> None:
         for key in list(self._binds):
             self._drop_bind(key)
+        self._simple, self._simple_dst = None, (None, None, None)   # no view of a freed buffer kept
         destroy(self.rec, self._rec_out, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,
                 self.ml, self.rope)
 

@@ -121,6 +121,35 @@ def test_chunk_over_a_long_past_splits_the_keys(coopmat, rng, dtype):
         assert cfg.kernel == "coopmat" and cfg.splits > 1      # merged on the device by the last split
 
 
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_the_gpu_build_runs_here_too(coopmat, rng, monkeypatch, dtype):
+    """The build a GPU gets (COOPMAT_UNROLL=1: every loop over a subgroup's matrices unrolled, so
+    COOPMAT_FIXED_TRIPS keeps O in registers and COOPMAT_STAGE_BATCH's loads go out together), not
+    lavapipe's own rolled one, on lavapipe's matrices: a chunk over a past long enough for several
+    key blocks and splits, with a window and sinks, against the reference."""
+    real = tuning.coopmat_config
+
+    def unrolled(*args, **kw):
+        cfg = real(*args, **kw)
+        return None if cfg is None else dataclasses.replace(cfg, unroll=True)
+    monkeypatch.setattr(tuning, "coopmat_config", unrolled)
+    cache = vkattn.KVCache(1700, 1, 64, dtype=dtype, device=coopmat)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, 1600)
+    cache.append(k, v)
+    mirror.append(k, v)
+    for s, kw in ((12, {}), (9, dict(window=300, n_sink=5))):
+        k, v = rand_kv(rng, cache, s)
+        q = rand_q(rng, cache, 4, s)
+        out = cache.forward(q, k, v, **kw)
+        mirror.append(k, v)
+        assert_close(out, attention(q, mirror.k, mirror.v, **kw), dtype)
+        plan = last_plan(cache)
+        assert plan.cfg.kernel == "coopmat" and plan.cfg.unroll and plan._pipe.defines["COOPMAT_UNROLL"] == 1
+        assert plan._pipe.defines["COOPMAT_FIXED_TRIPS"] == plan._pipe.defines["COOPMAT_STAGE_BATCH"] == 1
+        assert plan.cfg.splits > 1                 # merged on the device by the last split
+
+
 def test_query_scale_extremes(coopmat, rng):
     # each Q row is scaled into float16 range by a power of two: huge and tiny queries stay exact
     cache = vkattn.KVCache(64, 2, 32, device=coopmat)

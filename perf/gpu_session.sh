@@ -18,6 +18,8 @@
 #   splits: attn.comp's decode at L=16384 float16 (beside bfloat16, int8 and q4) under
 #      VKATTN_DECODE_SPLITS = the default, 32, 64 and 256: the split count after the merge was shared
 #      between the last workgroup's columns (session 21) -> OUT/splits.txt
+#   vearly: attn.comp's decode at L=16384 with a step's V words loaded with its K words
+#      (VKATTN_TILE_V_EARLY=1) and after the scores (the default), alternated twice -> OUT/vearly.txt
 #   trips: attn_coopmat.comp's prefill S=512 from empty and over 15872 cached, float16, in its
 #      four builds of session 24, two alternated rounds -> OUT/trips.txt: COOPMAT_FIXED_TRIPS (O in
 #      registers: NVK's NAK 96 -> 224 GPRs, 20 -> 8 warps per SM, no more 256 bytes a thread of
@@ -39,7 +41,7 @@
 #      decode) -> OUT/sweep.txt
 #   VKATTN_GPU_EXTRA (a command, run last in the same environment where set): an experiment's
 #      script, its output to the log
-# VKATTN_GPU_STEPS picks steps (default "check coopmat merge trips bench overhead model splits suite",
+# VKATTN_GPU_STEPS picks steps (default "check coopmat merge vearly trips bench overhead model splits suite",
 # in that order, about 8 minutes by session 21's step times on the H100 -- check 58 s, coopmat 14,
 # a perf decode 10-30, bench 94, model 31 -- the suite taking what is left of
 # VKATTN_GPU_SESSION_S; "formats" (session 21 measured them) and "sweep" only when named; "tests"
@@ -90,7 +92,7 @@ if ! timeout 60 "$PY" -m vkattn devices >> "$log" 2>&1; then
   exit 1
 fi
 
-steps=" ${VKATTN_GPU_STEPS:-check coopmat merge trips bench overhead model splits suite} "
+steps=" ${VKATTN_GPU_STEPS:-check coopmat merge vearly trips bench overhead model splits suite} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 if want check; then
   step "python -m vkattn check"
@@ -110,6 +112,17 @@ if want merge; then
       echo "failed" >> "$out/merge.txt"
   done
   cat "$out/merge.txt" >> "$log"
+fi
+if want vearly; then
+  step "decode L=16384: VKATTN_TILE_V_EARLY 1 / 0, twice"
+  for ve in 1 0 1 0; do
+    echo "TILE_V_EARLY=$ve:" >> "$out/vearly.txt"
+    VKATTN_TILE_V_EARLY=$ve VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20 \
+      VKATTN_PERF_CASE="decode L=16384 cap=16384" VKATTN_PERF_TORCH_DEVICE=cuda \
+      timeout 90 "$PY" -m perf decode 2>&1 | grep -E "^decode L=16384|Error" >> "$out/vearly.txt" ||
+      echo "failed" >> "$out/vearly.txt"
+  done
+  cat "$out/vearly.txt" >> "$log"
 fi
 if want trips; then
   step "coopmat prefill S=512, past 0 and 15872: COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH 1,1 0,0 1,0 0,1 twice"

@@ -67,10 +67,10 @@ def _environ(values: dict):
 
 def cases() -> list:
     """[(label, Call, {VKATTN_* variable: value or None})]: VKATTN_KERNEL, VKATTN_TILE_DECODE,
-    VKATTN_TILE_MERGE_BATCH, VKATTN_COOPMAT_FIXED_TRIPS and VKATTN_COOPMAT_STAGE_BATCH as each case
-    plans (None: unset)."""
+    VKATTN_TILE_MERGE_BATCH, VKATTN_TILE_V_EARLY, VKATTN_COOPMAT_FIXED_TRIPS and
+    VKATTN_COOPMAT_STAGE_BATCH as each case plans (None: unset)."""
     base = {"VKATTN_KERNEL": None, "VKATTN_TILE_DECODE": None, "VKATTN_COOPMAT_FIXED_TRIPS": None,
-            "VKATTN_COOPMAT_STAGE_BATCH": None, "VKATTN_TILE_MERGE_BATCH": None}
+            "VKATTN_COOPMAT_STAGE_BATCH": None, "VKATTN_TILE_MERGE_BATCH": None, "VKATTN_TILE_V_EARLY": None}
     out = []
     for dt in DTYPES:
         out.append((f"decode L=4096 {dt}", Call("decode step L=4096", "32/8 d128", dt, "forward", past=4095,
@@ -79,6 +79,9 @@ def cases() -> list:
         out.append((f"decode L=16384 float16, decode shape {name}",
                     Call("decode step L=16384", "32/8 d128", "float16", "forward", past=16383, n_new=1,
                          capacity=16384), dict(base, VKATTN_TILE_DECODE=env)))
+    out.append(("decode L=16384 float16, TILE_V_EARLY=1 (default 0)",
+                Call("decode step L=16384", "32/8 d128", "float16", "forward", past=16383, n_new=1, capacity=16384),
+                dict(base, VKATTN_TILE_V_EARLY="1")))
     for mb in ("0", "4"):
         out.append((f"decode L=16384 float16, TILE_MERGE_BATCH={mb} (default 2)",
                     Call("decode step L=16384", "32/8 d128", "float16", "forward", past=16383, n_new=1,

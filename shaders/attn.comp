@@ -132,8 +132,10 @@ void unpack_unit(uvec2 w, out vec4 x[UV]) { x[0] = fp8x4_native(w.x); x[1] = fp8
 #else
 void unpack_unit(uvec2 w, out vec4 x[UV]) { x[0] = unpack_i8x4(w.x); x[1] = unpack_i8x4(w.y); }
 #endif
+#define VRAW uvec2
 #else
 #define UV CH
+#define VRAW uvec4
 uvec4 k_unit(uint row, uint u) { return kc[row * DK4 + u]; }
 uvec4 v_unit(uint row, uint u) { return vc[row * DV4 + u]; }
 void unpack_unit(uvec4 w, out vec4 x[UV]) { unpack_chunk(w, x); }
@@ -258,6 +260,13 @@ uint my_unit(uint i, uint n) { return min(lane_d + i * DS, n - 1u); }
 bool unit_ok(uint i, uint n) { return n % DS == 0u || lane_d + i * DS < n; }
 
 // keys lo .. hi-1 (workgroup-uniform bounds); column col takes keys j0 + col*KB + i of each step
+// TILE_V_EARLY (VKATTN_TILE_V_EARLY=1; 0 by default): consume() loads a step's V words with its K
+// words instead of after the scores (not for q4). Off until a GPU times it (perf/gpu_session.sh's
+// vearly step): RADV's code is the same either way (ACO issues those loads early already), NVK's
+// float16 decode takes 128 GPRs instead of 120 at the same 16 warps per SM
+#ifndef TILE_V_EARLY
+#define TILE_V_EARLY 0
+#endif
 void consume(uint lo, uint hi) {
     for (uint j0 = lo; j0 < hi; j0 += COLS * KB) {
         uint rows[KB];
@@ -273,6 +282,13 @@ void consume(uint lo, uint hi) {
                     kx[(i * KW + w) * UV + e] = unit_ok(w, DKU) ? t[e] : vec4(0.0);
             }
         }
+#if TILE_V_EARLY && !KV_Q4
+        // the step's V words loaded with its K words, before the scores: their latency overlaps
+        // the dot products, shuffles and softmax (KB * VW raw words a thread more in registers)
+        VRAW vraw[KB * VW];
+        [[unroll]] for (uint i = 0u; i < KB; ++i)
+            [[unroll]] for (uint w = 0u; w < VW; ++w) vraw[i * VW + w] = v_unit(rows[i], my_unit(w, DVU));
+#endif
         [[unroll]] for (uint r = 0u; r < RPT; ++r)
             [[unroll]] for (uint i = 0u; i < KB; ++i) {
                 float dsum = 0.0;
@@ -328,7 +344,11 @@ void consume(uint lo, uint hi) {
 #endif
             [[unroll]] for (uint w = 0u; w < VW; ++w) {
                 vec4 t[UV];
+#if TILE_V_EARLY && !KV_Q4
+                unpack_unit(vraw[i * VW + w], t);
+#else
                 v_load(rows[i], my_unit(w, DVU), t);
+#endif
                 [[unroll]] for (uint r = 0u; r < RPT; ++r) {
                     const float pw = p[r * KB + i] * vsc;
                     [[unroll]] for (uint e = 0u; e < UV; ++e)

@@ -337,6 +337,31 @@ def test_split_decode_merges_on_the_device(device, rng, monkeypatch, kernel, dty
     cache.close()
 
 
+@pytest.mark.parametrize("env", [("VKATTN_TILE_MERGE_BATCH", "0"), ("VKATTN_TILE_MERGE_BATCH", "3"),
+                                 ("VKATTN_TILE_V_EARLY", "1")])
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_tile_builds_for_a_gpus_timing(device, rng, monkeypatch, env, dtype):
+    # attn.comp's builds perf/gpu_session.sh times against the default (the split merge one split
+    # at a time or three at once, V loaded with K): the same results, 7 splits (an odd count)
+    name, value = env
+    monkeypatch.setenv("VKATTN_KERNEL", "tile")
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "7")
+    monkeypatch.setenv(name, value)
+    cache = vkattn.KVCache(900, 2, 48, dtype=dtype, device=device)
+    mirror = Mirror(cache)
+    k, v = rand_kv(rng, cache, 600)
+    cache.append(k, v)
+    mirror.append(k, v)
+    for step in range(3):
+        _forward_checked(rng, cache, mirror, 3, 1, dtype)
+    plan = next(p for p in cache._plans.values() if hasattr(p, "cfg"))
+    assert plan.cfg.splits == 7 and plan._pipe.defines[name.replace("VKATTN_", "")] == int(value)
+    cache.close()
+    monkeypatch.setenv(name, "9")
+    with pytest.raises(ValueError, match=name):
+        vkattn.KVCache(64, 2, 48, dtype=dtype, device=device).forward(*(rand_q(rng, cache, 3, 1),) + rand_kv(rng, cache, 1))
+
+
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 def test_tile_chunk_splits_keys(device, rng, monkeypatch, dtype):
     # attn.comp splits the keys of a few query tiles over a long past as well (a chunk, a

@@ -23,7 +23,7 @@ from .errors import DeviceLimitError
 from .formats import FORMATS
 from .reference import bfloat16_to_float32, fp8_to_float32, q4_words_to_float32
 from .tuning import MIN_CHUNK, WORKGROUP, attention_config, coopmat_fixed_trips, coopmat_stage_batch, \
-    tile_merge_batch
+    tile_merge_batch, tile_v_early
 
 _LOG2E = 1.4426950408889634
 HEADER = 32
@@ -199,6 +199,8 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
         shader, defines = "attn", dict(fmt._defines, TILE_SHUFFLE=int(cfg.ds > 1 and cfg.shuffle))
         if tile_merge_batch() is not None:        # the shader's default unless VKATTN_TILE_MERGE_BATCH
             defines["TILE_MERGE_BATCH"] = tile_merge_batch()
+        if tile_v_early():                        # .. or VKATTN_TILE_V_EARLY
+            defines["TILE_V_EARLY"] = 1
     return cfg, Pipeline(shader, shader, defines, tuple(spec), grid, ATTN_BINDINGS)
 
 

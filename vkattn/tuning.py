@@ -185,6 +185,23 @@ def tile_merge_batch() -> int | None:
     return int(env)
 
 
+def tile_v_early() -> bool:
+    """attn.comp's TILE_V_EARLY from VKATTN_TILE_V_EARLY (0 or 1; unset: 0, the shader's default):
+    the decode loads a step's V words with its K words, before the scores, not after them. Off
+    until a GPU times it (perf/gpu_session.sh's vearly step): RADV builds the same code either way
+    (ACO hoists those loads already), NVK's float16 decode 128 GPRs instead of 120 at the same 16
+    warps per SM (perf/gpu_report_nvk.md)."""
+    return not _switch_off("VKATTN_TILE_V_EARLY")
+
+
+def _switch_off(name: str) -> bool:
+    """An off-by-default 0/1 variable: True unless it is 1 (ValueError naming it for anything else)."""
+    env = os.environ.get(name, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{name}={env!r}: expected 0 or 1")
+    return env != "1"
+
+
 def _switch(name: str) -> bool:
     """An on-by-default 0/1 variable (ValueError naming it for anything else)."""
     env = os.environ.get(name, "")

@@ -42,6 +42,7 @@ def planned_variants() -> list:
         out.append(("append", dict(d)))
         out += [("attn", dict(d, TILE_SHUFFLE=s)) for s in (0, 1)]
         out.append(("attn", dict(d, TILE_SHUFFLE=1, TILE_MERGE_BATCH=0)))     # VKATTN_TILE_MERGE_BATCH=0
+        out.append(("attn", dict(d, TILE_SHUFFLE=1, TILE_V_EARLY=1)))         # VKATTN_TILE_V_EARLY=1
         out.append(("attn_lane", dict(d)))
         if fmt in COOPMAT_FORMATS:
             out += [("attn_coopmat", dict(d, COOPMAT_UNROLL=u, COOPMAT_FIXED_TRIPS=t, COOPMAT_STAGE_BATCH=b))

@@ -16,8 +16,10 @@ the H100's figures. Read them beside perf/RESULTS.md's H100 timings and the RADV
 
 Cases (32/8 heads d128 unless named): the decode at L=4096 for every storage format; the decode at
 L=16384 (the H100 timing's case) in float16 at each attn.comp decode shape (VKATTN_TILE_DECODE
-rows,keys: the default and the sweep perf/gpu_session.sh times); a 512-token prefill from empty
-and over 15872 cached keys on attn.comp (tile) and on attn_coopmat.comp (VKATTN_KERNEL=coopmat);
+rows,keys: the default and the sweep perf/gpu_session.sh times), and with the split merge's
+batch at 0 and 4 (default 2) and V loaded early; a 512-token prefill from empty and over 15872
+cached keys on attn.comp (tile) and on attn_coopmat.comp (VKATTN_KERNEL=coopmat), and the
+cooperative-matrix kernel's builds before session 24 (COOPMAT_FIXED_TRIPS, COOPMAT_STAGE_BATCH);
 the decode at d64 (8/8) and d256 (16/2).
 
     python -m perf nvk [--chips ga100,ga102,tu102]

@@ -448,3 +448,27 @@ def test_nvk_compiles_the_kernels_with_no_local_memory_for_them(monkeypatch):
         assert st["Spills to memory"] == 0, (jr.name, st)
     decode, prefill = (jr.executables[0].stats for jr in run.jobs)
     assert decode["SLM size"] == 0 and prefill["SLM size"] < 256, (decode, prefill)
+
+
+def test_perf_nvk_reports_every_case_or_says_why(monkeypatch):
+    """`python -m perf nvk`: without NVK a report that names why (and no table); with it (Debian
+    13, Mesa 26), every case of GA100 compiled with NAK's statistics."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from perf import nvk
+    gone = nvk.build(["ga100"], mechanism=vp.NullMechanism(None, reason="no shim here"))
+    assert gone["unavailable"] == "no shim here" and "Not available here: no shim here" in nvk.markdown(gone)
+    mech = vp.nvk_mechanism()
+    if not mech.available:
+        pytest.skip(f"no NVIDIA compiler reachable: {mech.reason}")
+    for var in ("VKATTN_KERNEL", "VKATTN_TILE_DECODE", "VKATTN_TILE_MERGE_BATCH", "VKATTN_TILE_V_EARLY",
+                "VKATTN_COOPMAT_FIXED_TRIPS", "VKATTN_COOPMAT_STAGE_BATCH"):
+        monkeypatch.delenv(var, raising=False)
+    report = nvk.build(["ga100"], mechanism=mech)
+    rows = report["chips"]["ga100"]["rows"]
+    assert {r["case"] for r in rows} == {label for label, _, _ in nvk.cases()}
+    for r in rows:
+        assert "error" not in r and r["Number of GPRs"] > 0 and r["Spills to memory"] == 0, r
+    before = next(r for r in rows if "the kernel before session 24" in r["case"] and r["role"] == "attn")
+    now = next(r for r in rows if r["case"] == "prefill 512 over 0 float16, coopmat" and r["role"] == "attn")
+    assert now["SLM size"] < before["SLM size"]          # O out of local memory
+    assert "| GA100 " not in nvk.markdown(report) and "## GA100" in nvk.markdown(report)

@@ -92,6 +92,21 @@ if ! timeout 60 "$PY" -m vkattn devices >> "$log" 2>&1; then
   exit 1
 fi
 
+# variant FILE LABEL PATTERN [VAR=VALUE ...] -- CMD...: one build or setting of an A/B step, its
+# result rows (the lines matching PATTERN, and any error) after LABEL in FILE, 90 s at most
+variant() {
+  local file=$1 label=$2 pattern=$3 envs=()
+  shift 3
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  echo "$label:" >> "$file"
+  env "${envs[@]}" timeout 90 "$@" 2>&1 | grep -E "$pattern|Error" >> "$file" || echo "failed" >> "$file"
+}
+# the decode at L=16384 (perf decode: float16, bfloat16 and int8, torch on the GPU beside it);
+# VKATTN_PERF_CASE= after it: every decode case at that length
+DECODE_16K=(VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20
+            "VKATTN_PERF_CASE=decode L=16384 cap=16384" VKATTN_PERF_TORCH_DEVICE=cuda)
+
 steps=" ${VKATTN_GPU_STEPS:-check coopmat merge vearly trips bench overhead model splits suite} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 if want check; then
@@ -105,34 +120,26 @@ fi
 if want merge; then
   step "decode L=16384: VKATTN_TILE_MERGE_BATCH default (2), 0, 4, twice"
   for mb in "" 0 4 "" 0 4; do
-    echo "TILE_MERGE_BATCH=${mb:-default}:" >> "$out/merge.txt"
-    VKATTN_TILE_MERGE_BATCH=$mb VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20 \
-      VKATTN_PERF_CASE="decode L=16384 cap=16384" VKATTN_PERF_TORCH_DEVICE=cuda \
-      timeout 90 "$PY" -m perf decode 2>&1 | grep -E "^decode L=16384|Error" >> "$out/merge.txt" ||
-      echo "failed" >> "$out/merge.txt"
+    variant "$out/merge.txt" "TILE_MERGE_BATCH=${mb:-default}" "^decode L=16384" VKATTN_TILE_MERGE_BATCH=$mb \
+      "${DECODE_16K[@]}" -- "$PY" -m perf decode
   done
   cat "$out/merge.txt" >> "$log"
 fi
 if want vearly; then
   step "decode L=16384: VKATTN_TILE_V_EARLY 1 / 0, twice"
   for ve in 1 0 1 0; do
-    echo "TILE_V_EARLY=$ve:" >> "$out/vearly.txt"
-    VKATTN_TILE_V_EARLY=$ve VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20 \
-      VKATTN_PERF_CASE="decode L=16384 cap=16384" VKATTN_PERF_TORCH_DEVICE=cuda \
-      timeout 90 "$PY" -m perf decode 2>&1 | grep -E "^decode L=16384|Error" >> "$out/vearly.txt" ||
-      echo "failed" >> "$out/vearly.txt"
+    variant "$out/vearly.txt" "TILE_V_EARLY=$ve" "^decode L=16384" VKATTN_TILE_V_EARLY=$ve "${DECODE_16K[@]}" \
+      -- "$PY" -m perf decode
   done
   cat "$out/vearly.txt" >> "$log"
 fi
 if want trips; then
   step "coopmat prefill S=512, past 0 and 15872: COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH 1,1 0,0 1,0 0,1 twice"
   for tb in 1,1 0,0 1,0 0,1 1,1 0,0 1,0 0,1; do
-    echo "COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH=$tb:" >> "$out/trips.txt"
-    VKATTN_KERNEL=coopmat VKATTN_COOPMAT_FIXED_TRIPS=${tb%,*} VKATTN_COOPMAT_STAGE_BATCH=${tb#*,} \
-      VKATTN_PERF_QLEN=512 VKATTN_PERF_CONTEXT=512,16384 \
-      VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=8 VKATTN_PERF_TORCH_DEVICE=cuda \
-      timeout 90 "$PY" -m perf prefill 2>&1 | grep -E "^prefill S=512|Error" >> "$out/trips.txt" ||
-      echo "failed" >> "$out/trips.txt"
+    variant "$out/trips.txt" "COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH=$tb" "^prefill S=512" VKATTN_KERNEL=coopmat \
+      VKATTN_COOPMAT_FIXED_TRIPS=${tb%,*} VKATTN_COOPMAT_STAGE_BATCH=${tb#*,} VKATTN_PERF_QLEN=512 \
+      VKATTN_PERF_CONTEXT=512,16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=8 VKATTN_PERF_TORCH_DEVICE=cuda \
+      -- "$PY" -m perf prefill
   done
   cat "$out/trips.txt" >> "$log"
 fi
@@ -149,11 +156,9 @@ if want sweep; then
   step "decode sweep: VKATTN_TILE_DECODE (rpt,kb) x VKATTN_DECODE_SPLITS, L=16384"
   for shape in "" 1,4 2,2 2,4 4,1 4,2 4,4 4,8 8,2; do      # perf decode times float16, bfloat16 and int8
     for splits in "" ${VKATTN_GPU_SWEEP_SPLITS:-}; do
-      echo "sweep rpt,kb=${shape:-default} splits=${splits:-default}:" >> "$out/sweep.txt"
-      VKATTN_TILE_DECODE=$shape VKATTN_DECODE_SPLITS=$splits VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 \
-        VKATTN_PERF_CASE="decode L=16384 cap=16384" VKATTN_PERF_ITERS=30 \
-        timeout 90 "$PY" -m perf decode 2>&1 | grep -E "^decode L=16384 cap=16384|Error" >> "$out/sweep.txt" ||
-        echo "failed" >> "$out/sweep.txt"
+      variant "$out/sweep.txt" "sweep rpt,kb=${shape:-default} splits=${splits:-default}" "^decode L=16384 cap=16384" \
+        VKATTN_TILE_DECODE=$shape VKATTN_DECODE_SPLITS=$splits "${DECODE_16K[@]}" VKATTN_PERF_ITERS=30 \
+        -- "$PY" -m perf decode
     done
   done
   cat "$out/sweep.txt" >> "$log"
@@ -168,10 +173,8 @@ fi
 if want splits; then
   step "decode L=16384 under VKATTN_DECODE_SPLITS (default, 32, 64, 256)"
   for splits in "" 32 64 256; do
-    echo "splits=${splits:-default}:" >> "$out/splits.txt"
-    VKATTN_DECODE_SPLITS=$splits VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20 \
-      VKATTN_PERF_TORCH_DEVICE=cuda timeout 90 "$PY" -m perf decode 2>&1 | grep -E "^decode L=16384|Error" >> "$out/splits.txt" ||
-      echo "failed" >> "$out/splits.txt"
+    variant "$out/splits.txt" "splits=${splits:-default}" "^decode L=16384" VKATTN_DECODE_SPLITS=$splits \
+      "${DECODE_16K[@]}" VKATTN_PERF_CASE= -- "$PY" -m perf decode
   done
   cat "$out/splits.txt" >> "$log"
 fi

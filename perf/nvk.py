@@ -30,12 +30,12 @@ Debian 13 root and leaves perf/gpu_report_nvk.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 
+from vkattn import tuning
 from vkattn.device import PlanningDevice
 from vkattn.tools import vkpipeline as vp
 
@@ -46,25 +46,6 @@ DECODE_SHAPES = ((None, "default"), ("1,2", "1,2"), ("2,2", "2,2"), ("2,4", "2,4
                  ("4,2", "4,2"), ("4,4", "4,4"))
 STATS = ("Number of GPRs", "Max warps/SM", "Spills to memory", "Fills from memory", "Spills to reg",
          "Fills from reg", "Instruction count", "Static cycle count", "SLM size")
-
-
-@contextlib.contextmanager
-def _environ(values: dict):
-    """The VKATTN_* variables in ``values`` set (None: unset) while plans are built inside."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def cases() -> list:
@@ -112,7 +93,7 @@ def plan_chip(info) -> list:
     out = []
     for label, call, env in cases():
         try:
-            with _environ(env):
+            with tuning.env_set(**env):
                 pc = plan_call(dev, call)
             out.append((label, [(d.role, _job_name(d.pipeline), d.pipeline, d.cfg) for d in pc.dispatches], ""))
         except Exception as exc:        # a case the chip cannot plan (reported, the rest go on)

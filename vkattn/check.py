@@ -41,7 +41,6 @@ Per case: max |got - ref|, NMSE = sum((got - ref)^2) / sum(ref^2), and pass/fail
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -138,23 +137,7 @@ class _Acc:
         return self.num / self.den if self.den > 0 else 0.0
 
 
-@contextlib.contextmanager
-def _env(**values):
-    """Set VKATTN_* variables for the plans built inside (read when a plan is built); restored."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = str(v)
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+_env = tuning.env_set
 
 
 class _Mirror:

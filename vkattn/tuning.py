@@ -211,18 +211,28 @@ def _switch(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def kernel_forced(kernel: str):
-    """VKATTN_KERNEL=kernel for the plans built inside (the planner reads it when a plan is
-    built), the previous value restored after."""
-    old = os.environ.get("VKATTN_KERNEL")
-    os.environ["VKATTN_KERNEL"] = kernel
+def env_set(**values):
+    """The VKATTN_* variables given set (None: unset) for the plans built inside -- the planner
+    reads them when a plan is built --, each restored after."""
+    old = {k: os.environ.get(k) for k in values}
     try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = str(v)
         yield
     finally:
-        if old is None:
-            os.environ.pop("VKATTN_KERNEL", None)
-        else:
-            os.environ["VKATTN_KERNEL"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def kernel_forced(kernel: str):
+    """VKATTN_KERNEL=kernel for the plans built inside, the previous value restored after."""
+    return env_set(VKATTN_KERNEL=kernel)
 
 
 def kernel_for(device) -> str:

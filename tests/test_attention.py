@@ -312,12 +312,9 @@ def _forward_checked(rng, cache, mirror, group, s, dtype):
     assert_close(lse, ref_lse, dtype)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("dtype", ["float16", "int8"])
-def test_split_decode_merges_on_the_device(device, rng, monkeypatch, kernel, dtype):
-    # split-K decode: one submission, one dispatch, and the only download is the output (+ lse):
-    # the splits' partials stay on the device and the last workgroup of each tile merges them.
-    # Many steps in a row, so the per-tile counters must come back to zero every call.
+def _split_decode(device, rng, monkeypatch, kernel, dtype, steps):
+    """A cache of 600 rows decoding ``steps`` steps over 7 splits on ``kernel``, each step checked
+    against the reference: (cache, its attention plan)."""
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     monkeypatch.setenv("VKATTN_DECODE_SPLITS", "7")
     cache = vkattn.KVCache(900, 2, 48, dtype=dtype, device=device)
@@ -325,10 +322,20 @@ def test_split_decode_merges_on_the_device(device, rng, monkeypatch, kernel, dty
     k, v = rand_kv(rng, cache, 600)
     cache.append(k, v)
     mirror.append(k, v)
-    for step in range(12):
+    for step in range(steps):
         _forward_checked(rng, cache, mirror, 3, 1, dtype)
     plan = next(p for p in cache._plans.values() if hasattr(p, "cfg"))
     assert plan.cfg.splits == 7
+    return cache, plan
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_split_decode_merges_on_the_device(device, rng, monkeypatch, kernel, dtype):
+    # split-K decode: one submission, one dispatch, and the only download is the output (+ lse):
+    # the splits' partials stay on the device and the last workgroup of each tile merges them.
+    # Many steps in a row, so the per-tile counters must come back to zero every call.
+    cache, plan = _split_decode(device, rng, monkeypatch, kernel, dtype, 12)
     if cache.device.backend.direct:     # host memory the device reads: no copies, a barrier to the host
         assert plan.rec.ops == [plan.attn.name, "host barrier out,lse"]
     else:
@@ -344,22 +351,14 @@ def test_tile_builds_for_a_gpus_timing(device, rng, monkeypatch, env, dtype):
     # attn.comp's builds perf/gpu_session.sh times against the default (the split merge one split
     # at a time or three at once, V loaded with K): the same results, 7 splits (an odd count)
     name, value = env
-    monkeypatch.setenv("VKATTN_KERNEL", "tile")
-    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "7")
     monkeypatch.setenv(name, value)
-    cache = vkattn.KVCache(900, 2, 48, dtype=dtype, device=device)
-    mirror = Mirror(cache)
-    k, v = rand_kv(rng, cache, 600)
-    cache.append(k, v)
-    mirror.append(k, v)
-    for step in range(3):
-        _forward_checked(rng, cache, mirror, 3, 1, dtype)
-    plan = next(p for p in cache._plans.values() if hasattr(p, "cfg"))
-    assert plan.cfg.splits == 7 and plan._pipe.defines[name.replace("VKATTN_", "")] == int(value)
+    cache, plan = _split_decode(device, rng, monkeypatch, "tile", dtype, 3)
+    assert plan._pipe.defines[name.replace("VKATTN_", "")] == int(value)
+    q, (k, v) = rand_q(rng, cache, 3, 1), rand_kv(rng, cache, 1)
     cache.close()
     monkeypatch.setenv(name, "9")
-    with pytest.raises(ValueError, match=name):
-        vkattn.KVCache(64, 2, 48, dtype=dtype, device=device).forward(*(rand_q(rng, cache, 3, 1),) + rand_kv(rng, cache, 1))
+    with vkattn.KVCache(64, 2, 48, dtype=dtype, device=device) as fresh, pytest.raises(ValueError, match=name):
+        fresh.forward(q, k, v)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])

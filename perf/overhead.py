@@ -250,4 +250,3 @@ def device_path(shape: Shape, device) -> list:
     for c in caches + [timed]:
         c.close()
     return rows
-

@@ -197,8 +197,9 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
                                                COOPMAT_STAGE_BATCH=int(coopmat_stage_batch()))
     else:
         shader, defines = "attn", dict(fmt._defines, TILE_SHUFFLE=int(cfg.ds > 1 and cfg.shuffle))
-        if tile_merge_batch() is not None:        # the shader's default unless VKATTN_TILE_MERGE_BATCH
-            defines["TILE_MERGE_BATCH"] = tile_merge_batch()
+        merge_batch = tile_merge_batch()
+        if merge_batch is not None:               # the shader's default unless VKATTN_TILE_MERGE_BATCH
+            defines["TILE_MERGE_BATCH"] = merge_batch
         if tile_v_early():                        # .. or VKATTN_TILE_V_EARLY
             defines["TILE_V_EARLY"] = 1
     return cfg, Pipeline(shader, shader, defines, tuple(spec), grid, ATTN_BINDINGS)

@@ -159,7 +159,7 @@ def coopmat_fixed_trips() -> bool:
     words were walked from the lane index (before session 24) NAK kept o[] in local memory, read and
     written at every key block. VKATTN_COOPMAT_FIXED_TRIPS=0 builds the earlier loops (to time both
     on a GPU: perf/gpu_session.sh)."""
-    return _switch("VKATTN_COOPMAT_FIXED_TRIPS")
+    return _flag("VKATTN_COOPMAT_FIXED_TRIPS", True)
 
 
 def coopmat_stage_batch() -> bool:
@@ -167,7 +167,7 @@ def coopmat_stage_batch() -> bool:
     is stored to shared memory, so their memory latencies overlap (NVK's NAK kept each load beside
     its store and waited for it, 8 words a thread at float16 d128). VKATTN_COOPMAT_STAGE_BATCH=0
     builds the word-at-a-time loop (perf/gpu_session.sh times both)."""
-    return _switch("VKATTN_COOPMAT_STAGE_BATCH")
+    return _flag("VKATTN_COOPMAT_STAGE_BATCH", True)
 
 
 def tile_merge_batch() -> int | None:
@@ -191,23 +191,15 @@ def tile_v_early() -> bool:
     until a GPU times it (perf/gpu_session.sh's vearly step): RADV builds the same code either way
     (ACO hoists those loads already), NVK's float16 decode 128 GPRs instead of 120 at the same 16
     warps per SM (perf/gpu_report_nvk.md)."""
-    return not _switch_off("VKATTN_TILE_V_EARLY")
+    return _flag("VKATTN_TILE_V_EARLY", False)
 
 
-def _switch_off(name: str) -> bool:
-    """An off-by-default 0/1 variable: True unless it is 1 (ValueError naming it for anything else)."""
+def _flag(name: str, default: bool) -> bool:
+    """A 0/1 variable, ``default`` where unset (ValueError naming it for anything else)."""
     env = os.environ.get(name, "")
     if env not in ("", "0", "1"):
         raise ValueError(f"{name}={env!r}: expected 0 or 1")
-    return env != "1"
-
-
-def _switch(name: str) -> bool:
-    """An on-by-default 0/1 variable (ValueError naming it for anything else)."""
-    env = os.environ.get(name, "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{name}={env!r}: expected 0 or 1")
-    return env != "0"
+    return default if env == "" else env == "1"
 
 
 @contextlib.contextmanager

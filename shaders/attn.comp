@@ -533,20 +533,24 @@ void merge_split_shares(uint R, uint nrows) {
         [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] = vec4(0.0);
     }
 #if TILE_MERGE_BATCH > 0
-    const uint NS = gl_NumWorkGroups.x, STEP = COLS * TILE_MERGE_BATCH;
+    // the batch where a thread holds a decode's 1 or 2 rows; the chunks' 4 rows a thread read one
+    // split at a time (B = 2 took navi21's float16 chunk pipeline from 104 to 136 VGPRs, 8 to 6
+    // waves, float32's 72 to 88; one at a time, unconditionally, costs none)
+    const uint MB = RPT <= 2u ? TILE_MERGE_BATCH : 1u;
+    const uint NS = gl_NumWorkGroups.x, STEP = COLS * MB;
     [[dont_unroll]] for (uint s0 = col; s0 < NS; s0 += STEP) {
-        float mx[TILE_MERGE_BATCH * RPT];
-        [[unroll]] for (uint b = 0u; b < TILE_MERGE_BATCH; ++b)
+        float mx[MB * RPT];
+        [[unroll]] for (uint b = 0u; b < MB; ++b)
             [[unroll]] for (uint r = 0u; r < RPT; ++r)
                 mx[b * RPT + r] = mlbuf[min(s0 + b * COLS, NS - 1u) * nrows + orow[r]].x;
-        [[unroll]] for (uint b = 0u; b < TILE_MERGE_BATCH; ++b)
+        [[unroll]] for (uint b = 0u; b < MB; ++b)
             [[unroll]] for (uint r = 0u; r < RPT; ++r)
                 if (ok[r]) m[r] = max(m[r], mx[b * RPT + r]);
     }
     [[dont_unroll]] for (uint s0 = col; s0 < NS; s0 += STEP) {
-        vec2 ms[TILE_MERGE_BATCH * RPT];
-        vec4 pv[TILE_MERGE_BATCH * RPT * VW * UV];
-        [[unroll]] for (uint b = 0u; b < TILE_MERGE_BATCH; ++b)
+        vec2 ms[MB * RPT];
+        vec4 pv[MB * RPT * VW * UV];
+        [[unroll]] for (uint b = 0u; b < MB; ++b)
             [[unroll]] for (uint r = 0u; r < RPT; ++r) {
                 const uint row = min(s0 + b * COLS, NS - 1u) * nrows + orow[r];
                 ms[b * RPT + r] = mlbuf[row];
@@ -554,7 +558,7 @@ void merge_split_shares(uint R, uint nrows) {
                     [[unroll]] for (uint e = 0u; e < UV; ++e)
                         pv[((b * RPT + r) * VW + w) * UV + e] = part[row * PV + my_unit(w, DVU) * UV + e];
             }
-        [[unroll]] for (uint b = 0u; b < TILE_MERGE_BATCH; ++b)
+        [[unroll]] for (uint b = 0u; b < MB; ++b)
             [[unroll]] for (uint r = 0u; r < RPT; ++r) {
                 const vec2 mr = ms[b * RPT + r];
                 // 0 for a clamped repeat, a row that does not exist, a split that saw nothing

@@ -533,10 +533,12 @@ void merge_split_shares(uint R, uint nrows) {
         [[unroll]] for (uint x = 0u; x < VW * UV; ++x) acc[r * VW * UV + x] = vec4(0.0);
     }
 #if TILE_MERGE_BATCH > 0
-    // the batch where a thread holds a decode's 1 or 2 rows; the chunks' 4 rows a thread read one
-    // split at a time (B = 2 took navi21's float16 chunk pipeline from 104 to 136 VGPRs, 8 to 6
-    // waves, float32's 72 to 88; one at a time, unconditionally, costs none)
-    const uint MB = RPT <= 2u ? TILE_MERGE_BATCH : 1u;
+    // the batch where it costs no registers: a decode's 1 or 2 rows a thread in the 16- and 32-bit
+    // formats. The chunks' 4 rows a thread, and int8, read one split at a time (B = 2 took navi21's
+    // float16 chunk pipeline from 104 to 136 VGPRs, 8 to 6 waves, float32's 72 to 88; Mesa 26's
+    // int8 decode 40 to 48 VGPRs on polaris10, vega10 and navi21; one at a time, unconditionally,
+    // costs none)
+    const uint MB = RPT <= 2u && KV_I8 == 0 ? TILE_MERGE_BATCH : 1u;
     const uint NS = gl_NumWorkGroups.x, STEP = COLS * MB;
     [[dont_unroll]] for (uint s0 = col; s0 < NS; s0 += STEP) {
         float mx[MB * RPT];

@@ -174,9 +174,10 @@ def tile_merge_batch() -> int | None:
     """attn.comp's TILE_MERGE_BATCH from VKATTN_TILE_MERGE_BATCH (0 to 8), or None: the shader's
     own default, 2. The split-K merge reads this many of a thread's splits at once, so their
     latencies overlap (0: the one-at-a-time loops before session 24; perf/gpu_session.sh times
-    them). 2 costs no register: the same VGPRs and waves on RADV (navi21, navi31), the same GPRs on
-    NVK's GA100 for float16 and q4 (int8 40 -> 48); 4 costs occupancy everywhere (navi21 24 -> 18
-    waves, navi31 32 -> 24, GA100 float16 16 -> 12 warps): perf/RESULTS.md session 24."""
+    them). Only where a thread holds a decode's 1 or 2 rows of a 16- or 32-bit format (chunks and
+    int8 read one split at a time): there 2 costs no wave on RADV (Mesa 22.3 and 26, every family)
+    nor on NVK's GA100 (float16 120 GPRs); 4 costs occupancy (navi21 24 -> 18 waves, navi31
+    32 -> 24, GA100 float16 16 -> 12 warps): perf/RESULTS.md session 24."""
     env = os.environ.get("VKATTN_TILE_MERGE_BATCH", "")
     if not env:
         return None

@@ -801,8 +801,11 @@ class CoopKernel:
     note: str = ""
 
 
-def _prefill_call() -> Call:
-    return Call(f"prefill {PREFILL}", COOPMAT_SHAPE, "float16", "forward", s=PREFILL, n_new=PREFILL)
+COOPMAT_DTYPES = ("float16", "int8", "fp8_e4m3")    # the formats attn_coopmat.comp takes (matrices=True)
+
+
+def _prefill_call(dtype: str = "float16") -> Call:
+    return Call(f"prefill {PREFILL}", COOPMAT_SHAPE, dtype, "forward", s=PREFILL, n_new=PREFILL)
 
 
 def _scalar_prefill_model(fam: str, info, gpus) -> dict:
@@ -815,14 +818,15 @@ def _scalar_prefill_model(fam: str, info, gpus) -> dict:
 
 
 def _coopmat_kernels(fam: str, info) -> list:
-    """vkattn's cooperative-matrix prefill pipeline for the modelled call where the package has one
-    (shaders/attn_coopmat.comp, planned by the caches' own planner with VKATTN_KERNEL=coopmat), else
-    the study kernel perf/coopmat_tile.comp (one subgroup: 16 rows x 16 keys per pass)."""
+    """vkattn's cooperative-matrix prefill pipelines for the modelled call where the package has
+    them (shaders/attn_coopmat.comp, planned by the caches' own planner with VKATTN_KERNEL=coopmat),
+    one per storage format it takes (COOPMAT_DTYPES: the model counts each with float16's bytes),
+    else the study kernel perf/coopmat_tile.comp (one subgroup: 16 rows x 16 keys per pass)."""
     out, note = [], ""
-    if (shader_dir() / "attn_coopmat.comp").is_file():
+    for dtype in COOPMAT_DTYPES if (shader_dir() / "attn_coopmat.comp").is_file() else ():
         try:
             with tuning.kernel_forced("coopmat"):
-                pc = plan_call(PlanningDevice(info), _prefill_call())
+                pc = plan_call(PlanningDevice(info), _prefill_call(dtype))
             d = next(x for x in pc.dispatches if x.role == "attn")
             if "coopmat" in d.pipeline.shader:
                 p, cfg = d.pipeline, d.cfg
@@ -833,7 +837,8 @@ def _coopmat_kernels(fam: str, info) -> list:
                 m, n = (tuple(getattr(cfg, "mnk", ())) + (MMA, MMA))[:2]
                 per_pass = (br // m) * (bc // n) * (m * n / 256) / waves if br and bc else None
                 job = pipeline_job(_job_name(p), p, cfg)
-                out.append(CoopKernel(f"vkattn {_job_name(p)}", job, tile_rows=getattr(cfg, "bq", 16),
+                out.append(CoopKernel(f"vkattn {_job_name(p)}" + (f" ({dtype})" if dtype != "float16" else ""),
+                                      job, tile_rows=getattr(cfg, "bq", 16),
                                       step_keys=bc or MMA, waves=waves, blocks_per_pass=per_pass,
                                       heads_per_group=hq // hkv))
             else:

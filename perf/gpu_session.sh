@@ -25,6 +25,9 @@
 #      registers: NVK's NAK 96 -> 224 GPRs, 20 -> 8 warps per SM, no more 256 bytes a thread of
 #      local memory) x COOPMAT_STAGE_BATCH (a key block's K/V loads in flight together);
 #      "0,0" is the kernel of session 21's H100 figures (perf/gpu_report_nvk.md)
+#   fp8prefill: prefill S=512 from empty and over 15872 cached with a fp8_e4m3 cache, on
+#      attn_coopmat.comp (fp8 staged into its float16 matrices since session 25) and on attn.comp
+#      -> OUT/fp8prefill.txt (perf prefill checks each result against the reference)
 #   merge: attn.comp's decode at L=16384 (float16, bfloat16, int8) with the split merge reading 2
 #      splits at once (the default since session 24), 1 at a time as before (0) and 4, alternated
 #      twice -> OUT/merge.txt (perf/RESULTS.md session 24: the merge's serial reads, not the K/V
@@ -41,7 +44,7 @@
 #      decode) -> OUT/sweep.txt
 #   VKATTN_GPU_EXTRA (a command, run last in the same environment where set): an experiment's
 #      script, its output to the log
-# VKATTN_GPU_STEPS picks steps (default "check coopmat merge vearly trips bench overhead model splits suite",
+# VKATTN_GPU_STEPS picks steps (default "check coopmat merge vearly trips fp8prefill bench overhead model splits suite",
 # in that order, about 8 minutes by session 21's step times on the H100 -- check 58 s, coopmat 14,
 # a perf decode 10-30, bench 94, model 31 -- the suite taking what is left of
 # VKATTN_GPU_SESSION_S; "formats" (session 21 measured them) and "sweep" only when named; "tests"
@@ -107,7 +110,7 @@ variant() {
 DECODE_16K=(VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20
             "VKATTN_PERF_CASE=decode L=16384 cap=16384" VKATTN_PERF_TORCH_DEVICE=cuda)
 
-steps=" ${VKATTN_GPU_STEPS:-check coopmat merge vearly trips bench overhead model splits suite} "
+steps=" ${VKATTN_GPU_STEPS:-check coopmat merge vearly trips fp8prefill bench overhead model splits suite} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 if want check; then
   step "python -m vkattn check"
@@ -142,6 +145,15 @@ if want trips; then
       -- "$PY" -m perf prefill
   done
   cat "$out/trips.txt" >> "$log"
+fi
+if want fp8prefill; then
+  step "prefill S=512, past 0 and 15872, fp8_e4m3: attn_coopmat.comp / attn.comp"
+  for k in coopmat tile; do
+    variant "$out/fp8prefill.txt" "fp8_e4m3 on $k" "^prefill S=512" VKATTN_KERNEL=$k VKATTN_PERF_DTYPE=fp8_e4m3 \
+      VKATTN_PERF_QLEN=512 VKATTN_PERF_CONTEXT=512,16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=8 \
+      VKATTN_PERF_TORCH_DEVICE=cuda -- "$PY" -m perf prefill
+  done
+  cat "$out/fp8prefill.txt" >> "$log"
 fi
 if want bench; then
   step "python -m perf gpubench (make gpu-bench)"

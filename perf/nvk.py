@@ -74,6 +74,10 @@ def cases() -> list:
                     capacity=past + 512)
         out.append((f"prefill 512 over {past} float16, tile", call, dict(base, VKATTN_KERNEL="tile")))
         out.append((f"prefill 512 over {past} float16, coopmat", call, dict(base, VKATTN_KERNEL="coopmat")))
+    for dt in ("int8", "fp8_e4m3"):        # the other formats attn_coopmat.comp takes: their staging
+        out.append((f"prefill 512 over 0 {dt}, coopmat",
+                    Call("prefill 512 over 0", "32/8 d128", dt, "forward", s=512, n_new=512, capacity=512),
+                    dict(base, VKATTN_KERNEL="coopmat")))
     for trips, batch, what in (("0", "0", "the kernel before session 24"), ("1", "0", "O in registers only"),
                                ("0", "1", "the batched staging only")):
         out.append((f"prefill 512 over 0 float16, coopmat, COOPMAT_FIXED_TRIPS={trips} COOPMAT_STAGE_BATCH={batch} "

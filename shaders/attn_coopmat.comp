@@ -9,8 +9,8 @@
 //   grid (SPLITS, tiles, HKV); workgroup (sp, y, h) takes tile y of the aux tile table =
 //   (sequence i, query tile qt): the G query heads h*G .. h*G+G-1 of kv head h, query rows
 //   qt*BQ .. qt*BQ+BQ-1 of sequence i, keys kstart_i + sp*chunk_i .. (+ chunk_i).
-//   kc, vc   : cache uvec4 rows (common.glsl), float16 (KV_F16) or int8 (KV_I8) storage, read
-//              only: every sequence's n_new is 0 (the host appends a call's new rows first,
+//   kc, vc   : cache uvec4 rows (common.glsl), float16 (KV_F16), int8 (KV_I8) or fp8 (KV_FP8)
+//              storage, read only: every sequence's n_new is 0 (the host appends a call's new rows first,
 //              CacheBase._appends_first), so its T = past keys are all in the cache.
 //   q        : float32 [HKV*G, R, DK4*CH] vec4, zero padded
 //   out      : float32 [HKV*G, R, DV] normalised (a row that sees nothing gives zeros, never NaN)
@@ -32,7 +32,8 @@
 // matrices (loaded once: hi in registers, lo in shared memory), its S tile, its rows' softmax,
 // its O accumulators (all DV columns). Per block of BC keys (a multiple of MN, MK and 8*TPR):
 //   all threads     stage the block's K and V rows into shared memory as float16 (int8: its
-//                   integers, exact in float16; the row scales beside them)          barrier
+//                   integers, exact in float16, the row scales beside them; fp8: its values,
+//                   exact in float16, e4m3's times 2^-8: common.glsl fp8x4_halves)     barrier
 //   each subgroup   S (MM x BC) = Q . K^T into its scratch tile; its lanes read their rows' scores
 //                   (TPR lanes a row, runs of 8 adjacent columns each), the online softmax in
 //                   registers, each row's rescale into s_alpha                         barrier
@@ -58,6 +59,8 @@
 // 2^-e first (max |q| in [0.5, 1)), so no query overflows float16, and its scores by 2^e after.
 // int8: S column j times the key's scale; P column j times v_scale_j / (the block's largest
 // v_scale) before the split, and the block's product times that largest scale is added to O.
+// fp8: one scale per kv head for K and one for V (times FP8_HALF_SCALE): S times K's, O's
+// columns times V's where they are written (out, or the split's partial sums).
 //
 // Online softmax (float32, log2 units): a row's running max m moves only when a score passes it
 // by more than TAU (P = 2^(s - m) <= 2^TAU stays far inside float16): m then rarely moves after a
@@ -73,13 +76,12 @@
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #include "common.glsl"
-#if KV_BF16 || KV_FP8 || KV_Q4
+#if KV_BF16 || KV_Q4
 // bfloat16's exponent range does not fit in float16 matrices: such caches never come here
 // (vkattn.formats: matrices=False; tuning.coopmat_config falls back to attn.comp / attn_lane.comp).
-// fp8 caches take the same fallback (their values would fit float16 exactly; not built yet), and
-// q4 (its integers fit float16 exactly, but a scale per 32 values would need a rescale inside
-// each matrix product; not built)
-#error "attn_coopmat.comp takes float16 and int8 storage only"
+// q4 takes the same fallback (its integers fit float16 exactly, but a scale per 16 values would
+// need a rescale inside each matrix product; not built)
+#error "attn_coopmat.comp takes float16, int8 and fp8 storage only"
 #endif
 
 layout(local_size_x_id = 0) in;
@@ -111,7 +113,7 @@ layout(std430, binding = 7) coherent buffer PART { float part[]; };
 layout(std430, binding = 8) coherent buffer ML { vec2 mlbuf[]; };
 layout(std430, binding = 9) writeonly buffer LSE { float lsebuf[]; };
 layout(std430, binding = 10) readonly buffer ROPE { vec4 rope_tab[]; };
-layout(std430, binding = 11) readonly buffer KS { float kscale[]; };   // KV_I8: scale of each cache row
+layout(std430, binding = 11) readonly buffer KS { float kscale[]; };   // KV_I8: scale of each cache row; KV_FP8: of each kv head
 layout(std430, binding = 12) readonly buffer VS { float vscale[]; };
 
 #include "attn_common.glsl"
@@ -197,6 +199,7 @@ Seq sq;
 MAT_A qh[QS];                             // this subgroup's Q rows: hi part (lo: shared, at QLO)
 ACC o[VT];                                // .. and their O columns
 float m_r[RPL], l_r[RPL], slope[RPL];
+float ksc = 1.0, vsc = 1.0;               // fp8: the kv head's K and V scales, times FP8_HALF_SCALE
 int qe[RPL];
 uint qrow[RPL], qpos[RPL], vis_end[RPL];
 
@@ -235,11 +238,15 @@ float team_sum(float x) {
 
 // keys j0 .. j0+BC-1 (those below hi exist; the rest are zeros) of K and V into shared memory as
 // float16 rows; int8: the key and value scales of the block (0 past hi)
-// a staged word: K or V row c's word ww at shared row base (int8: two words of float16 integers)
+// a staged word: K or V row c's word ww at shared row base (int8: two words of float16 integers;
+// fp8: two words of float16 values, e4m3's times 2^-8)
 void put_word(uint base, uint ww, uvec4 word) {
 #if KV_I8
     s_mem[base + 2u * ww] = i8_halves(word.x, word.y);
     s_mem[base + 2u * ww + 1u] = i8_halves(word.z, word.w);
+#elif KV_FP8
+    s_mem[base + 2u * ww] = uvec4(fp8x4_halves(word.x), fp8x4_halves(word.y));
+    s_mem[base + 2u * ww + 1u] = uvec4(fp8x4_halves(word.z), fp8x4_halves(word.w));
 #else
     s_mem[base + ww] = word;
 #endif
@@ -394,6 +401,8 @@ void block(uint j0, uint kh, bool live) {
                 float x = x4[e];
 #if KV_I8
                 x *= s_ksc[c + e];
+#elif KV_FP8
+                x *= ksc;
 #endif
                 bool vis = j < kh && j < vis_end[k];
                 if (HAS(F_WINDOW)) vis = vis && key_visible(j, qpos[k], false);
@@ -508,6 +517,10 @@ void main() {
     const uint nrows = gl_NumWorkGroups.z * G * R;
     const bool live = sid * MM < NQ;          // this subgroup's row tile holds query vectors
 
+#if KV_FP8
+    ksc = FP8_HALF_SCALE * kscale[hh];        // finite: scale * 448 is (check_fp8_scale)
+    vsc = FP8_HALF_SCALE * vscale[hh];
+#endif
     load_q(qt, uintBitsToFloat(aux[2]), causal, live);
     OPT_LOOP for (uint t = 0u; t < VT; ++t) o[t] = ACC(0.0);
     // the staged rows' words past the stored row are zeros, once (the staging never writes them)
@@ -562,7 +575,7 @@ void main() {
                 const uint qv = sid * MM + e / MN, c = t * MN + e % MN;
                 const uint orow = out_row(qv, qt);
                 if (orow == ~0u || c >= DV) continue;
-                const float x = uintBitsToFloat(s_mem[XBASE + (e / MN) * OROW + (e % MN) / 4u][e % 4u]);
+                const float x = uintBitsToFloat(s_mem[XBASE + (e / MN) * OROW + (e % MN) / 4u][e % 4u]) * vsc;
                 if (SPLIT != 0u) part[(sp * nrows + orow) * DVP + c] = x;
                 else outbuf[orow * DV + c] = s_l[qv] > 0.0 ? x / s_l[qv] : 0.0;
             }

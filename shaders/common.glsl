@@ -229,35 +229,42 @@ vec4 fp8x4_to_float(uint w) {
     return uintBitsToFloat(f | ((b & 0x80u) << 24));
 }
 
-#if HALF_NATIVE
-// the same four values through the GPU's half conversion (GPUs convert two halves in one or two
-// instructions; the integer form above costs about ten per value): each byte becomes a half --
-// e5m2 is a half's top byte (Inf and NaN included); e4m3's sign and 7 magnitude bits moved into a
-// half's sign and under its exponent give the value times 2^-8 (FP8_RESTORE, applied by the
-// caller once per key to the dot product and the probability, undoes it; powers of two: exact).
-// Exact for normals and zeros, fp8 subnormals (half subnormals here) as the driver's float16
-// denormal mode says, as float16's HALF_NATIVE decode; a word holding e4m3's NaN pattern 0x7f
-// (which a half would read as 1.875) takes the integer form
+// four fp8 (one uint, low byte first) -> their float16 bit patterns (two uints, low half first),
+// by integer operations alone, exact: e5m2 is a half's top byte (Inf and NaN included); e4m3's
+// sign and 7 magnitude bits moved into a half's sign and under its exponent give the value times
+// 2^-8 (FP8_HALF_SCALE undoes it: a power of two, exact), fp8 subnormals becoming half subnormals,
+// and its NaN pattern 0x7f a half NaN (the exponent all ones; not 1.875). attn_coopmat.comp stages
+// fp8 rows so into its float16 matrices; HALF_NATIVE kernels convert the halves (fp8x4_native).
 #if KV_FP8 == 1
-#define FP8_RESTORE 256.0
+#define FP8_HALF_SCALE 256.0
 // two bytes at bits 0 and 16 of a -> two halves: the magnitude shifted under the exponent, the sign
 // (bit 7) carried from bit 14 to 15 by adding it once more; 0x7f (NaN) gets the exponent all ones
 uint e4m3x2_halves(uint a) {
     const uint nan = (((a & 0x007f007fu) + 0x00010001u) & 0x00800080u) * 0xf8u;
     return ((a + (a & 0x00800080u)) << 7u) | nan;
 }
-vec4 fp8x4_native(uint w) {
+uvec2 fp8x4_halves(uint w) {
     const uint lo = w & 0xffffu, hi = w >> 16;
-    return vec4(unpackHalf2x16(e4m3x2_halves((lo | (lo << 8u)) & 0x00ff00ffu)),
-                unpackHalf2x16(e4m3x2_halves((hi | (hi << 8u)) & 0x00ff00ffu)));
+    return uvec2(e4m3x2_halves((lo | (lo << 8u)) & 0x00ff00ffu), e4m3x2_halves((hi | (hi << 8u)) & 0x00ff00ffu));
 }
 #else
-#define FP8_RESTORE 1.0
-vec4 fp8x4_native(uint w) {
-    return vec4(unpackHalf2x16(((w & 0xffu) << 8u) | ((w & 0xff00u) << 16u)),
-                unpackHalf2x16(((w >> 8u) & 0xff00u) | (w & 0xff000000u)));
+#define FP8_HALF_SCALE 1.0
+uvec2 fp8x4_halves(uint w) {
+    return uvec2(((w & 0xffu) << 8u) | ((w & 0xff00u) << 16u), ((w >> 8u) & 0xff00u) | (w & 0xff000000u));
 }
 #endif
+
+#if HALF_NATIVE
+// the same four values through the GPU's half conversion (GPUs convert two halves in one or two
+// instructions; the integer form above costs about ten per value), e4m3's times 2^-8
+// (FP8_RESTORE, applied by the caller once per key to the dot product and the probability, undoes
+// it). Exact for normals and zeros, fp8 subnormals (half subnormals here) as the driver's float16
+// denormal mode says, as float16's HALF_NATIVE decode
+#define FP8_RESTORE FP8_HALF_SCALE
+vec4 fp8x4_native(uint w) {
+    const uvec2 h = fp8x4_halves(w);
+    return vec4(unpackHalf2x16(h.x), unpackHalf2x16(h.y));
+}
 #else
 #define FP8_RESTORE 1.0
 vec4 fp8x4_native(uint w) { return fp8x4_to_float(w); }

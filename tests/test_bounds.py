@@ -41,11 +41,12 @@ LSE_TOL = dict(atol=2e-5, rtol=2e-4)
 # - paged block tables: float16 on the lane kernel, int8 (row scales through the table) on tile;
 # - the mask ending at the aux buffer's last word: per head on both kernels, group 3 (padding query
 #   vectors) on tile;
-# - attn_coopmat.comp's float16 and int8 cases where the device has cooperative matrices (Mesa 26).
+# - attn_coopmat.comp's float16, int8 and fp8_e4m3 cases where the device has cooperative matrices
+#   (Mesa 26).
 GPUAV_SWEEP = {
     "test_every_variant_odd_shapes": ["lane-float16", "lane-float32", "lane-int8", "lane-fp8_e4m3", "lane-q4",
                                       "tile-float16", "tile-float32", "tile-int8", "tile-fp8_e4m3", "tile-q4",
-                                      "coopmat-float16", "coopmat-int8"],
+                                      "coopmat-float16", "coopmat-int8", "coopmat-fp8_e4m3"],
     "test_paged_batch_fork_read": ["lane-float16", "tile-int8", "coopmat-float16", "coopmat-int8"],
     "test_mask_at_the_end_of_aux": ["lane-2-2-64-3-True", "tile-2-2-64-3-True", "tile-1-3-24-2-True",
                                     "coopmat-1-3-24-2-True"],
@@ -114,12 +115,12 @@ def test_mask_at_the_end_of_aux(device, rng, kernel, hkv, group, d, s, per_head)
     np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
 
 
-# float32, bfloat16, fp8 and q4 storage are not attn_coopmat.comp's (they fall back to the lane/tile
+# float32, bfloat16 and q4 storage are not attn_coopmat.comp's (they fall back to the lane/tile
 # kernel, swept there): those pairs are not generated. fp8_e5m2 shares e4m3's every buffer access
 # (the format define changes the arithmetic only)
 @pytest.mark.parametrize("kernel,dtype", [(k, dt) for dt in ("float16", "float32", "int8", "bfloat16", "fp8_e4m3", "q4")
                                           for k in KERNELS
-                                          if not (k == "coopmat" and dt in ("float32", "bfloat16", "fp8_e4m3", "q4"))],
+                                          if not (k == "coopmat" and dt in ("float32", "bfloat16", "q4"))],
                          indirect=["kernel"])
 def test_every_variant_odd_shapes(device, rng, kernel, dtype, tmp_path):
     # head_dim 37 / v_head_dim 29: rows end inside a storage word; RoPE on 16 of 37 dims; window +

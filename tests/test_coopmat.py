@@ -50,7 +50,8 @@ def last_cfg(cache):
 
 
 # (num_kv_heads, group, head_dim, v_head_dim, dtype): GQA groups 1, 2, 3, 4, 8, head dims that are
-# and are not multiples of the matrix K (5, 13, 37, 40, 72), v_head_dim != head_dim, int8 storage
+# and are not multiples of the matrix K (5, 13, 37, 40, 72), v_head_dim != head_dim, int8 and fp8
+# storage
 SHAPES = [
     (2, 1, 64, 64, "float16"),
     (2, 4, 128, 128, "float16"),
@@ -60,6 +61,8 @@ SHAPES = [
     (3, 1, 5, 3, "float16"),
     (2, 4, 64, 64, "int8"),
     (1, 3, 13, 24, "int8"),
+    (2, 4, 64, 64, "fp8_e4m3"),
+    (1, 3, 13, 24, "fp8_e5m2"),
 ]
 
 
@@ -100,7 +103,7 @@ def test_prefill_chunk_attend_long_prompt(coopmat, rng, shape):
     assert np.array_equal(kk, mirror.k) and np.array_equal(vv, mirror.v)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "int8"])
+@pytest.mark.parametrize("dtype", ["float16", "int8", "fp8_e5m2"])
 def test_chunk_over_a_long_past_splits_the_keys(coopmat, rng, dtype):
     cache = vkattn.KVCache(1700, 1, 64, dtype=dtype, device=coopmat)
     mirror = Mirror(cache)
@@ -121,7 +124,7 @@ def test_chunk_over_a_long_past_splits_the_keys(coopmat, rng, dtype):
         assert cfg.kernel == "coopmat" and cfg.splits > 1      # merged on the device by the last split
 
 
-@pytest.mark.parametrize("dtype", ["float16", "int8"])
+@pytest.mark.parametrize("dtype", ["float16", "int8", "fp8_e4m3"])
 def test_the_gpu_build_runs_here_too(coopmat, rng, monkeypatch, dtype):
     """The build a GPU gets (COOPMAT_UNROLL=1: every loop over a subgroup's matrices unrolled, so
     COOPMAT_FIXED_TRIPS keeps O in registers and COOPMAT_STAGE_BATCH's loads go out together), not
@@ -152,6 +155,39 @@ def test_the_gpu_build_runs_here_too(coopmat, rng, monkeypatch, dtype):
     assert plan.cfg.kernel == "coopmat" and plan.cfg.unroll and plan._pipe.defines["COOPMAT_UNROLL"] == 1
     assert plan._pipe.defines["COOPMAT_FIXED_TRIPS"] == plan._pipe.defines["COOPMAT_STAGE_BATCH"] == 1
     assert plan.cfg.splits > 1                     # merged on the device by the last split
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_head_scales_saturation_and_subnormals(coopmat, rng, dtype):
+    """fp8 on the matrices: the stored bytes staged as float16 by bit operations (e4m3's values
+    times 2^-8), each kv head's K and V scale applied after the products. Scales far from 1 and
+    different per head, keys that saturate (|k| / scale past the format's largest value) and keys
+    whose quotients are fp8 subnormals, through a prefill and a chunk over a past split several
+    ways, against the reference on the values the cache holds."""
+    hkv, group, d = 2, 3, 40
+    k_scale, v_scale = np.array([0.004, 3.5], np.float32), np.array([0.02, 0.75], np.float32)
+    cache = vkattn.KVCache(1700, hkv, d, dtype=dtype, k_scale=k_scale, v_scale=v_scale, device=coopmat)
+    k, v = rand_kv(rng, cache, 1600)
+    k[0, ::5] *= 4.0 if dtype == "fp8_e4m3" else 500.0      # head 0: some keys saturate
+    k[:, 3::7] *= 1e-6                                        # and some are fp8 subnormals
+    v[1, ::11] *= 1e-6
+    q = rand_q(rng, cache, group, 23)
+    out = cache.forward(q, k[:, :23], v[:, :23])
+    kk, vv = cache.read()
+    assert np.array_equal(kk, round_to(k[:, :23], dtype, k_scale)) and np.array_equal(vv, round_to(v[:, :23], dtype, v_scale))
+    assert_close(out, attention(q, kk, vv), dtype)
+    assert last_cfg(cache).kernel == "coopmat"
+    cache.append(k[:, 23:], v[:, 23:])
+    k, v = rand_kv(rng, cache, 3)
+    q = rand_q(rng, cache, group, 3)
+    out = cache.forward(q, k, v)
+    kk, vv = cache.read()
+    assert_close(out, attention(q, kk, vv), dtype)
+    cfg = last_cfg(cache)
+    assert cfg.kernel == "coopmat" and cfg.splits > 1
+    sub = np.abs(kk[kk != 0] / np.repeat(k_scale, kk.shape[1] * d).reshape(kk.shape)[kk != 0])
+    assert (sub < (2.0 ** -6 if dtype == "fp8_e4m3" else 2.0 ** -14)).any()     # subnormals were there
+    cache.close()
 
 
 def test_query_scale_extremes(coopmat, rng):
@@ -512,7 +548,7 @@ def test_planner_picks_coopmat_for_prefill_on_a_gpu_that_can(device, monkeypatch
 
 def test_forward_appends_first_where_coopmat_takes_the_call(device, monkeypatch):
     # attn_coopmat.comp has no fused append: a forward it takes appends its rows in a submission of
-    # its own first (more than one query row, float16 or int8); decode and float32 still fuse
+    # its own first (more than one query row, float16, int8 or fp8); decode and float32 still fuse
     from vkattn._base import appends_first
     gpu = planning(device, monkeypatch, **GPU)
     monkeypatch.delenv("VKATTN_KERNEL", raising=False)

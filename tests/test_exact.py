@@ -682,10 +682,11 @@ def test_probe_fp8_encode_matches_reference(device, rng, fmt):
 @pytest.mark.parametrize("native", [0, 1])
 @pytest.mark.parametrize("fmt", FP8)
 def test_probe_fp8_decode_every_pattern(device, fmt, native):
-    """Every byte, through the integer decode (append, attn_lane.comp, attn_coopmat.comp) and
-    through attn.comp's (HALF_NATIVE: halves, times FP8_RESTORE; the e4m3 NaN word's fallback):
-    numpy's float32 bits, NaN where it is NaN. Bytes are placed so that each word mixes patterns
-    (e4m3's 0x7f / 0xff beside normal ones: the fallback takes the whole word)."""
+    """Every byte, through the integer decode (append, attn_lane.comp) and through the halves
+    common.glsl's fp8x4_halves makes by bit operations (HALF_NATIVE: attn.comp's GPU decode,
+    converted and times FP8_RESTORE; the same bits attn_coopmat.comp stages into its float16
+    matrices): numpy's float32 bits, NaN where it is NaN. Bytes are placed so that each word mixes
+    patterns (e4m3's NaN bytes 0x7f / 0xff beside normal ones: its mask must touch only theirs)."""
     b = np.arange(256, dtype=np.uint8)
     b = np.concatenate([b, np.random.default_rng(3).permutation(b)])
     words = b.view(np.uint32)

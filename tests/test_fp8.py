@@ -230,27 +230,33 @@ def test_fp8_memory_and_format_table(device):
     e5 = vkattn.KVCache(1024, 8, 128, dtype="fp8_e5m2", device=device)
     assert e4.bytes_per_token == e5.bytes_per_token == f16.bytes_per_token // 2 == 8 * 2 * 128
     assert e4._ch == 4 and e4._defines == {"KV_F16": 0, "KV_I8": 0, "KV_FP8": 1}
-    assert e5._defines["KV_FP8"] == 2 and not e4._matrices
+    assert e5._defines["KV_FP8"] == 2 and e4._matrices and e5._matrices     # attn_coopmat.comp takes them
     assert f16.k_scale is None
 
 
-def test_planner_never_picks_coopmat_for_fp8(device, monkeypatch):
-    # the stated fallback, as bfloat16's: prefill and chunks of a fp8 cache go to attn.comp (GPUs)
-    # or attn_lane.comp (CPU drivers) even where attn_coopmat.comp is available or forced, and a
-    # forward keeps its fused append
+def test_planner_picks_coopmat_for_fp8_as_for_float16(device, monkeypatch):
+    # since session 25 attn_coopmat.comp takes fp8 (its bytes staged as float16 values): prefill
+    # and chunks of a fp8 cache go where float16's go -- to it where it pays or is forced (the
+    # forward then appends first, as it reads every key from the cache), to attn.comp where it does
+    # not pay; decode stays on attn.comp, with its fused append
     monkeypatch.delenv("VKATTN_KERNEL", raising=False)
     gpu = planning(device, monkeypatch, **GPU)
-    monkeypatch.setattr(gpu, "coopmat_pays", lambda: True)
     f16 = StorageFormat(8, 128, dtype="float16")
     for fmt in FP8:
         f8 = StorageFormat(8, 128, dtype=fmt)
-        for forced in ("", "coopmat"):
+        for pays, forced in ((True, ""), (False, "coopmat"), (False, "")):
+            monkeypatch.setattr(gpu, "coopmat_pays", lambda pays=pays: pays)
             if forced:
                 monkeypatch.setenv("VKATTN_KERNEL", forced)
+            want = "coopmat" if pays or forced else "tile"
             for rows in (2, 17, 512):
-                assert attn_pipeline(gpu, f16, 32, rows, 0, 1, 0, 4096, False)[0].kernel == "coopmat"
+                assert attn_pipeline(gpu, f16, 32, rows, 0, 1, 0, 4096, False)[0].kernel == want
                 cfg, pipe = attn_pipeline(gpu, f8, 32, rows, 0, 1, 0, 4096, False)
-                assert cfg.kernel == "tile" and pipe.shader == "attn" and pipe.defines["KV_FP8"] in (1, 2)
-            assert not appends_first(gpu, 5, 5, f8._ch, f8._matrices)
-            assert not tuning.coopmat_takes(gpu, 64, f8._ch, f8._matrices)
-        monkeypatch.delenv("VKATTN_KERNEL", raising=False)
+                assert cfg.kernel == want and pipe.defines["KV_FP8"] == (1 if fmt == "fp8_e4m3" else 2)
+                assert pipe.shader == ("attn_coopmat" if want == "coopmat" else "attn")
+            cfg, pipe = attn_pipeline(gpu, f8, 32, 1, 0, 1, 0, 4096, True)       # decode
+            assert cfg.kernel == "tile" and pipe.shader == "attn"
+            assert appends_first(gpu, 5, 5, f8._ch, f8._matrices) == (want == "coopmat")
+            assert tuning.coopmat_takes(gpu, 64, f8._ch, f8._matrices) == (want == "coopmat")
+            assert not appends_first(gpu, 1, 1, f8._ch, f8._matrices)
+            monkeypatch.delenv("VKATTN_KERNEL", raising=False)

@@ -123,18 +123,23 @@ def _report(fam):
 def test_coopmat_section_compiles_the_study_kernel():
     fam = _coop_family()
     study = pg.coopmat_study([fam], _report(fam))
-    (row,) = study[fam]["kernels"]
-    assert "error" not in row, row
+    rows = study[fam]["kernels"]
     from vkattn.compiler import shader_dir
     study_kernel = not (shader_dir() / "attn_coopmat.comp").is_file()
-    assert row["label"].startswith("study kernel" if study_kernel else "vkattn attn_coopmat"), row["label"]
-    st = row["stats"]
-    assert st["wmma"] > 0 and st["loop_valu"] > 0 and st["VGPRs"] > 0
-    (model,) = [t for t in row["model"].values()]
-    assert model["wmma_per_block"] > 0 and model["bound"] in ("issue", "mem") and model["model_us"] > 0
-    if study_kernel:                  # one 16x16 block per pass of its key loop
-        assert st["wmma"] == 16 and model["wmma_per_block"] == 16
-    assert list(row["scalar_model_us"].values()) == [150.0]
+    # vkattn's kernel: a pipeline per storage format it takes (float16 first), each compiled
+    assert len(rows) == (1 if study_kernel else len(pg.COOPMAT_DTYPES))
+    if not study_kernel:
+        assert [r["label"].rsplit(" ", 1)[-1] for r in rows[1:]] == [f"({d})" for d in pg.COOPMAT_DTYPES[1:]]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["label"].startswith("study kernel" if study_kernel else "vkattn attn_coopmat"), row["label"]
+        st = row["stats"]
+        assert st["wmma"] > 0 and st["loop_valu"] > 0 and st["VGPRs"] > 0 and st["Spilled VGPRs"] == 0
+        (model,) = [t for t in row["model"].values()]
+        assert model["wmma_per_block"] > 0 and model["bound"] in ("issue", "mem") and model["model_us"] > 0
+        if study_kernel:                  # one 16x16 block per pass of its key loop
+            assert st["wmma"] == 16 and model["wmma_per_block"] == 16
+        assert list(row["scalar_model_us"].values()) == [150.0]
     text = "\n".join(pg.coopmat_markdown({"coopmat": study}))
     assert "Cooperative matrices" in text and fam in text
 
@@ -162,7 +167,9 @@ def test_coopmat_hook_takes_vkattn_kernel_when_it_exists(tmp_path, monkeypatch):
         return pg.Planned(call, [attn], 1, 0, 0, 0.0)
 
     monkeypatch.setattr(pg, "plan_call", planner)
-    (row,) = pg.coopmat_study([fam], _report(fam))[fam]["kernels"]
+    rows = pg.coopmat_study([fam], _report(fam))[fam]["kernels"]
+    assert len(rows) == len(pg.COOPMAT_DTYPES)        # the planner's pipeline for each format
+    row = rows[0]
     assert seen["kernel"] == "coopmat" and "VKATTN_KERNEL" not in os.environ
     assert row["label"].startswith("vkattn attn_coopmat"), row
     assert "error" not in row and row["stats"]["wmma"] == 16 and row["stats"]["subgroup_size"] == 32

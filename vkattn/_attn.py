@@ -177,7 +177,7 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
     its planning attributes) for the storage format ``fmt`` (a cache: _dk4, _dv4, _ch,
     v_head_dim, num_kv_heads, _defines, _matrices). The kernel is tuning.attention_config's:
     attn.comp, attn_lane.comp, or for prefill and chunks on a device with cooperative matrices
-    and a format they hold (float16, int8) attn_coopmat.comp (a PlanningDevice plans it from the
+    and a format they hold (float16, int8, fp8) attn_coopmat.comp (a PlanningDevice plans it from the
     DeviceInfo's listed shapes and features)."""
     hkv = fmt.num_kv_heads
     group = hq // hkv

@@ -9,10 +9,10 @@ A K or V row is stored in 16-byte words (uvec4): ``per_word`` values per word, s
 handle ``ch = per_word // 4`` float vec4 per word. ``row_scale``: one float32 scale per stored
 row (position and kv head) beside the words (int8). ``matrices``: attn_coopmat.comp may take the
 format -- its float16 matrices hold every stored value exactly (float16: the values themselves;
-int8: the integers -127 .. 127, the scale applied after the product); bfloat16's exponent range
-does not fit in float16, so it stays on attn.comp / attn_lane.comp; the fp8 formats do the same
-(see ``head_scale``), and q4 (its blocks' scales would need a rescale per 32 values inside the
-matrix product). ``block_scale``: q4's blocks of 16 values, each with a parameter word (scale and zero
+int8: the integers -127 .. 127, the scale applied after the product; fp8: e5m2's values, e4m3's
+times 2^-8, the kv head's scale applied after the product); bfloat16's exponent range does not
+fit in float16, so it stays on attn.comp / attn_lane.comp, and so does q4 (its blocks' scales
+would need a rescale per 16 values inside the matrix product). ``block_scale``: q4's blocks of 16 values, each with a parameter word (scale and zero
 point) stored in the row itself (after the data words; ``row_words``). ``head_scale``: one float32 scale per kv head for K and one for V, fixed at
 cache creation (the fp8 formats: value = decode(byte) * scale, vkattn.reference.fp8_bits).
 ``max_abs``: the largest
@@ -63,17 +63,17 @@ FORMATS = {
     "bfloat16": KVFormat("bfloat16", 8, {"KV_F16": 0, "KV_I8": 0, "KV_BF16": 1}, np.uint16,
                          np.dtype(np.uint16), matrices=False, max_abs=BF16_FINITE_INPUT),
     # 16 per word (four per uint32, low byte first) like int8, read by the kernels in 8-byte units
-    # like int8; files hold the bits as uint8, the metadata's dtype names the format. Not on
-    # attn_coopmat.comp, as bfloat16 (every fp8 value would fit a float16 matrix exactly, the
-    # scale applied after the product as int8's; not built yet)
+    # like int8; files hold the bits as uint8, the metadata's dtype names the format. On
+    # attn_coopmat.comp every fp8 value is a float16 (e4m3's times 2^-8), staged by bit operations
+    # (common.glsl fp8x4_halves), the kv head's scale applied after the product
     "fp8_e4m3": KVFormat("fp8_e4m3", 16, {"KV_F16": 0, "KV_I8": 0, "KV_FP8": 1}, np.uint8, np.dtype(np.uint8),
-                         matrices=False, head_scale=True),
+                         head_scale=True),
     "fp8_e5m2": KVFormat("fp8_e5m2", 16, {"KV_F16": 0, "KV_I8": 0, "KV_FP8": 2}, np.uint8, np.dtype(np.uint8),
-                         matrices=False, head_scale=True),
+                         head_scale=True),
     # q4: two 16-value blocks per word (8 nibbles per uint32, low first), each block's parameter word
     # (scale and zero point) in (words + 1) // 2 words after the row's data words (common.glsl;
     # reference.quantize_q4). Files hold the stored row words as uint32 (format "q4z"). Not on
-    # attn_coopmat.comp (as bfloat16 / fp8)
+    # attn_coopmat.comp (as bfloat16)
     "q4": KVFormat("q4", 32, {"KV_F16": 0, "KV_I8": 0, "KV_Q4": 1}, np.uint32, np.dtype(np.uint32),
                    matrices=False, block_scale=True, max_abs=Q4_MAX_ABS),
 }

@@ -37,7 +37,7 @@ from .device import register_measure
 from .paged import PagedKVCache
 from .tuning import COOPMAT_PROBE, COOPMAT_PROBE_ROUNDS, kernel_for, kernel_forced
 
-CASES_VERSION = 2               # bump when the cases change: cached verdicts of other versions are stale
+CASES_VERSION = 3               # bump when the cases change: cached verdicts of other versions are stale
 LONG_KEYS = 1593                # the long cases' keys: capacity 1600 splits >= 3 ways (tuning.coopmat_config)
 MIN_LONG_SPLITS = 3
 
@@ -159,6 +159,9 @@ COOPMAT_CASES = (
      lambda dev, rng: _case_short(dev, rng, "int8", 1, 4, 24, 16, 11, 5)),
     ("float16 long chunk: many key blocks, rising max, split-K", lambda dev, rng: _case_long(dev, rng, "float16")),
     ("int8 long chunk: many key blocks, rising max, split-K", lambda dev, rng: _case_long(dev, rng, "int8")),
+    ("fp8_e4m3 prefill + chunk, d40, 2 q heads per kv head",
+     lambda dev, rng: _case_short(dev, rng, "fp8_e4m3", 2, 2, 40, 40, 19, 7)),
+    ("fp8_e5m2 long chunk: many key blocks, rising max, split-K", lambda dev, rng: _case_long(dev, rng, "fp8_e5m2")),
     ("float16 window + sinks, softcap, ALiBi, mask", lambda dev, rng: _case_variants(dev, rng)),
     ("float16 RoPE (keys stored rotated, q rotated in the kernel)", lambda dev, rng: _case_rope(dev, rng)),
     ("int8 paged batch", lambda dev, rng: _case_paged(dev, rng)),

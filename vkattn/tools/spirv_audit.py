@@ -35,7 +35,7 @@ COOPMAT_FORMATS = tuple(name for name, f in STORAGE.items() if f.matrices)
 def planned_variants() -> list:
     """(shader, defines) of every pipeline the runtime builds: per storage format the append,
     attn.comp (with and without its subgroup shuffles), attn_lane.comp and, for the formats its
-    matrices hold (float16, int8), attn_coopmat.comp (loops rolled or unrolled, COOPMAT_FIXED_TRIPS and COOPMAT_STAGE_BATCH either way); the paged and persistence copies; the split
+    matrices hold (float16, int8, fp8), attn_coopmat.comp (loops rolled or unrolled, COOPMAT_FIXED_TRIPS and COOPMAT_STAGE_BATCH either way); the paged and persistence copies; the split
     merge; the subgroup probe."""
     out = []
     for fmt, d in FORMATS.items():

@@ -93,3 +93,7 @@ def test_check_covers_the_coopmat_kernel_when_it_is_forced(device, tmp_path, mon
     rep = json.loads(path.read_text())
     assert rep["prefill_kernel"] == "coopmat" and rep["failed"] == 0
     assert "coopmat*" in {c["kernel"] for c in rep["cases"]}
+    # its pass runs the formats its matrices hold, no case of a format that would fall back
+    from vkattn.formats import FORMATS
+    assert {c["dtype"] for c in rep["cases"] if c["kernel"].startswith("coopmat") and "variant" not in c["name"]
+            and "rope" not in c["name"]} == {d for d, f in FORMATS.items() if f.matrices}

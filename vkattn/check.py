@@ -10,8 +10,10 @@ attn_lane.comp "lane" where a subgroup of at most 16 shuffles, i.e. CPU drivers;
 attn_coopmat.comp "coopmat" wherever it can run -- the device has cooperative matrices, glslang
 compiles them and the kernel passed its self-test, Device.coopmat_problem -- whether or not vkattn
 picks it there (tuning.coopmat_wanted: on GPUs whose speed probe times it faster); it takes the
-prefill and chunk calls of its cases, decode goes to the device's other kernel), the ones vkattn
-picks by default marked ``*``:
+prefill and chunk calls of its cases, decode goes to the device's other kernel; it runs the cases
+of the storage formats its matrices hold -- float16, int8, fp8 -- the others' prefill falling back
+to the device's other kernel, whose own pass checks them), the ones vkattn picks by default marked
+``*``:
 
 - float32, float16, bfloat16, int8, fp8 (e4m3, e5m2; scale 1.0) and q4 caches: decode (split-K, merged on the device), a causal prefill
   from an empty cache, a chunk over a past (fused append), a long prompt (appended first, then
@@ -54,6 +56,7 @@ import numpy as np
 
 from . import KVCache, PagedKVCache, RoPE, __version__, default_device, measure, reference, tuning
 from .array import to_device
+from .formats import FORMATS
 from ._vkinfo import VulkanUnavailableError
 from .reference import Q4_MAX_ABS, TOLERANCE, attention, round_to
 
@@ -459,7 +462,10 @@ def _cases(quick: bool, repeats: int, kernel: str = "tile"):
     """(name, dtype, function(dev, rng, acc)) in order."""
     out = []
     rows = 7 if kernel == "coopmat" else 1          # coopmat: its split-K is a chunk's
-    for dtype in DTYPES:
+    # coopmat: the formats its matrices hold (the others' calls would run the fallback's kernel,
+    # which its own pass checks, under coopmat's name)
+    dtypes = [d for d in DTYPES if kernel != "coopmat" or FORMATS[d].matrices]
+    for dtype in dtypes:
         out.append(("decode+prefill 8/2 heads d128", dtype,
                     lambda dev, rng, acc, dt=dtype: _case_kv_paths(dev, rng, acc, dt, 2, 4, 128, 128, 300, 3, 9, 45)))
         if not quick:
@@ -472,7 +478,7 @@ def _cases(quick: bool, repeats: int, kernel: str = "tile"):
     for name in names:
         out.append((f"variant {name} (+lse)", "float16", lambda dev, rng, acc, n=name: _case_variant(dev, rng, acc, n)))
     out.append(("rope neox partial, rotated q", "float16", lambda dev, rng, acc: _case_rope(dev, rng, acc)))
-    for dtype in (("float16",) if quick else ("float16", "bfloat16", "int8", "fp8_e4m3", "q4")):
+    for dtype in (("float16",) if quick else [d for d in ("float16", "bfloat16", "int8", "fp8_e4m3", "q4") if d in dtypes]):
         out.append((f"split-K stress x{repeats}" + (" (chunk)" if rows > 1 else ""), dtype,
                     lambda dev, rng, acc, dt=dtype: _case_splitk(dev, rng, acc, dt, repeats, rows=rows)))
     return out

@@ -25,6 +25,10 @@
 #      registers: NVK's NAK 96 -> 224 GPRs, 20 -> 8 warps per SM, no more 256 bytes a thread of
 #      local memory) x COOPMAT_STAGE_BATCH (a key block's K/V loads in flight together);
 #      "0,0" is the kernel of session 21's H100 figures (perf/gpu_report_nvk.md)
+#   ablate: python -m perf ablate: attn_coopmat.comp's prefill S=512 over 0 and 15872 cached with
+#      one part of its key loop taken out at a time (the K/V loads, either product, the lo halves,
+#      exp2, the rescale), beside the whole kernel, two alternated rounds -> OUT/ablate.json: where
+#      its 12.5 us per 32-key block on the H100 (session 21) goes
 #   fp8prefill: prefill S=512 from empty and over 15872 cached with a fp8_e4m3 cache, on
 #      attn_coopmat.comp (fp8 staged into its float16 matrices since session 25) and on attn.comp
 #      -> OUT/fp8prefill.txt (perf prefill checks each result against the reference)
@@ -44,11 +48,12 @@
 #      decode) -> OUT/sweep.txt
 #   VKATTN_GPU_EXTRA (a command, run last in the same environment where set): an experiment's
 #      script, its output to the log
-# VKATTN_GPU_STEPS picks steps (default "check coopmat merge vearly trips fp8prefill bench overhead model splits suite",
-# in that order, about 8 minutes by session 21's step times on the H100 -- check 58 s, coopmat 14,
-# a perf decode 10-30, bench 94, model 31 -- the suite taking what is left of
-# VKATTN_GPU_SESSION_S; "formats" (session 21 measured them) and "sweep" only when named; "tests"
-# is the short form of "suite").
+# VKATTN_GPU_STEPS picks steps (default "check coopmat trips ablate fp8prefill merge vearly bench overhead model splits suite",
+# in that order -- by session 21's step times on the H100 (check 58 s, coopmat 14, a perf decode
+# 10-30, bench 94, model 31) more than VKATTN_GPU_SESSION_S (520 s) holds: a step that would start
+# with under 40 s of it left is logged as skipped, to be named in VKATTN_GPU_STEPS for a second
+# call; the suite takes what is left; "formats" (session 21 measured them) and "sweep" only when
+# named; "tests" is the short form of "suite").
 # Usage: bash perf/gpu_session.sh [BUNDLE] [OUT]   (OUT defaults to $OUT, then perf/out/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -110,8 +115,15 @@ variant() {
 DECODE_16K=(VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20
             "VKATTN_PERF_CASE=decode L=16384 cap=16384" VKATTN_PERF_TORCH_DEVICE=cuda)
 
-steps=" ${VKATTN_GPU_STEPS:-check coopmat merge vearly trips fp8prefill bench overhead model splits suite} "
-want() { [[ "$steps" == *" $1 "* ]]; }
+steps=" ${VKATTN_GPU_STEPS:-check coopmat trips ablate fp8prefill merge vearly bench overhead model splits suite} "
+# a step named in $steps runs while VKATTN_GPU_SESSION_S (default 520) has 40 s or more left, so
+# that the whole script stays inside one 600-second call of the device tool; the rest are logged as
+# skipped (name them in VKATTN_GPU_STEPS for a second call)
+want() {
+  [[ "$steps" == *" $1 "* ]] || return 1
+  local left=$(( ${VKATTN_GPU_SESSION_S:-520} - (SECONDS - start) ))
+  if [ "$left" -lt 40 ]; then echo "== $1 skipped: $left s of VKATTN_GPU_SESSION_S left" | tee -a "$log"; return 1; fi
+}
 if want check; then
   step "python -m vkattn check"
   run "${VKATTN_GPU_CHECK_S:-150}" "$PY" -m vkattn check --json "$out/check.json"
@@ -119,6 +131,29 @@ fi
 if want coopmat; then
   step "python -m vkattn check, the cooperative-matrix kernel forced"
   VKATTN_KERNEL=coopmat run "${VKATTN_GPU_CHECK_S:-150}" "$PY" -m vkattn check --json "$out/check_coopmat.json"
+fi
+if want trips; then
+  step "coopmat prefill S=512, past 0 and 15872: COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH 1,1 0,0 1,0 0,1 twice"
+  for tb in 1,1 0,0 1,0 0,1 1,1 0,0 1,0 0,1; do
+    variant "$out/trips.txt" "COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH=$tb" "^prefill S=512" VKATTN_KERNEL=coopmat \
+      VKATTN_COOPMAT_FIXED_TRIPS=${tb%,*} VKATTN_COOPMAT_STAGE_BATCH=${tb#*,} VKATTN_PERF_QLEN=512 \
+      VKATTN_PERF_CONTEXT=512,16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=8 VKATTN_PERF_TORCH_DEVICE=cuda \
+      -- "$PY" -m perf prefill
+  done
+  cat "$out/trips.txt" >> "$log"
+fi
+if want ablate; then
+  step "python -m perf ablate (attn_coopmat.comp with parts of its key loop taken out)"
+  VKATTN_PERF_OUT="$out" run "${VKATTN_GPU_ABLATE_S:-150}" "$PY" -m perf ablate
+fi
+if want fp8prefill; then
+  step "prefill S=512, past 0 and 15872, fp8_e4m3: attn_coopmat.comp / attn.comp"
+  for k in coopmat tile; do
+    variant "$out/fp8prefill.txt" "fp8_e4m3 on $k" "^prefill S=512" VKATTN_KERNEL=$k VKATTN_PERF_DTYPE=fp8_e4m3 \
+      VKATTN_PERF_QLEN=512 VKATTN_PERF_CONTEXT=512,16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=8 \
+      VKATTN_PERF_TORCH_DEVICE=cuda -- "$PY" -m perf prefill
+  done
+  cat "$out/fp8prefill.txt" >> "$log"
 fi
 if want merge; then
   step "decode L=16384: VKATTN_TILE_MERGE_BATCH default (2), 0, 4, twice"
@@ -135,25 +170,6 @@ if want vearly; then
       -- "$PY" -m perf decode
   done
   cat "$out/vearly.txt" >> "$log"
-fi
-if want trips; then
-  step "coopmat prefill S=512, past 0 and 15872: COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH 1,1 0,0 1,0 0,1 twice"
-  for tb in 1,1 0,0 1,0 0,1 1,1 0,0 1,0 0,1; do
-    variant "$out/trips.txt" "COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH=$tb" "^prefill S=512" VKATTN_KERNEL=coopmat \
-      VKATTN_COOPMAT_FIXED_TRIPS=${tb%,*} VKATTN_COOPMAT_STAGE_BATCH=${tb#*,} VKATTN_PERF_QLEN=512 \
-      VKATTN_PERF_CONTEXT=512,16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=8 VKATTN_PERF_TORCH_DEVICE=cuda \
-      -- "$PY" -m perf prefill
-  done
-  cat "$out/trips.txt" >> "$log"
-fi
-if want fp8prefill; then
-  step "prefill S=512, past 0 and 15872, fp8_e4m3: attn_coopmat.comp / attn.comp"
-  for k in coopmat tile; do
-    variant "$out/fp8prefill.txt" "fp8_e4m3 on $k" "^prefill S=512" VKATTN_KERNEL=$k VKATTN_PERF_DTYPE=fp8_e4m3 \
-      VKATTN_PERF_QLEN=512 VKATTN_PERF_CONTEXT=512,16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=8 \
-      VKATTN_PERF_TORCH_DEVICE=cuda -- "$PY" -m perf prefill
-  done
-  cat "$out/fp8prefill.txt" >> "$log"
 fi
 if want bench; then
   step "python -m perf gpubench (make gpu-bench)"

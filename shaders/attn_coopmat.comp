@@ -79,8 +79,8 @@
 #if KV_BF16 || KV_Q4
 // bfloat16's exponent range does not fit in float16 matrices: such caches never come here
 // (vkattn.formats: matrices=False; tuning.coopmat_config falls back to attn.comp / attn_lane.comp).
-// q4 takes the same fallback (its integers fit float16 exactly, but a scale per 16 values would
-// need a rescale inside each matrix product; not built)
+// q4 takes the same fallback (its levels q - z reach 3855, past the integers float16 holds exactly,
+// 2048, and a scale per 16 values would need a rescale inside each matrix product; not built)
 #error "attn_coopmat.comp takes float16, int8 and fp8 storage only"
 #endif
 

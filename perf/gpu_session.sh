@@ -38,7 +38,9 @@
 #      reads, likely bound the H100's decode at 128 splits)
 #   model: python -m perf model --random, SmolLM2-135M's shape
 #      with random weights (no transformers, no model package needed): wall, device and host time
-#      of a decode token, each token one replay of the 30 layers' graph (issue 30)
+#      of a decode token, each token one replay of the 30 layers' graph (issue 30); with
+#      linear.comp's GPU layout (DeviceLlama.LAYOUTS, session 25), then with the CPU layout of the
+#      H100's session 21 figures (--layout 16,1,16) -> OUT/model_random{,_cpu_layout}.json
 #   suite (in place of 5): the whole test suite but the files
 #      that need transformers' model downloads, the install, the soak and the fuzz runs, where time
 #      is left
@@ -207,9 +209,11 @@ if want splits; then
   cat "$out/splits.txt" >> "$log"
 fi
 if want model; then
-  step "python -m perf model --random (SmolLM2-135M's shape, random weights)"
+  step "python -m perf model --random (SmolLM2-135M's shape, random weights): the GPU layout, then the CPU one"
   run "${VKATTN_GPU_MODEL_S:-150}" "$PY" -m perf model --random --new 32
   cp perf/out/model_random.json "$out/" 2>/dev/null
+  run "${VKATTN_GPU_MODEL_S:-150}" "$PY" -m perf model --random --new 32 --layout 16,1,16
+  cp perf/out/model_random.json "$out/model_random_cpu_layout.json" 2>/dev/null
 fi
 left=$(( ${VKATTN_GPU_SESSION_S:-520} - (SECONDS - start) ))
 if want suite && [ "$left" -gt 30 ]; then

@@ -55,7 +55,15 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--random", action="store_true", help="SmolLM2's shape, random weights: host time per token")
     ap.add_argument("--layers", type=int, default=30, help="--random: decoder layers (SmolLM2: 30)")
+    ap.add_argument("--layout", default="", metavar="WG,LANES,ROWS",
+                    help="linear.comp's layout (default: DeviceLlama.LAYOUTS' for the device)")
     args = ap.parse_args(argv)
+    try:
+        args.layout_kw = dict(zip(("wg", "lanes", "rows"), map(int, args.layout.split(",")))) if args.layout else {}
+    except ValueError:
+        args.layout_kw = None
+    if args.layout_kw is None or (args.layout and len(args.layout_kw) != 3):
+        ap.error(f"--layout: expected three integers WG,LANES,ROWS, got {args.layout!r}")
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
     if args.random:
         return random_main(args)
@@ -76,7 +84,7 @@ def main(argv=None) -> int:
     for wd in args.weights:
         eager = eager_model(cfg, sd, round_float16=wd == "float16")
         dm = DeviceLlama(cfg, sd, weight_dtype=wd, capacity=len(ids) + args.new, device=dev,
-                         blocks=load_blocks() if wd == "q4_1" else None)
+                         blocks=load_blocks() if wd == "q4_1" else None, **args.layout_kw)
         dm.generate(ids, args.new)
         eager_generate(eager, ids, args.new)
         ep, ed, dp, dd, same = [], [], [], [], True
@@ -156,7 +164,8 @@ def random_main(args) -> int:
     ids = np.random.default_rng(1).integers(0, cfg["vocab_size"], 32)
     rows = []
     for wd in args.weights:
-        dm = DeviceLlama(cfg, sd, weight_dtype=wd, capacity=len(ids) + 2 * args.new + 2, device=dev)
+        dm = DeviceLlama(cfg, sd, weight_dtype=wd, capacity=len(ids) + 2 * args.new + 2, device=dev,
+                         **args.layout_kw)
         try:
             dm.generate(ids, 2)                                    # warm-up: pipelines built
             wall = []
@@ -176,14 +185,16 @@ def random_main(args) -> int:
             py = python_us(g.submit, 2 * args.new, reset=lambda: [c.truncate(held) for c in dm.caches]) / 1e3
             w = statistics.median(wall)
             d = statistics.median(devs) if gt.timestamps else None
-            rows.append(dict(weights=wd, weight_mb=dm.weight_bytes / 1e6, layers=args.layers, tokens=args.new,
+            rows.append(dict(weights=wd, layout=[dm._wg, dm._lanes, dm._rows], weight_mb=dm.weight_bytes / 1e6,
+                             layers=args.layers, tokens=args.new,
                              wall_ms=w, device_ms=d, host_ms=None if d is None else w - d, python_ms=py,
                              submissions_per_token=1, wall_runs=wall, device_runs=devs))
         finally:
             dm.close()
     print(f"SmolLM2-135M's shape ({args.layers} layers, random weights), decode after a 32-token prompt, "
           f"median of {args.new} tokens")
-    print(f"device: {dev.name}; CPU: {cpu_name()}")
+    print(f"device: {dev.name}; CPU: {cpu_name()}; linear.comp layout (wg, lanes, rows) "
+          f"{rows[0]['layout'] if rows else '-'}")
     print("| weights | MB on device | wall ms per token | device ms per token | host ms per token (wall - device) "
           "| vkattn's Python per token, submission stubbed (ms) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")

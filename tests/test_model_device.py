@@ -73,6 +73,8 @@ def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype):
     eager = eager_model(cfg, sd, round_float16=weight_dtype == "float16")
     m = DeviceLlama(cfg, sd, weight_dtype=weight_dtype, capacity=64, device=device)
     assert m._xshare == device.lane_subgroup()          # lavapipe: x pieces shared by shuffles
+    # the device's default layout of linear.comp (CPU drivers: one lane per 16 rows; GPUs: 16 lanes a row)
+    assert (m._wg, m._lanes, m._rows) == DeviceLlama.LAYOUTS["cpu" if device.is_software else "gpu"]
     try:
         for prompt, new in (([5, 17, 250, 3, 99, 42, 7, 300, 0], 20), ([11], 6), (list(range(40, 77)), 12)):
             got, got_logits = m.generate(prompt, new, return_logits=True)
@@ -131,10 +133,12 @@ def test_q4_1_and_q8_0_blocks_read_as_gguf_dequantises(rng):
 
 
 @pytest.mark.parametrize("layout", [dict(wg=32, rows=3, prompt_tile=4, xshare=False),
-                                    dict(wg=64, lanes=4, rows=2, prompt_tile=3)])
+                                    dict(wg=64, lanes=4, rows=2, prompt_tile=3),
+                                    dict(zip(("wg", "lanes", "rows"), DeviceLlama.LAYOUTS["gpu"]))])
 def test_untied_head_odd_config_and_float16_cache(device, layout):
-    """linear.comp's other layouts: x loaded by every lane (no shuffles), and 4 lanes per row
-    summing through shared memory (the GPU layout); an untied lm_head; a float16 KV cache."""
+    """linear.comp's other layouts: x loaded by every lane (no shuffles), and 4 and 16 lanes per
+    row summing through shared memory (the last one DeviceLlama's default on GPUs); an untied
+    lm_head; a float16 KV cache."""
     cfg = _config(tied=False, hidden_size=40, intermediate_size=88, num_attention_heads=5, num_key_value_heads=1,
                   head_dim=8, vocab_size=203, num_hidden_layers=2, rope_theta=500.0, rms_norm_eps=1e-6)
     sd = _state_dict(cfg, seed=3)

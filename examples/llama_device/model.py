@@ -118,16 +118,29 @@ class DeviceLlama:
     cache_dtype: the KVCaches' storage ("float32", "float16", "int8"). capacity: positions per
     cache (prompt + generated tokens). Tuning of the matmul kernel (shaders/linear.comp):
     ``wg`` invocations per workgroup, ``lanes`` invocations per output row, ``rows`` output rows
-    per group of lanes, ``prompt_tile`` tokens per workgroup in the prompt's matmuls, ``xshare``
-    x shared by subgroup shuffles where the device allows (Device.lane_subgroup(): lavapipe).
+    per group of lanes (None: :data:`LAYOUTS`' for the device, CPU drivers or GPUs),
+    ``prompt_tile`` tokens per workgroup in the prompt's matmuls, ``xshare`` x shared by subgroup
+    shuffles where the device allows (Device.lane_subgroup(): lavapipe).
     Errors: ModelInputError (a ValueError) for a config, weight set, setting or prompt it cannot run.
     """
 
     WEIGHT_DTYPES = ("float32", "float16", "q4_1")
+    # (wg, lanes, rows) of linear.comp. CPU drivers: one lane per 16 rows (lavapipe runs a
+    # workgroup's invocations as SIMD lanes over a loop, and a storage word costs a per-lane load:
+    # each x piece loaded once for 16 rows; the layout tuned there). GPUs: 16 lanes per row reading
+    # its consecutive 16-byte pieces (a 256-byte run a step for float16), 8 rows per workgroup of
+    # 128, so that SmolLM2's smallest matmuls (576 rows) run 72 workgroups and its logits 6144: the
+    # CPU layout gave them 2-3 and 192 (the H100's 19 ms of device time per float16 token, session
+    # 21, 14 GB/s; this layout is not timed on a GPU yet)
+    LAYOUTS = {"cpu": (16, 1, 16), "gpu": (128, 16, 1)}
 
     def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",
-                 capacity: int = 512, device=None, wg: int = 16, lanes: int = 1, rows: int = 16,
-                 prompt_tile: int = 8, blocks: dict | None = None, xshare: bool = True):
+                 capacity: int = 512, device=None, wg: int | None = None, lanes: int | None = None,
+                 rows: int | None = None, prompt_tile: int = 8, blocks: dict | None = None, xshare: bool = True):
+        device = device or vkattn.default_device()
+        lay = self.LAYOUTS["cpu" if device.is_software else "gpu"]
+        wg, lanes, rows = (lay[0] if wg is None else wg), (lay[1] if lanes is None else lanes), \
+            (lay[2] if rows is None else rows)
         if weight_dtype not in self.WEIGHT_DTYPES:
             raise ModelInputError(f"weight_dtype: expected one of {self.WEIGHT_DTYPES}, got {weight_dtype!r}")
         if not (isinstance(wg, int) and isinstance(lanes, int) and wg > 0 and lanes > 0 and wg & (wg - 1) == 0
@@ -138,7 +151,7 @@ class DeviceLlama:
         if not (isinstance(rows, int) and 1 <= rows <= 32):
             raise ModelInputError(f"rows: an int in 1..32, got {rows!r}")
         self.d = d = _Dims(config)
-        self.device = device or vkattn.default_device()
+        self.device = device
         self.weight_dtype, self.cache_dtype = weight_dtype, cache_dtype
         self.capacity = int(capacity)
         self._wg, self._lanes, self._rows, self._tile = wg, lanes, rows, prompt_tile

@@ -7,7 +7,7 @@ perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py)
 ``python -m perf model``: the whole-model example (SmolLM2 on the device) against transformers eager (perf/model.py).
 ``python -m perf quality``: perplexity and KL of each K/V cache format on SmolLM2 through vkattn.hf (perf/quality.py).
 ``python -m perf q4study``: candidate 4-bit K/V layouts simulated on the host, same model and text (perf/q4_study.py).
-``python -m perf ablate``: attn_coopmat.comp timed with parts of its key loop taken out (perf/ablate.py)."""
+``python -m perf ablate [prefill] [decode]``: attn_coopmat.comp's prefill and attn.comp's decode timed with parts taken out (perf/ablate.py)."""
 from __future__ import annotations
 
 import sys
@@ -41,9 +41,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["q4study"]:         # candidate 4-bit layouts simulated on the host, same model and text
         from . import q4_study
         return q4_study.main(argv[1:])
-    if argv == ["ablate"]:              # attn_coopmat.comp with parts of its key loop taken out, timed
+    if argv[:1] == ["ablate"]:          # a kernel with parts of it taken out, timed (prefill, decode)
         from . import ablate
-        return ablate.main()
+        return ablate.main(argv[1:])
     if argv[:1] == ["nvk"]:             # the pipelines on NVK's compiler (NAK), nouveau's drm-shim
         from . import nvk
         return nvk.main(argv[1:])

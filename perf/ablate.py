@@ -1,29 +1,40 @@
-"""``python -m perf ablate``: where attn_coopmat.comp's time goes, by taking parts of it away.
+"""``python -m perf ablate [prefill] [decode]``: where a GPU kernel's time goes, by taking parts of
+it away.
 
-On the H100 (session 21) the cooperative-matrix prefill took about 12.5 us per block of 32 keys
-and workgroup (S=512 over 0 / 3584 / 15872 cached keys: 0.514 / 1.924 / 6.599 ms, 256 workgroups
+On the H100 (session 21) attn_coopmat.comp's prefill took about 12.5 us per block of 32 keys and
+workgroup (S=512 over 0 / 3584 / 15872 cached keys: 0.514 / 1.924 / 6.599 ms, 256 workgroups
 resident at once), some twenty times what a block's 64 matrix multiply-adds per subgroup need at
-the tensor cores' rate; nothing measured without a GPU says which part of the block costs it.
-This script times the kernel on the device in front of you with one part of its key loop taken
-out at a time, beside the whole kernel, in alternated rounds. Each variant is built from a copy of
-shaders/ with attn_coopmat.comp edited as ABLATIONS says (its results wrong by design: only the
-whole kernel's are checked, against the reference):
+the tensor cores' rate; attn.comp's decode at L=16384 took 0.124 ms, 16% of the memory bandwidth
+and 1.7x torch's time. Nothing measured without a GPU says which part of either kernel costs it.
+This script times a kernel on the device in front of you with one part taken out at a time,
+beside the whole kernel, in alternated rounds (each round starting one variant later). Each variant is built from a copy of shaders/ with
+the kernel's source edited as TARGETS says (its results wrong by design: only the whole kernel's
+are checked, against the reference).
 
+prefill -- attn_coopmat.comp (VKATTN_KERNEL=coopmat), causal prefill of VKATTN_ABLATE_ROWS (512)
+query rows over each past in VKATTN_ABLATE_PAST ("0,15872"):
   whole         the kernel as shipped
   no-kv-loads   a key block's K and V global loads replaced by constants (the shared stores kept)
   no-qk         S = Q K^T's multiply-adds taken out
   no-pv         O += P V's multiply-adds taken out
   hi-only       the lo halves of Q and P not multiplied: half the matrix work, what float16-only
                 operands would cost (their accuracy dropped)
-  no-exp        the softmax's exp2 replaced by a subtraction
+  no-exp        the softmax's exp2 replaced by an add and a max (finite, 0 for invisible keys)
   no-rescale    O's rescale never taken
+decode -- attn.comp (VKATTN_KERNEL=tile), one query row over each length in VKATTN_ABLATE_DECODE_L
+("16384"), the cache's capacity that length (its split count as perf decode's "cap" rows):
+  whole         the kernel as shipped
+  no-k-loads    the K words replaced by constants
+  no-v-loads    the V words replaced by constants
+  no-exp        the softmax's exp2 replaced by an add and a max
+  no-merge      every workgroup returns before the split merge (out not written)
 
-Prefill (causal) of VKATTN_ABLATE_ROWS (512) query rows over each past in VKATTN_ABLATE_PAST
-("0,15872"), 32/8 heads d128, float16 cache, VKATTN_KERNEL=coopmat. Device time per call from
-timestamp queries (the attention dispatches' sum; wall time where the device has none): the
-median of VKATTN_ABLATE_ITERS (5) calls after a warm-up, in VKATTN_ABLATE_ROUNDS (2) rounds, each
-running every variant in turn. The kernel's self-test verdict is taken first, on the shipped
-shaders. Output: a table, and perf/out/ablate.json (VKATTN_PERF_OUT).
+32/8 heads d128, float16 cache. Device time per call from timestamp queries (the attention
+dispatches' sum; wall time where the device has none): the median of VKATTN_ABLATE_ITERS (5)
+calls after a warm-up, in VKATTN_ABLATE_ROUNDS (2) rounds, each running every variant in turn.
+prefill needs attn_coopmat.comp to run on the device (its self-test's verdict is taken first, on
+the shipped shaders); without it only decode runs. Output: a table per target, and
+perf/out/ablate.json (VKATTN_PERF_OUT).
 """
 from __future__ import annotations
 
@@ -45,40 +56,53 @@ from vkattn.tuning import kernel_forced
 
 from .common import PerfConfigError, env_int
 
-# (name, [(regex, replacement)]): each regex must match attn_coopmat.comp at least once
-ABLATIONS = [
-    ("whole", []),
-    ("no-kv-loads", [(r"kw\[t\] = kc\[[^;]*\];", "kw[t] = uvec4(i * 0x00010001u);"),
-                     (r"vw\[t\] = vc\[[^;]*\];", "vw[t] = uvec4(i * 0x00010001u);")]),
-    ("no-qk", [(r"acc\[ni\] = coopMatMulAdd\((?:qh\[d\]|ql), kb, acc\[ni\]\);", "")]),
-    ("no-pv", [(r"acc = coopMatMulAdd\((?:ph|pl), vb, acc\);", "")]),
-    ("hi-only", [(r"acc\[ni\] = coopMatMulAdd\(ql, kb, acc\[ni\]\);", ""),
-                 (r"acc = coopMatMulAdd\(pl, vb, acc\);", "")]),
-    ("no-exp", [(r"const float pe = exp2\(p\[k\]\[i\] - mnew\);", "const float pe = p[k][i] - mnew;")]),
-    ("no-rescale", [(r"if \(rescale\) \{", "if (false) {")]),
-]
+# target: (shader file, kernel forced, [(variant, [(regex, replacement)])]); each regex must match
+# the shader at least once
+TARGETS = {
+    "prefill": ("attn_coopmat.comp", "coopmat", [
+        ("whole", []),
+        ("no-kv-loads", [(r"kw\[t\] = kc\[[^;]*\];", "kw[t] = uvec4(i * 0x00010001u);"),
+                         (r"vw\[t\] = vc\[[^;]*\];", "vw[t] = uvec4(i * 0x00010001u);")]),
+        ("no-qk", [(r"acc\[ni\] = coopMatMulAdd\((?:qh\[d\]|ql), kb, acc\[ni\]\);", "")]),
+        ("no-pv", [(r"acc = coopMatMulAdd\((?:ph|pl), vb, acc\);", "")]),
+        ("hi-only", [(r"acc\[ni\] = coopMatMulAdd\(ql, kb, acc\[ni\]\);", ""),
+                     (r"acc = coopMatMulAdd\(pl, vb, acc\);", "")]),
+        ("no-exp", [(r"const float pe = exp2\(p\[k\]\[i\] - mnew\);", "const float pe = max(p[k][i] - mnew + 1.0, 0.0);")]),
+        ("no-rescale", [(r"if \(rescale\) \{", "if (false) {")]),
+    ]),
+    "decode": ("attn.comp", "tile", [
+        ("whole", []),
+        ("no-k-loads", [(r"uvec4 k_unit\(uint row, uint u\) \{ return kc\[row \* DK4 \+ u\]; \}",
+                         "uvec4 k_unit(uint row, uint u) { return uvec4(row * 0x00010001u + u); }")]),
+        ("no-v-loads", [(r"uvec4 v_unit\(uint row, uint u\) \{ return vc\[row \* DV4 \+ u\]; \}",
+                         "uvec4 v_unit(uint row, uint u) { return uvec4(row * 0x00010001u + u); }")]),
+        ("no-exp", [(r"p\[r \* KB \+ i\] = exp2\(s\[i\] - mn\);", "p[r * KB + i] = max(s[i] - mn + 1.0, 0.0);")]),
+        ("no-merge", [(r"if \(s_last != gl_NumWorkGroups\.x - 1u\) return;", "return;")]),
+    ]),
+}
 SHAPE = (32, 8, 128)            # q heads, kv heads, head dim
 
 
-def ablated_source(source: str, edits: list) -> str:
-    """attn_coopmat.comp's ``source`` with ``edits`` applied; ValueError naming an edit that
-    matches nothing (the shader changed under the script)."""
+def ablated_source(source: str, edits: list, shader: str = "the shader") -> str:
+    """``source`` with ``edits`` applied; ValueError naming an edit that matches nothing (the
+    shader changed under the script)."""
     for pattern, repl in edits:
         source, n = re.subn(pattern, repl, source)
         if n == 0:
-            raise ValueError(f"ablation edit {pattern!r} matches nothing in attn_coopmat.comp")
+            raise ValueError(f"ablation edit {pattern!r} matches nothing in {shader}")
     return source
 
 
-def shader_trees(root: Path) -> dict:
-    """{variant: folder}: a copy of the shaders per variant, attn_coopmat.comp edited."""
+def shader_trees(root: Path, target: str) -> dict:
+    """{variant: folder}: a copy of the shaders per variant of ``target``, its kernel edited."""
+    shader, _, variants = TARGETS[target]
     src = Path(str(compiler.shader_dir()))
-    text = src.joinpath("attn_coopmat.comp").read_text()
+    text = src.joinpath(shader).read_text()
     out = {}
-    for name, edits in ABLATIONS:
-        d = root / name
+    for name, edits in variants:
+        d = root / target / name
         shutil.copytree(src, d)
-        d.joinpath("attn_coopmat.comp").write_text(ablated_source(text, edits))
+        d.joinpath(shader).write_text(ablated_source(text, edits, shader))
         out[name] = d
     return out
 
@@ -94,19 +118,20 @@ def shaders_from(folder: Path):
         compiler.shader_dir = real
 
 
-def time_variant(dev, folder: Path, past: int, rows: int, iters: int, data, check: bool) -> dict:
-    """{ms, clock, splits[, max_err]} of the variant's prefill over ``past`` keys."""
+def time_variant(dev, folder: Path, kernel: str, past: int, rows: int, iters: int, data, check: bool) -> dict:
+    """{ms, clock, splits[, max_err, ok]} of a call of ``rows`` query rows over ``past`` cached
+    keys (the cache's capacity ``past``) built from ``folder``'s shaders."""
     hq, hkv, d = SHAPE
     k, v, q = data
-    with shaders_from(folder), kernel_forced("coopmat"):
-        cache = vkattn.KVCache(past + rows, hkv, d, dtype="float16", device=dev, timestamps=True)
+    with shaders_from(folder), kernel_forced(kernel):
+        cache = vkattn.KVCache(past, hkv, d, dtype="float16", device=dev, timestamps=True)
         try:
             cache.append(k, v)
             out = cache.attend(q)                   # builds the plan, warms up
             plan = [p for p in cache._plans.values() if getattr(p, "cfg", None) is not None][-1]
-            if plan.cfg.kernel != "coopmat":
-                raise RuntimeError(f"the call went to {plan.cfg.kernel}, not attn_coopmat.comp")
-            res = {"splits": plan.cfg.splits, "bc": plan.cfg.bc, "br": plan.cfg.br}
+            if plan.cfg.kernel != kernel:
+                raise RuntimeError(f"the call went to {plan.cfg.kernel}, not {kernel}")
+            res = {"splits": plan.cfg.splits}
             if check:
                 ks, vs = cache.read()
                 ref = reference.attention(q, ks, vs)
@@ -128,78 +153,117 @@ def time_variant(dev, folder: Path, past: int, rows: int, iters: int, data, chec
             cache.close()
 
 
-def _pasts() -> list:
-    raw = os.environ.get("VKATTN_ABLATE_PAST", "").strip() or "0,15872"
+def _ints(name: str, default: str, least: int) -> list:
+    raw = os.environ.get(name, "").strip() or default
     try:
-        pasts = [int(x) for x in raw.split(",")]
+        values = [int(x) for x in raw.split(",")]
     except ValueError:
-        pasts = []
-    if not pasts or min(pasts) < 0:
-        raise PerfConfigError(f"VKATTN_ABLATE_PAST={raw!r}: expected a comma list of integers >= 0")
-    return pasts
+        values = []
+    if not values or min(values) < least:
+        raise PerfConfigError(f"{name}={raw!r}: expected a comma list of integers >= {least}")
+    return values
 
 
-def main(argv=None) -> int:
-    pasts = _pasts()
-    rows = env_int("VKATTN_ABLATE_ROWS", 512)
-    iters = env_int("VKATTN_ABLATE_ITERS", 5)
-    rounds = env_int("VKATTN_ABLATE_ROUNDS", 2)
-    dev = vkattn.default_device()
-    with kernel_forced("coopmat"):
-        problem = dev.coopmat_problem()       # the self-test's verdict, on the shipped shaders
-    if problem:
-        print(f"perf ablate: attn_coopmat.comp does not run on {dev.name}: {problem}", file=sys.stderr)
-        return 2
+def run_target(dev, target: str, iters: int, rounds: int) -> dict:
+    """{"sizes", "rows", "table": [{variant, <size>: {ms, runs, vs_whole, ...}}]} of ``target``."""
+    shader, kernel, variants = TARGETS[target]
     hq, hkv, d = SHAPE
+    if target == "prefill":
+        rows = env_int("VKATTN_ABLATE_ROWS", 512)
+        sizes = _ints("VKATTN_ABLATE_PAST", "0,15872", 0)
+        past_of = {p: p + rows for p in sizes}          # the keys cached before the call: past + its rows
+    else:
+        rows = 1
+        sizes = _ints("VKATTN_ABLATE_DECODE_L", "16384", 1)
+        past_of = {p: p for p in sizes}
     rng = np.random.default_rng(5)
-    data = {p: (rng.standard_normal((hkv, p + rows, d), dtype=np.float32),
-                rng.standard_normal((hkv, p + rows, d), dtype=np.float32),
-                rng.standard_normal((hq, rows, d), dtype=np.float32)) for p in pasts}
-    found = {(name, p): [] for name, _ in ABLATIONS for p in pasts}
+    data = {p: (rng.standard_normal((hkv, past_of[p], d), dtype=np.float32),
+                rng.standard_normal((hkv, past_of[p], d), dtype=np.float32),
+                rng.standard_normal((hq, rows, d), dtype=np.float32)) for p in sizes}
+    found = {(name, p): [] for name, _ in variants for p in sizes}
     info = {}
     with tempfile.TemporaryDirectory() as tmp:
-        trees = shader_trees(Path(tmp))
+        trees = shader_trees(Path(tmp), target)
         for rnd in range(rounds):
-            for name, _ in ABLATIONS:
-                for p in pasts:
+            shift = rnd % len(variants)          # each round starts one variant later: none always first
+            for name, _ in variants[shift:] + variants[:shift]:
+                for p in sizes:
                     try:
-                        r = time_variant(dev, trees[name], p, rows, iters, data[p],
-                                         check=(name == "whole" and rnd == 0 and p == min(pasts)))
+                        r = time_variant(dev, trees[name], kernel, past_of[p], rows, iters, data[p],
+                                         check=(name == "whole" and rnd == 0))
                     except Exception as exc:       # noqa: BLE001 -- reported in the table
                         r = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
                     info.setdefault((name, p), {}).update({k: v for k, v in r.items() if k != "ms"})
                     if "ms" in r:
                         found[(name, p)].append(r["ms"])
     table = []
-    for name, _ in ABLATIONS:
+    for name, _ in variants:
         row = {"variant": name}
-        for p in pasts:
-            t = found[(name, p)]
-            whole = found[("whole", p)]
-            row[f"past {p}"] = {"ms": float(np.median(t)) if t else None, "runs": t, **info.get((name, p), {}),
-                                "vs_whole": (float(np.median(t)) / float(np.median(whole))) if t and whole else None}
+        for p in sizes:
+            t, whole = found[(name, p)], found[("whole", p)]
+            row[str(p)] = {"ms": float(np.median(t)) if t else None, "runs": t, **info.get((name, p), {}),
+                           "vs_whole": (float(np.median(t)) / float(np.median(whole))) if t and whole else None}
         table.append(row)
-    print(f"device: {dev.name}; prefill {rows} rows, {hq}/{hkv} heads d{d} float16, attn_coopmat.comp; "
-          f"median ms of {iters} calls x {rounds} rounds")
-    print(f"{'variant':12} " + " ".join(f"{'past ' + str(p):>22}" for p in pasts))
-    for row in table:
+    return {"shader": shader, "kernel": kernel, "rows": rows, "sizes": sizes, "table": table}
+
+
+def print_target(target: str, res: dict, dev, iters: int, rounds: int) -> bool:
+    """The table; True where the whole kernel's results were within tolerance."""
+    hq, hkv, d = SHAPE
+    what = (f"causal prefill of {res['rows']} rows over each past" if target == "prefill"
+            else "decode of one row over each length")
+    print(f"\n{target}: {res['shader']} ({res['kernel']}) on {dev.name}; {what}, {hq}/{hkv} heads d{d} "
+          f"float16; median ms of {iters} calls x {rounds} rounds")
+    label = "past" if target == "prefill" else "L"
+    print(f"{'variant':12} " + " ".join(f"{label + ' ' + str(p):>24}" for p in res["sizes"]))
+    ok = True
+    for row in res["table"]:
         cells = []
-        for p in pasts:
-            c = row[f"past {p}"]
-            cells.append(f"{c['ms']:9.3f} ms ({c['vs_whole']:.2f}x)" if c["ms"] is not None
-                         else f"{'failed':>22}")
-        print(f"{row['variant']:12} " + " ".join(f"{x:>22}" for x in cells))
-        for p in pasts:
-            if "error" in row[f"past {p}"]:
-                print(f"  past {p}: {row[f'past {p}']['error']}")
-    w = next(r for r in table if r["variant"] == "whole")[f"past {min(pasts)}"]
-    if "ok" in w:
-        print(f"whole kernel, past {min(pasts)}: max abs error {w['max_err']:.2e}, "
-              f"{'within' if w['ok'] else 'OUTSIDE'} the float16 tolerance")
+        for p in res["sizes"]:
+            c = row[str(p)]
+            cells.append(f"{c['ms']:9.3f} ms ({c['vs_whole']:.2f}x)" if c["ms"] is not None else "failed")
+        print(f"{row['variant']:12} " + " ".join(f"{x:>24}" for x in cells))
+        for p in res["sizes"]:
+            c = row[str(p)]
+            if "error" in c:
+                print(f"  {label} {p}: {c['error']}")
+            if row["variant"] == "whole" and "ok" in c:
+                ok = ok and c["ok"]
+                print(f"  whole kernel, {label} {p}: max abs error {c['max_err']:.2e}, "
+                      f"{'within' if c['ok'] else 'OUTSIDE'} the float16 tolerance; {c['splits']} splits")
+    return ok
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[2:] if argv is None else argv) or list(TARGETS)
+    bad = [a for a in argv if a not in TARGETS]
+    if bad:
+        print(f"perf ablate: unknown target(s) {bad}; choose from {list(TARGETS)}", file=sys.stderr)
+        return 2
+    try:
+        iters = env_int("VKATTN_ABLATE_ITERS", 5)
+        rounds = env_int("VKATTN_ABLATE_ROUNDS", 2)
+        for t in argv:
+            _ints("VKATTN_ABLATE_PAST" if t == "prefill" else "VKATTN_ABLATE_DECODE_L",
+                  "0" if t == "prefill" else "1", 0 if t == "prefill" else 1)
+    except PerfConfigError as e:
+        print(f"perf ablate: {e}", file=sys.stderr)
+        return 2
+    dev = vkattn.default_device()
+    results, ok = {}, True
+    for target in argv:
+        if target == "prefill":
+            with kernel_forced("coopmat"):
+                problem = dev.coopmat_problem()   # the self-test's verdict, on the shipped shaders
+            if problem:
+                print(f"\nprefill: attn_coopmat.comp does not run on {dev.name}: {problem}")
+                results[target] = {"skipped": problem}
+                continue
+        results[target] = run_target(dev, target, iters, rounds)
+        ok = print_target(target, results[target], dev, iters, rounds) and ok
     o = Path(os.environ.get("VKATTN_PERF_OUT") or Path(__file__).parent / "out")
     o.mkdir(parents=True, exist_ok=True)
     path = o / "ablate.json"
-    path.write_text(json.dumps({"device": dev.name, "rows": rows, "pasts": pasts, "iters": iters, "rounds": rounds,
-                                "table": table}, indent=1))
-    print(f"results: {path}")
-    return 0 if w.get("ok", True) else 1
+    path.write_text(json.dumps({"device": dev.name, "iters": iters, "rounds": rounds, **results}, indent=1))
+    print(f"\nresults: {path}")
+    return 0 if ok else 1

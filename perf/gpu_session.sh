@@ -27,8 +27,9 @@
 #      "0,0" is the kernel of session 21's H100 figures (perf/gpu_report_nvk.md)
 #   ablate: python -m perf ablate: attn_coopmat.comp's prefill S=512 over 0 and 15872 cached with
 #      one part of its key loop taken out at a time (the K/V loads, either product, the lo halves,
-#      exp2, the rescale), beside the whole kernel, two alternated rounds -> OUT/ablate.json: where
-#      its 12.5 us per 32-key block on the H100 (session 21) goes
+#      exp2, the rescale), and attn.comp's decode at L=16384 (the K loads, the V loads, exp2, the
+#      split merge), beside the whole kernels, two alternated rounds -> OUT/ablate.json: where the
+#      prefill's 12.5 us per 32-key block and the decode's 16% of the bandwidth (H100, session 21) go
 #   fp8prefill: prefill S=512 from empty and over 15872 cached with a fp8_e4m3 cache, on
 #      attn_coopmat.comp (fp8 staged into its float16 matrices since session 25) and on attn.comp
 #      -> OUT/fp8prefill.txt (perf prefill checks each result against the reference)
@@ -145,7 +146,7 @@ if want trips; then
   cat "$out/trips.txt" >> "$log"
 fi
 if want ablate; then
-  step "python -m perf ablate (attn_coopmat.comp with parts of its key loop taken out)"
+  step "python -m perf ablate (attn_coopmat.comp's prefill, attn.comp's decode, parts taken out)"
   VKATTN_PERF_OUT="$out" run "${VKATTN_GPU_ABLATE_S:-150}" "$PY" -m perf ablate
 fi
 if want fp8prefill; then

@@ -84,23 +84,25 @@ def test_perf_overhead_takes_device_time_from_one_more_layer(monkeypatch, capsys
     assert "interleaved: wall" in capsys.readouterr().out
 
 
-def test_perf_ablate_edits_the_shipped_kernel(monkeypatch, tmp_path):
+def test_perf_ablate_edits_the_shipped_kernels(monkeypatch, tmp_path):
     """`python -m perf ablate` (a GPU session's step): every variant's edits apply to today's
-    attn_coopmat.comp -- a shader change that breaks one fails here, not on a lent GPU -- and each
-    variant but the whole kernel changes the source; an edit that matches nothing is a ValueError,
-    and so is a bad VKATTN_ABLATE_PAST."""
+    attn_coopmat.comp and attn.comp -- a shader change that breaks one fails here, not on a lent
+    GPU -- and each variant but the whole kernel changes its source; an edit that matches nothing
+    is a ValueError, and so is a bad size list."""
     from perf import ablate
-    trees = ablate.shader_trees(tmp_path)
-    whole = trees["whole"].joinpath("attn_coopmat.comp").read_text()
-    assert [n for n, _ in ablate.ABLATIONS] == list(trees)
-    for name, folder in trees.items():
-        text = folder.joinpath("attn_coopmat.comp").read_text()
-        assert (text == whole) == (name == "whole"), name
-        assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in trees["whole"].iterdir())
-    assert "coopMatMulAdd(ql" not in trees["hi-only"].joinpath("attn_coopmat.comp").read_text()
-    assert "coopMatMulAdd(qh[d]" in trees["hi-only"].joinpath("attn_coopmat.comp").read_text()
+    for target, (shader, _, variants) in ablate.TARGETS.items():
+        trees = ablate.shader_trees(tmp_path, target)
+        whole = trees["whole"].joinpath(shader).read_text()
+        assert [n for n, _ in variants] == list(trees)
+        for name, folder in trees.items():
+            text = folder.joinpath(shader).read_text()
+            assert (text == whole) == (name == "whole"), (target, name)
+            assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in trees["whole"].iterdir())
+    hi = (tmp_path / "prefill" / "hi-only" / "attn_coopmat.comp").read_text()
+    assert "coopMatMulAdd(ql" not in hi and "coopMatMulAdd(qh[d]" in hi
     with pytest.raises(ValueError, match="matches nothing"):
-        ablate.ablated_source(whole, [(r"no such line", "")])
+        ablate.ablated_source("void main() {}", [(r"no such line", "")])
     monkeypatch.setenv("VKATTN_ABLATE_PAST", "0,-1")
     with pytest.raises(PerfConfigError, match="VKATTN_ABLATE_PAST"):
-        ablate._pasts()
+        ablate._ints("VKATTN_ABLATE_PAST", "0", 0)
+    assert ablate.main(["prefill", "nonsense"]) == 2

@@ -100,21 +100,26 @@ def selected(name: str) -> bool:
 
 def time_calls(fn, iters: int, warmup: int, device_of=None) -> dict:
     """Wall time per call (median, min); with ``device_of`` (a KVCache built with timestamps=True)
-    also the median device time of the call's whole submission, and ``host_ms``: the median over
-    the same calls of wall minus device time (the host's share of a call, its timestamps' own cost
+    also the median device time of the call's whole submission, ``kernel_ms``: the median of its
+    dispatches' time alone (the submission less its uploads and downloads: what a kernel-only
+    timer such as torch's CUDA events around SDPA measures), and ``host_ms``: the median over the
+    same calls of wall minus device time (the host's share of a call, its timestamps' own cost
     included)."""
     for _ in range(warmup):
         fn()
-    times, dev, host = [], [], []
+    times, dev, kern, host = [], [], [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-        if device_of is not None and device_of.last_timings():
-            dev.append(sum(ms for _, ms in device_of.last_timings()))
+        ops = device_of.last_timings() if device_of is not None else []
+        if ops:
+            dev.append(sum(ms for _, ms in ops))
+            kern.append(sum(ms for op, ms in ops if not op.startswith(("upload ", "download "))))
             host.append(times[-1] * 1e3 - dev[-1])
     return {"median_ms": float(np.median(times)) * 1e3, "min_ms": float(np.min(times)) * 1e3,
             "device_ms": float(np.median(dev)) if dev else None,
+            "kernel_ms": float(np.median(kern)) if kern else None,
             "host_ms": float(np.median(host)) if host else None}
 
 

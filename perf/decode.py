@@ -160,4 +160,4 @@ def _case(shape: Shape, device, rng, name: str, L: int, cap: int, step: bool) ->
                 vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr["median_ms"],
                 speedup_vs_numpy=tr["median_ms"] / t["median_ms"], metric="GB/s",
                 value=kv_bytes / (t["median_ms"] * 1e-3) / 1e9, verified=ok and torch_ok, device_ms=t["device_ms"],
-                torch_ms=tt, extra={"L": L, "capacity": cap, "kv_bytes": kv_bytes})]
+                torch_ms=tt, extra={"L": L, "capacity": cap, "kv_bytes": kv_bytes, "kernel_ms": t["kernel_ms"]})]

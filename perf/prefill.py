@@ -56,6 +56,6 @@ def run(shape: Shape, device) -> list:
                         vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr["median_ms"],
                         speedup_vs_numpy=tr["median_ms"] / t["median_ms"], metric="GFLOP/s",
                         value=flops / (t["median_ms"] * 1e-3) / 1e9, verified=ok, device_ms=t["device_ms"],
-                        torch_ms=tt, extra={"S": s, "past": past, "flops": flops}))
+                        torch_ms=tt, extra={"S": s, "past": past, "flops": flops, "kernel_ms": t["kernel_ms"]}))
         cache.close()
     return rows

@@ -106,3 +106,28 @@ def test_perf_ablate_edits_the_shipped_kernels(monkeypatch, tmp_path):
     with pytest.raises(PerfConfigError, match="VKATTN_ABLATE_PAST"):
         ablate._ints("VKATTN_ABLATE_PAST", "0", 0)
     assert ablate.main(["prefill", "nonsense"]) == 2
+
+
+def test_perf_gpubench_runs_end_to_end_with_the_kernels_own_time(tmp_path):
+    """`make gpu-bench`'s script, on lavapipe (VKATTN_GPU_BENCH_ALLOW_SOFTWARE=1) with staging
+    copies (VKATTN_HOST_MEMORY=staging: a submission holds uploads and downloads, as on a discrete
+    GPU): every row checked against the reference, each decode row's kernel time -- its
+    dispatches alone, what torch's CUDA events around SDPA compare with -- below its whole
+    submission's device time, and printed with it."""
+    import json
+    import subprocess
+    env = dict(os.environ, VKATTN_GPU_BENCH_ALLOW_SOFTWARE="1", VKATTN_HOST_MEMORY="staging",
+               VKATTN_PERF_CASE="L=64 cap=64", VKATTN_PERF_CONTEXT="64", VKATTN_PERF_ITERS="2",
+               VKATTN_PERF_WARMUP="1", VKATTN_PERF_OUT=str(tmp_path))
+    env.pop("VKATTN_PERF_TORCH_DEVICE", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "perf", "gpubench"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads((tmp_path / "gpu_bench.json").read_text())["rows"]
+    dec = [row for row in rows if row["kernel"] == "decode"]
+    assert dec and all(row["verified"] for row in rows)
+    for row in dec:
+        kern = row["extra"]["kernel_ms"]
+        assert 0 < kern < row["device_ms"], row
+        assert f"{row['case']}: {kern:.3f} of {row['device_ms']:.3f} ms" in r.stdout

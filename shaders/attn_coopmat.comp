@@ -53,9 +53,9 @@
 // float32 results from float16 operands: Q and P are each split into two float16 matrices, hi
 // (x with 13 mantissa bits cleared) and lo = f16(x - hi), and both are multiplied
 // (|x - hi - lo| <= 2^-21 |x|, or 2^-25 absolute below float16's normal range), while K and
-// V are float16 already (or int8 integers, exact in float16). Every product of two float16 values
-// is exact in float32, so the scores and sums have the accuracy of float32 arithmetic, within
-// vkattn.reference.TOLERANCE, at twice the matrix work. Each Q row is scaled by a power of two
+// V are float16 already (or int8 integers, or fp8 values, exact in float16). Every product of two
+// float16 values is exact in float32, so the scores and sums have the accuracy of float32
+// arithmetic, within vkattn.reference.TOLERANCE, at twice the matrix work. Each Q row is scaled by a power of two
 // 2^-e first (max |q| in [0.5, 1)), so no query overflows float16, and its scores by 2^e after.
 // int8: S column j times the key's scale; P column j times v_scale_j / (the block's largest
 // v_scale) before the split, and the block's product times that largest scale is added to O.

@@ -6,57 +6,57 @@
 # spirv-val with their libraries (glslang/bin, glslang/lib) and the .debs of the Vulkan loader and
 # fmt. Every step has its own time limit and the script goes on past a failed one; each step's
 # output goes to OUT/run.log, the reports beside it:
-#   1. python -m vkattn check (every kernel path vkattn takes there; every SPIR-V module built is
-#      checked by spirv-val: VKATTN_SPIRV_VAL)
-#   2. the same with the cooperative-matrix kernel forced (VKATTN_KERNEL=coopmat)
-#   3. python -m perf gpubench (make gpu-bench): device ms beside torch SDPA on the same GPU
-#   4. python -m perf overhead: wall against device time per call, the device-array path, a
-#      30-layer graph replayed (issue 30)
-#   5. the device-path and cooperative-matrix parity tests (pytest), where time is left
-#   formats: python -m perf decode at L=16384 with the cache in
-#      q4 and in fp8_e4m3, each timed in alternated rounds beside float16 and int8 (issue 32)
-#   splits: attn.comp's decode at L=16384 float16 (beside bfloat16, int8 and q4) under
-#      VKATTN_DECODE_SPLITS = the default, 32, 64 and 256: the split count after the merge was shared
-#      between the last workgroup's columns (session 21) -> OUT/splits.txt
-#   vearly: attn.comp's decode at L=16384 with a step's V words loaded with its K words
-#      (VKATTN_TILE_V_EARLY=1) and after the scores (the default), alternated twice -> OUT/vearly.txt
-#   trips: attn_coopmat.comp's prefill S=512 from empty and over 15872 cached, float16, in its
-#      four builds of session 24, one round each -> OUT/trips.txt: COOPMAT_FIXED_TRIPS (O in
-#      registers: NVK's NAK 96 -> 224 GPRs, 20 -> 8 warps per SM, no more 256 bytes a thread of
-#      local memory) x COOPMAT_STAGE_BATCH (a key block's K/V loads in flight together);
-#      "0,0" is the kernel of session 21's H100 figures (perf/gpu_report_nvk.md)
+# the steps, in the order they run (VKATTN_GPU_STEPS names them; default "check coopmat bench
+# ablate trips model overhead merge vearly fp8prefill splits suite", the first the ones a GPU's
+# figures and verdicts need most):
+#   check: python -m vkattn check (every kernel path vkattn takes there; every SPIR-V module built
+#      is checked by spirv-val: VKATTN_SPIRV_VAL)
+#   coopmat: the same with the cooperative-matrix kernel forced (VKATTN_KERNEL=coopmat)
+#   bench: python -m perf gpubench (make gpu-bench): device ms, and the kernels' own, beside torch
+#      SDPA on the same GPU
 #   ablate: python -m perf ablate: attn_coopmat.comp's prefill S=512 over 0 and 15872 cached with
 #      one part of its key loop taken out at a time (the K/V loads, either product, the lo halves,
 #      exp2, the rescale), and attn.comp's decode at L=16384 (the K loads, the V loads, exp2, the
 #      split merge), beside the whole kernels, two alternated rounds -> OUT/ablate.json: where the
 #      prefill's 12.5 us per 32-key block and the decode's 16% of the bandwidth (H100, session 21) go
+#   trips: attn_coopmat.comp's prefill S=512 from empty and over 15872 cached, float16, in its
+#      four builds of session 24, one round each -> OUT/trips.txt: COOPMAT_FIXED_TRIPS (O in
+#      registers: NVK's NAK 96 -> 224 GPRs, 20 -> 8 warps per SM, no more 256 bytes a thread of
+#      local memory) x COOPMAT_STAGE_BATCH (a key block's K/V loads in flight together);
+#      "0,0" is the kernel of session 21's H100 figures (perf/gpu_report_nvk.md)
+#   model: python -m perf model --random, SmolLM2-135M's shape with random weights (no
+#      transformers, no model package needed): wall, device and host time of a decode token, each
+#      token one replay of the 30 layers' graph (issue 30); with linear.comp's GPU layout
+#      (DeviceLlama.LAYOUTS, session 25), then with the CPU layout of the H100's session 21
+#      figures (--layout 16,1,16) -> OUT/model_random{,_cpu_layout}.json
+#   overhead: python -m perf overhead: wall against device time per call, the device-array path,
+#      a 30-layer graph replayed (issue 30)
+#   merge: attn.comp's decode at L=16384 (float16, bfloat16, int8) with the split merge reading 2
+#      splits at once (the default since session 24), 1 at a time as before (0) and 4
+#      -> OUT/merge.txt (perf/RESULTS.md session 24: the merge's serial reads, not the K/V reads,
+#      likely bound the H100's decode at 128 splits)
+#   vearly: attn.comp's decode at L=16384 with a step's V words loaded with its K words
+#      (VKATTN_TILE_V_EARLY=1) and after the scores (the default) -> OUT/vearly.txt
 #   fp8prefill: prefill S=512 from empty and over 15872 cached with a fp8_e4m3 cache, on
 #      attn_coopmat.comp (fp8 staged into its float16 matrices since session 25) and on attn.comp
 #      -> OUT/fp8prefill.txt (perf prefill checks each result against the reference)
-#   merge: attn.comp's decode at L=16384 (float16, bfloat16, int8) with the split merge reading 2
-#      splits at once (the default since session 24), 1 at a time as before (0) and 4, alternated
-#      twice -> OUT/merge.txt (perf/RESULTS.md session 24: the merge's serial reads, not the K/V
-#      reads, likely bound the H100's decode at 128 splits)
-#   model: python -m perf model --random, SmolLM2-135M's shape
-#      with random weights (no transformers, no model package needed): wall, device and host time
-#      of a decode token, each token one replay of the 30 layers' graph (issue 30); with
-#      linear.comp's GPU layout (DeviceLlama.LAYOUTS, session 25), then with the CPU layout of the
-#      H100's session 21 figures (--layout 16,1,16) -> OUT/model_random{,_cpu_layout}.json
-#   suite (in place of 5): the whole test suite but the files
-#      that need transformers' model downloads, the install, the soak and the fuzz runs, where time
-#      is left
-#   sweep (only when VKATTN_GPU_STEPS names it): attn.comp's decode shape on this GPU, float16,
-#      bfloat16 and int8 at L=16384 (VKATTN_TILE_DECODE=RPT,KB, and VKATTN_DECODE_SPLITS from
-#      VKATTN_GPU_SWEEP_SPLITS; device ms, every result checked against the reference by perf
-#      decode) -> OUT/sweep.txt
+#   splits: attn.comp's decode at L=16384 float16 (beside bfloat16, int8 and q4) under
+#      VKATTN_DECODE_SPLITS = the default, 32, 64 and 256: the split count after the merge was shared
+#      between the last workgroup's columns (session 21) -> OUT/splits.txt
+#   suite: the whole test suite but the files that need transformers' model downloads, the
+#      install, the soak and the fuzz runs, in the time left ("tests": the device-path and
+#      cooperative-matrix parity tests only)
+#   formats and sweep, only when named: python -m perf decode at L=16384 with the cache in q4 and
+#      in fp8_e4m3 beside float16 and int8 (issue 32; session 21 measured them); attn.comp's decode
+#      shape on this GPU at L=16384 (VKATTN_TILE_DECODE=RPT,KB, VKATTN_DECODE_SPLITS from
+#      VKATTN_GPU_SWEEP_SPLITS) -> OUT/sweep.txt
 #   VKATTN_GPU_EXTRA (a command, run last in the same environment where set): an experiment's
 #      script, its output to the log
-# VKATTN_GPU_STEPS picks steps (default "check coopmat trips ablate fp8prefill merge vearly bench overhead model splits suite",
-# in that order -- by session 21's step times on the H100 (check 58 s, coopmat 14, a perf decode
-# 10-30, bench 94, model 31) more than VKATTN_GPU_SESSION_S (520 s) holds: a step that would start
-# with under 40 s of it left is logged as skipped, to be named in VKATTN_GPU_STEPS for a second
-# call; the suite takes what is left; "formats" (session 21 measured them) and "sweep" only when
-# named; "tests" is the short form of "suite").
+# Time: by session 21's step times on the H100 (check 58 s, coopmat 14, a perf decode 10-30, bench
+# 94, model 31) the default steps take about 11 minutes before the suite, more than one call of
+# the device tool (600 s): a step that would start with under 40 s of VKATTN_GPU_SESSION_S (520 s)
+# left is logged as skipped, for a second call to name in VKATTN_GPU_STEPS; the suite takes what
+# is left.
 # Usage: bash perf/gpu_session.sh [BUNDLE] [OUT]   (OUT defaults to $OUT, then perf/out/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -118,7 +118,7 @@ variant() {
 DECODE_16K=(VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20
             "VKATTN_PERF_CASE=decode L=16384 cap=16384" VKATTN_PERF_TORCH_DEVICE=cuda)
 
-steps=" ${VKATTN_GPU_STEPS:-check coopmat trips ablate fp8prefill merge vearly bench overhead model splits suite} "
+steps=" ${VKATTN_GPU_STEPS:-check coopmat bench ablate trips model overhead merge vearly fp8prefill splits suite} "
 # a step named in $steps runs while VKATTN_GPU_SESSION_S (default 520) has 40 s or more left, so
 # that the whole script stays inside one 600-second call of the device tool; the rest are logged as
 # skipped (name them in VKATTN_GPU_STEPS for a second call)
@@ -135,6 +135,15 @@ if want coopmat; then
   step "python -m vkattn check, the cooperative-matrix kernel forced"
   VKATTN_KERNEL=coopmat run "${VKATTN_GPU_CHECK_S:-150}" "$PY" -m vkattn check --json "$out/check_coopmat.json"
 fi
+if want bench; then
+  step "python -m perf gpubench (make gpu-bench)"
+  run "${VKATTN_GPU_BENCH_S:-200}" "$PY" -m perf gpubench
+  cp perf/out/gpu_bench.json perf/out/gpu_bench.csv "$out/" 2>/dev/null
+fi
+if want ablate; then
+  step "python -m perf ablate (attn_coopmat.comp's prefill, attn.comp's decode, parts taken out)"
+  VKATTN_PERF_OUT="$out" run "${VKATTN_GPU_ABLATE_S:-150}" "$PY" -m perf ablate
+fi
 if want trips; then
   step "coopmat prefill S=512, past 0 and 15872: COOPMAT_FIXED_TRIPS,COOPMAT_STAGE_BATCH 1,1 0,0 1,0 0,1"
   for tb in 1,1 0,0 1,0 0,1; do
@@ -145,9 +154,32 @@ if want trips; then
   done
   cat "$out/trips.txt" >> "$log"
 fi
-if want ablate; then
-  step "python -m perf ablate (attn_coopmat.comp's prefill, attn.comp's decode, parts taken out)"
-  VKATTN_PERF_OUT="$out" run "${VKATTN_GPU_ABLATE_S:-150}" "$PY" -m perf ablate
+if want model; then
+  step "python -m perf model --random (SmolLM2-135M's shape, random weights): the GPU layout, then the CPU one"
+  run "${VKATTN_GPU_MODEL_S:-150}" "$PY" -m perf model --random --new 32
+  cp perf/out/model_random.json "$out/" 2>/dev/null
+  run "${VKATTN_GPU_MODEL_S:-150}" "$PY" -m perf model --random --new 32 --layout 16,1,16
+  cp perf/out/model_random.json "$out/model_random_cpu_layout.json" 2>/dev/null
+fi
+if want overhead; then
+  step "python -m perf overhead"
+  run "${VKATTN_GPU_OVERHEAD_S:-90}" "$PY" -m perf overhead
+fi
+if want merge; then
+  step "decode L=16384: VKATTN_TILE_MERGE_BATCH default (2), 0, 4"
+  for mb in "" 0 4; do
+    variant "$out/merge.txt" "TILE_MERGE_BATCH=${mb:-default}" "^decode L=16384" VKATTN_TILE_MERGE_BATCH=$mb \
+      "${DECODE_16K[@]}" -- "$PY" -m perf decode
+  done
+  cat "$out/merge.txt" >> "$log"
+fi
+if want vearly; then
+  step "decode L=16384: VKATTN_TILE_V_EARLY 1 / 0"
+  for ve in 1 0; do
+    variant "$out/vearly.txt" "TILE_V_EARLY=$ve" "^decode L=16384" VKATTN_TILE_V_EARLY=$ve "${DECODE_16K[@]}" \
+      -- "$PY" -m perf decode
+  done
+  cat "$out/vearly.txt" >> "$log"
 fi
 if want fp8prefill; then
   step "prefill S=512, past 0 and 15872, fp8_e4m3: attn_coopmat.comp / attn.comp"
@@ -157,31 +189,6 @@ if want fp8prefill; then
       VKATTN_PERF_TORCH_DEVICE=cuda -- "$PY" -m perf prefill
   done
   cat "$out/fp8prefill.txt" >> "$log"
-fi
-if want merge; then
-  step "decode L=16384: VKATTN_TILE_MERGE_BATCH default (2), 0, 4, twice"
-  for mb in "" 0 4 "" 0 4; do
-    variant "$out/merge.txt" "TILE_MERGE_BATCH=${mb:-default}" "^decode L=16384" VKATTN_TILE_MERGE_BATCH=$mb \
-      "${DECODE_16K[@]}" -- "$PY" -m perf decode
-  done
-  cat "$out/merge.txt" >> "$log"
-fi
-if want vearly; then
-  step "decode L=16384: VKATTN_TILE_V_EARLY 1 / 0, twice"
-  for ve in 1 0 1 0; do
-    variant "$out/vearly.txt" "TILE_V_EARLY=$ve" "^decode L=16384" VKATTN_TILE_V_EARLY=$ve "${DECODE_16K[@]}" \
-      -- "$PY" -m perf decode
-  done
-  cat "$out/vearly.txt" >> "$log"
-fi
-if want bench; then
-  step "python -m perf gpubench (make gpu-bench)"
-  run "${VKATTN_GPU_BENCH_S:-200}" "$PY" -m perf gpubench
-  cp perf/out/gpu_bench.json perf/out/gpu_bench.csv "$out/" 2>/dev/null
-fi
-if want overhead; then
-  step "python -m perf overhead"
-  run "${VKATTN_GPU_OVERHEAD_S:-90}" "$PY" -m perf overhead
 fi
 if want sweep; then
   step "decode sweep: VKATTN_TILE_DECODE (rpt,kb) x VKATTN_DECODE_SPLITS, L=16384"
@@ -208,13 +215,6 @@ if want splits; then
       "${DECODE_16K[@]}" VKATTN_PERF_CASE= -- "$PY" -m perf decode
   done
   cat "$out/splits.txt" >> "$log"
-fi
-if want model; then
-  step "python -m perf model --random (SmolLM2-135M's shape, random weights): the GPU layout, then the CPU one"
-  run "${VKATTN_GPU_MODEL_S:-150}" "$PY" -m perf model --random --new 32
-  cp perf/out/model_random.json "$out/" 2>/dev/null
-  run "${VKATTN_GPU_MODEL_S:-150}" "$PY" -m perf model --random --new 32 --layout 16,1,16
-  cp perf/out/model_random.json "$out/model_random_cpu_layout.json" 2>/dev/null
 fi
 left=$(( ${VKATTN_GPU_SESSION_S:-520} - (SECONDS - start) ))
 if want suite && [ "$left" -gt 30 ]; then

@@ -46,10 +46,13 @@
 #   suite: the whole test suite but the files that need transformers' model downloads, the
 #      install, the soak and the fuzz runs, in the time left ("tests": the device-path and
 #      cooperative-matrix parity tests only)
-#   formats and sweep, only when named: python -m perf decode at L=16384 with the cache in q4 and
-#      in fp8_e4m3 beside float16 and int8 (issue 32; session 21 measured them); attn.comp's decode
-#      shape on this GPU at L=16384 (VKATTN_TILE_DECODE=RPT,KB, VKATTN_DECODE_SPLITS from
-#      VKATTN_GPU_SWEEP_SPLITS) -> OUT/sweep.txt
+#   formats, sweep and coopsweep, only when named: python -m perf decode at L=16384 with the cache
+#      in q4 and in fp8_e4m3 beside float16 and int8 (issue 32; session 21 measured them);
+#      attn.comp's decode shape on this GPU at L=16384 (VKATTN_TILE_DECODE=RPT,KB,
+#      VKATTN_DECODE_SPLITS from VKATTN_GPU_SWEEP_SPLITS) -> OUT/sweep.txt; attn_coopmat.comp's
+#      prefill S=512 over 0 and 15872 at the tiles of VKATTN_GPU_COOP_TILES (default "4,2 2,2 2,1
+#      4,1 1,2": subgroups per workgroup, matrix sides of keys per block; VKATTN_COOPMAT_TILE)
+#      -> OUT/coopsweep.txt
 #   VKATTN_GPU_EXTRA (a command, run last in the same environment where set): an experiment's
 #      script, its output to the log
 # Time: by session 21's step times on the H100 (check 58 s, coopmat 14, a perf decode 10-30, bench
@@ -200,6 +203,15 @@ if want sweep; then
     done
   done
   cat "$out/sweep.txt" >> "$log"
+fi
+if want coopsweep; then
+  step "coopmat prefill S=512, past 0 and 15872, at tiles ${VKATTN_GPU_COOP_TILES:-4,2 2,2 2,1 4,1 1,2}"
+  for tile in ${VKATTN_GPU_COOP_TILES:-4,2 2,2 2,1 4,1 1,2}; do
+    variant "$out/coopsweep.txt" "VKATTN_COOPMAT_TILE=$tile" "^prefill S=512" VKATTN_KERNEL=coopmat \
+      VKATTN_COOPMAT_TILE=$tile VKATTN_PERF_QLEN=512 VKATTN_PERF_CONTEXT=512,16384 VKATTN_PERF_CAPACITY=16384 \
+      VKATTN_PERF_ITERS=8 VKATTN_PERF_TORCH_DEVICE=cuda -- "$PY" -m perf prefill
+  done
+  cat "$out/coopsweep.txt" >> "$log"
 fi
 if want formats; then
   for dt in q4 fp8_e4m3; do

@@ -559,6 +559,53 @@ def test_forward_appends_first_where_coopmat_takes_the_call(device, monkeypatch)
     assert appends_first(gpu, 33, 1, 2)           # over FUSED_APPEND_MAX_ROWS: always
 
 
+def test_planner_takes_a_swept_tile(device, monkeypatch):
+    # VKATTN_COOPMAT_TILE="NSG,KT" (a GPU session's coopsweep step): NSG subgroups of 32, one row
+    # tile each, and KT matrix sides of keys per block, still halved to what the shared memory holds
+    monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
+    gpu = planning(device, monkeypatch, **dict(GPU, max_compute_shared_memory_size=49152))   # NVIDIA's 48 KiB
+    fmt = StorageFormat(8, 128, dtype="float16")
+    assert tuning.coopmat_tile() == (tuning.COOPMAT_SUBGROUPS, tuning.COOPMAT_KEY_TILES)
+    # ("4,4" and "1,4": 64 keys a block would pass 48 KiB and COOPMAT_SHARED_BUDGET's 32 KiB: halved)
+    for env, nsg, bc in (("2,2", 2, 32), ("2,1", 2, 16), ("4,4", 4, 32), ("1,4", 1, 32)):
+        monkeypatch.setenv("VKATTN_COOPMAT_TILE", env)
+        cfg, pipe = attn_pipeline(gpu, fmt, 32, 512, 0, 1, 0, 4096, False)
+        assert cfg.kernel == "coopmat" and (cfg.wg, cfg.br, cfg.bc) == (nsg * 32, nsg * 16, bc), env
+        assert tuning.coopmat_shared_bytes(cfg.br, cfg.bc, fmt._dk4, fmt._dv4, fmt._ch, cfg.mnk, nsg) <= 49152
+    # 8 subgroups: Q's lo rows alone pass 48 KiB at d128 -- the stated fallback, attn.comp
+    monkeypatch.setenv("VKATTN_COOPMAT_TILE", "8,1")
+    assert attn_pipeline(gpu, fmt, 32, 512, 0, 1, 0, 4096, False)[0].kernel == "tile"
+    for bad in ("3,2", "4", "4,8", "x,y"):
+        monkeypatch.setenv("VKATTN_COOPMAT_TILE", bad)
+        with pytest.raises(ValueError, match="VKATTN_COOPMAT_TILE"):
+            attn_pipeline(gpu, fmt, 32, 512, 0, 1, 0, 4096, False)
+
+
+@pytest.mark.parametrize("tile", ["2,4", "8,1", "1,2"])
+def test_other_tiles_keep_parity(coopmat, rng, monkeypatch, tile):
+    """The kernel at tiles a GPU sweep may pick (VKATTN_COOPMAT_TILE): more or fewer subgroups per
+    workgroup, more keys per block; a prefill and a chunk over a past split several ways, int8's
+    scales and a window with sinks on the way."""
+    monkeypatch.setenv("VKATTN_COOPMAT_TILE", tile)
+    nsg, kt = map(int, tile.split(","))
+    for dtype in ("float16", "int8"):
+        cache = vkattn.KVCache(700, 2, 40, dtype=dtype, device=coopmat)
+        mirror = Mirror(cache)
+        k, v = rand_kv(rng, cache, 650)
+        q = rand_q(rng, cache, 2, 650)
+        assert_close(cache.forward(q, k, v), attention(q, round_to(k, dtype), round_to(v, dtype)), dtype)
+        mirror.append(k, v)
+        cfg = last_cfg(cache)
+        assert cfg.kernel == "coopmat" and cfg.wg == nsg * cfg.sg
+        k, v = rand_kv(rng, cache, 3)
+        q = rand_q(rng, cache, 2, 3)
+        out = cache.forward(q, k, v, window=200, n_sink=3)
+        mirror.append(k, v)
+        assert_close(out, attention(q, mirror.k, mirror.v, window=200, n_sink=3), dtype)
+        assert last_cfg(cache).splits > 1
+        cache.close()
+
+
 def test_planner_falls_back_where_the_tile_does_not_fit(device, monkeypatch):
     monkeypatch.delenv("VKATTN_KERNEL", raising=False)
     small = planning(device, monkeypatch, **dict(GPU, max_compute_shared_memory_size=40960))

@@ -186,6 +186,20 @@ def tile_merge_batch() -> int | None:
     return int(env)
 
 
+def coopmat_tile() -> tuple:
+    """(subgroups per workgroup, matrix sides of keys per block) of attn_coopmat.comp:
+    VKATTN_COOPMAT_TILE="NSG,KT" (NSG 1, 2, 4 or 8; KT 1, 2 or 4) for a GPU's sweep
+    (perf/gpu_session.sh's coopsweep step), else (COOPMAT_SUBGROUPS, COOPMAT_KEY_TILES). A tile
+    over the device's shared memory gives up keys per block as the default's does (coopmat_config)."""
+    env = os.environ.get("VKATTN_COOPMAT_TILE", "")
+    if not env:
+        return COOPMAT_SUBGROUPS, COOPMAT_KEY_TILES
+    parts = env.split(",")
+    if len(parts) != 2 or parts[0] not in ("1", "2", "4", "8") or parts[1] not in ("1", "2", "4"):
+        raise ValueError(f"VKATTN_COOPMAT_TILE={env!r}: expected NSG,KT with NSG 1, 2, 4 or 8 and KT 1, 2 or 4")
+    return int(parts[0]), int(parts[1])
+
+
 def tile_v_early() -> bool:
     """attn.comp's TILE_V_EARLY from VKATTN_TILE_V_EARLY (0 or 1; unset: 0, the shader's default):
     the decode loads a step's V words with its K words, before the scores, not after them. Off
@@ -338,7 +352,8 @@ def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capa
 
     The workgroup: COOPMAT_SUBGROUPS subgroups of Device.coopmat_subgroup(), one row tile of M
     query vectors each (BR = COOPMAT_SUBGROUPS * M); query rows bq (a power of two, G * bq <= BR)
-    folded with the G heads into those rows; BC = COOPMAT_KEY_TILES * max(N, K) keys per block,
+    folded with the G heads into those rows; BC = COOPMAT_KEY_TILES * max(N, K) keys per block
+    (both from VKATTN_COOPMAT_TILE where set: coopmat_tile),
     halved while over COOPMAT_SHARED_BUDGET (then the device's limit) down to one matrix side and
     8 * TPR; the softmax by TPR = max(1, SG / M) lanes per row, each taking runs of 8 adjacent
     columns (whole words of P). Split-K as attn.comp's prefill (tile_config)."""
@@ -347,7 +362,7 @@ def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capa
     mnk = device.coopmat_shape()
     mm, mn, mk = mnk
     sg = device.coopmat_subgroup()
-    nsg = COOPMAT_SUBGROUPS
+    nsg, key_tiles = coopmat_tile()
     wg = nsg * sg
     br = nsg * mm
     if wg > device.max_workgroup_size or group > br:
@@ -361,7 +376,7 @@ def coopmat_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capa
     least = max(mn, mk, 8 * tpr)
 
     def fit(budget):
-        bc = max(COOPMAT_KEY_TILES * max(mn, mk), least)
+        bc = max(key_tiles * max(mn, mk), least)
         while coopmat_shared_bytes(br, bc, dk4, dv4, ch, mnk, nsg) > budget:
             if bc // 2 < least:
                 return None

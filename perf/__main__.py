@@ -76,6 +76,10 @@ def main(argv=None) -> int:
         if r.kernel == "loads":
             print(f"  {r.case}: {r.value:.3f} ns per word; the K/V loads of decode L=4096 alone would take "
                   f"{r.extra['decode_L4096_floor_ms']:.2f} ms at that rate")
+    for r in rows:       # where a submission holds copies (staging: discrete GPUs), the kernels alone
+        k = r.extra.get("kernel_ms")
+        if k is not None and r.device_ms is not None and k < r.device_ms:
+            print(f"{r.case} -- the kernels alone {k:.3f} of its {r.device_ms:.3f} device ms (the rest: copies)")
     hf.notes(rows)
     cascade.notes(rows)
     out = write_results(rows, device.name, copy_bandwidth())

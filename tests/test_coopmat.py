@@ -187,6 +187,8 @@ def test_fp8_head_scales_saturation_and_subnormals(coopmat, rng, dtype):
     assert cfg.kernel == "coopmat" and cfg.splits > 1
     sub = np.abs(kk[kk != 0] / np.repeat(k_scale, kk.shape[1] * d).reshape(kk.shape)[kk != 0])
     assert (sub < (2.0 ** -6 if dtype == "fp8_e4m3" else 2.0 ** -14)).any()     # subnormals were there
+    top = np.float32(448.0 if dtype == "fp8_e4m3" else 57344.0) * k_scale[0]
+    assert (np.abs(kk[0]) == top).any()                                        # and saturated keys
     cache.close()
 
 

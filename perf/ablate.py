@@ -164,18 +164,22 @@ def _ints(name: str, default: str, least: int) -> list:
     return values
 
 
-def run_target(dev, target: str, iters: int, rounds: int) -> dict:
-    """{"sizes", "rows", "table": [{variant, <size>: {ms, runs, vs_whole, ...}}]} of ``target``."""
-    shader, kernel, variants = TARGETS[target]
-    hq, hkv, d = SHAPE
+def target_sizes(target: str) -> tuple:
+    """(query rows, sizes, {size: keys in the cache at the call}) of ``target`` from its
+    variables; PerfConfigError for a bad value."""
     if target == "prefill":
         rows = env_int("VKATTN_ABLATE_ROWS", 512)
         sizes = _ints("VKATTN_ABLATE_PAST", "0,15872", 0)
-        past_of = {p: p + rows for p in sizes}          # the keys cached before the call: past + its rows
-    else:
-        rows = 1
-        sizes = _ints("VKATTN_ABLATE_DECODE_L", "16384", 1)
-        past_of = {p: p for p in sizes}
+        return rows, sizes, {p: p + rows for p in sizes}      # past + the call's own rows
+    sizes = _ints("VKATTN_ABLATE_DECODE_L", "16384", 1)
+    return 1, sizes, {p: p for p in sizes}
+
+
+def run_target(dev, target: str, iters: int, rounds: int, rows: int, sizes: list, past_of: dict) -> dict:
+    """{"sizes", "rows", "table": [{variant, <size>: {ms, runs, vs_whole, ...}}]} of ``target``
+    (its target_sizes)."""
+    shader, kernel, variants = TARGETS[target]
+    hq, hkv, d = SHAPE
     rng = np.random.default_rng(5)
     data = {p: (rng.standard_normal((hkv, past_of[p], d), dtype=np.float32),
                 rng.standard_normal((hkv, past_of[p], d), dtype=np.float32),
@@ -243,9 +247,7 @@ def main(argv=None) -> int:
     try:
         iters = env_int("VKATTN_ABLATE_ITERS", 5)
         rounds = env_int("VKATTN_ABLATE_ROUNDS", 2)
-        for t in argv:
-            _ints("VKATTN_ABLATE_PAST" if t == "prefill" else "VKATTN_ABLATE_DECODE_L",
-                  "0" if t == "prefill" else "1", 0 if t == "prefill" else 1)
+        sizes = {t: target_sizes(t) for t in argv}
     except PerfConfigError as e:
         print(f"perf ablate: {e}", file=sys.stderr)
         return 2
@@ -259,7 +261,7 @@ def main(argv=None) -> int:
                 print(f"\nprefill: attn_coopmat.comp does not run on {dev.name}: {problem}")
                 results[target] = {"skipped": problem}
                 continue
-        results[target] = run_target(dev, target, iters, rounds)
+        results[target] = run_target(dev, target, iters, rounds, *sizes[target])
         ok = print_target(target, results[target], dev, iters, rounds) and ok
     o = Path(os.environ.get("VKATTN_PERF_OUT") or Path(__file__).parent / "out")
     o.mkdir(parents=True, exist_ok=True)

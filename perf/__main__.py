@@ -15,7 +15,7 @@ import sys
 import vkattn
 
 from . import append, batch, cascade, decode, hf, loads, newlen, overhead, prefill, prefix
-from .common import PerfConfigError, Shape, copy_bandwidth, print_table, write_results
+from .common import PerfConfigError, Shape, copy_bandwidth, kernels_line, print_table, write_results
 
 SCRIPTS = {"decode": decode, "prefill": prefill, "append": append, "overhead": overhead, "batch": batch,
            "cascade": cascade, "loads": loads, "hf": hf, "newlen": newlen, "prefix": prefix}
@@ -77,9 +77,8 @@ def main(argv=None) -> int:
             print(f"  {r.case}: {r.value:.3f} ns per word; the K/V loads of decode L=4096 alone would take "
                   f"{r.extra['decode_L4096_floor_ms']:.2f} ms at that rate")
     for r in rows:       # where a submission holds copies (staging: discrete GPUs), the kernels alone
-        k = r.extra.get("kernel_ms")
-        if k is not None and r.device_ms is not None and k < r.device_ms:
-            print(f"{r.case} -- the kernels alone {k:.3f} of its {r.device_ms:.3f} device ms (the rest: copies)")
+        if r.extra.get("kernel_ms") is not None and r.device_ms is not None and r.extra["kernel_ms"] < r.device_ms:
+            print(kernels_line(r))
     hf.notes(rows)
     cascade.notes(rows)
     out = write_results(rows, device.name, copy_bandwidth())

@@ -123,6 +123,18 @@ def time_calls(fn, iters: int, warmup: int, device_of=None) -> dict:
             "host_ms": float(np.median(host)) if host else None}
 
 
+def kernels_line(r) -> str | None:
+    """'<case>: K of D ms of device time in the kernels alone' (the submission less its copies;
+    with the K/V read rate and torch's time where the row has them), or None where the row has no
+    kernel time (no timestamps)."""
+    k = r.extra.get("kernel_ms")
+    if k is None or r.device_ms is None:
+        return None
+    rate = f", {r.extra['kv_bytes'] / (k * 1e-3) / 1e9:.0f} GB/s of K/V" if "kv_bytes" in r.extra else ""
+    tt = f" (torch {r.torch_ms:.3f} ms)" if r.torch_ms is not None else ""
+    return f"{r.case}: {k:.3f} of {r.device_ms:.3f} ms of device time in the kernels alone{rate}{tt}"
+
+
 def torch_case(q, k, v, causal: bool, ref, dtype: str, iters: int, warmup: int):
     """torch's scaled_dot_product_attention on the same values (tensors made once): (its result
     matches ``ref``, median ms), or (True, None) when torch is not installed. On the CPU in float32;

@@ -22,7 +22,7 @@ import vkattn
 from vkattn import tuning
 
 from . import batch, decode, prefill
-from .common import PerfConfigError, Shape, print_table, write_results
+from .common import PerfConfigError, Shape, kernels_line, print_table, write_results
 
 DEFAULT_CONTEXT = "512,4096,16384"
 
@@ -80,15 +80,10 @@ def main(argv=None) -> int:
     torch_label = "torch GPU" if tgpu else "torch CPU"
     print(f"torch beside it: {tgpu or 'CPU (no CUDA/ROCm device visible to torch)'}")
     print_table(rows, label, torch_label)
-    kern = [r for r in rows if r.extra.get("kernel_ms") is not None]
+    kern = [line for line in map(kernels_line, rows) if line]
     if kern:
-        print("\ndevice ms of the kernels alone (the submission less its uploads and downloads), beside "
-              f"{torch_label}'s SDPA:")
-        for r in kern:
-            rate = (f", {r.extra['kv_bytes'] / (r.extra['kernel_ms'] * 1e-3) / 1e9:.0f} GB/s of K/V"
-                    if "kv_bytes" in r.extra else "")
-            tt = f" (torch {r.torch_ms:.3f} ms)" if r.torch_ms is not None else ""
-            print(f"  {r.case}: {r.extra['kernel_ms']:.3f} of {r.device_ms:.3f} ms{rate}{tt}")
+        print(f"\nthe kernels alone (the submission less its uploads and downloads), beside {torch_label}'s SDPA:")
+        print("\n".join("  " + line for line in kern))
     out = write_results(rows, label, stem="gpu_bench", extra={"torch_device": tgpu or "cpu",
                                                                "driver": f"{info.driver_name} {info.driver_info}"})
     print(f"\nresults: {out}/gpu_bench.json, {out}/gpu_bench.csv")

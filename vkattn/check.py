@@ -140,9 +140,6 @@ class _Acc:
         return self.num / self.den if self.den > 0 else 0.0
 
 
-_env = tuning.env_set
-
-
 class _Mirror:
     """What a KVCache must hold: every appended row as the cache stores it."""
 
@@ -438,7 +435,7 @@ def _case_storage(dev, rng, acc, dtype, hkv=2, n=67, d=72):
 
 
 def _case_splitk(dev, rng, acc, dtype, repeats, hkv=2, group=8, d=128, length=6000, rows=1):
-    with _env(VKATTN_DECODE_SPLITS="64"), KVCache(length + 1, hkv, d, dtype=dtype, device=dev) as c:
+    with tuning.env_set(VKATTN_DECODE_SPLITS="64"), KVCache(length + 1, hkv, d, dtype=dtype, device=dev) as c:
         k, v = _rand(rng, hkv, length, d), _rand(rng, hkv, length, d)
         c.append(k, v)
         ks, vs = c.read()
@@ -519,7 +516,7 @@ def run_check(dev=None, *, quick: bool = False, repeats: int = 20, progress=None
             acc = _Acc(dtype)
             t0 = time.perf_counter()
             try:
-                with _env(VKATTN_KERNEL=kernel):
+                with tuning.env_set(VKATTN_KERNEL=kernel):
                     fn(dev, rng, acc)
                 detail = "; ".join(acc.bad[:3]) + (f" (+{len(acc.bad) - 3} more)" if len(acc.bad) > 3 else "")
                 ok = not acc.bad

@@ -338,7 +338,7 @@ def coopmat_shared_bytes(br: int, bc: int, dk4: int, dv4: int, ch: int, mnk: tup
     krow, vrow = dks // 8 + 1, dvs // 8 + 1
     scratch = max(mm * (bc // 4 + 1), 2 * mm * (bc // 8 + 1), mm * (mn // 4 + 1))
     words = max(bc * (krow + vrow) + nsg * scratch, br * krow) + br * krow   # + Q's lo rows
-    i8 = ch == 4
+    i8 = ch == 4        # int8's per-key scales; fp8 (also 16 a word) declares none: at most 8 * BC bytes over
     return 16 * words + 2 * br * 4 + (2 * bc * 4 if i8 else 8) + nsg * 4 + 4
 
 

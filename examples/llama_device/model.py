@@ -112,8 +112,10 @@ class DeviceLlama:
     included, rounded to float16 once: matmuls read half the bytes; arithmetic stays float32), or
     "q4_1" (the layers' matrices in GGUF's Q4_1 blocks, the embedding / lm_head in Q8_0, norms
     float32: quant.py; a sixth of float32's bytes): ``blocks`` maps weight names to such blocks
-    as the GGUF holds them (weights.load_blocks(): then the device computes with exactly the
-    weights the gguf package dequantises), other weights are quantised here (round to nearest).
+    as the GGUF holds them (weights.load_blocks(): then the device's weights are the blocks the
+    gguf package dequantises, bit for bit; shaders/weights.glsl factors d and m out of the sums,
+    so its products differ from a dot over the dequantised float32 values by roundings only),
+    other weights are quantised here (round to nearest).
     :meth:`reference_state_dict` gives the float32 weights the device computes with.
     cache_dtype: the KVCaches' storage ("float32", "float16", "int8"). capacity: positions per
     cache (prompt + generated tokens). Tuning of the matmul kernel (shaders/linear.comp):

@@ -1,5 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
 // embed.comp -- token embedding: a gather by token ids that live in device memory.
 // Contract: E (V, K) row-major in a storage format of weights.glsl, K a multiple of its UNIT;
 // ids: T uint32 token ids (each < V: an id past the table reads row V - 1); x (T, K) float32.

@@ -1,9 +1,11 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_shader_subgroup_shuffle : enable
+#extension GL_EXT_control_flow_attributes : require
 // linear.comp -- the model's matmuls: y = W @ x for T tokens (decode: T = 1, the prompt: T = its
 // rows), with the options of a Llama layer folded in (defines):
-//   NORM  x is RMS-normalised first: x_t * (1 / sqrt(mean(x_t^2) + EPS)) * g   (binding 3: g)
+//   NORM  x is RMS-normalised first: x_t * (1 / sqrt(mean(x_t^2) + EPS)) * g   (binding 3: g),
+//         applied as (W @ (x_t * g)) * (1 / sqrt(mean(x_t^2) + EPS)) (the same up to rounding)
 //   ACC   y += W @ x (the residual add, in place)
 //   GLU   W holds 2N rows, gate then up: y = silu(W[:N] @ x) * (W[N:] @ x)
 //   QKV   rows [0, NQ) go to y (q), [NQ, NQ+NKV) to yk (binding 4), the rest to yv (binding 5)
@@ -21,8 +23,14 @@
 // tokens (grid y = ceil(T / TT)); WG / LANES groups per workgroup. Each x piece (UNIT features) is
 // loaded once for the RPL rows and each weight piece (16-byte loads for float16) once for the TT tokens: on
 // lavapipe every storage-buffer word costs a per-lane scalar loop, so words loaded per
-// multiply-add is what sets the speed (LANES = 1, RPL = 8 there). LANES > 1 (GPUs: lanes of a
-// row read consecutive chunks) sums the partials through shared memory.
+// multiply-add is what sets the speed (LANES = 1, RPL = 16 there). LANES > 1 (GPUs: lanes of a
+// row read consecutive chunks) sums the partials through shared memory. A piece's loops are
+// unrolled; the tile's (rows, tokens) where its x pieces are few (TILE_LOOP below).
+// NORM without a pass of its own: the RMS factor is one number per token, so it comes out of the
+// sum -- y = (W @ (x * g)) / rms(x) -- and the sum of squares is taken from the x pieces the main
+// loop loads anyway (XSHARE: each lane's share, summed over the subgroup by shuffles; LANES > 1:
+// summed with the partials). No barrier, no second read of x (before: every workgroup read its
+// tokens' x once more and reduced them through shared memory, log2(WG) barriers a token).
 layout(local_size_x = WG) in;
 
 layout(constant_id = 0) const uint K = 64;        // input features
@@ -59,10 +67,31 @@ layout(std430, binding = 4) writeonly buffer YKb { float yk[]; };
 layout(std430, binding = 5) writeonly buffer YVb { float yv[]; };
 #endif
 
+// TILE_LOOP: the loops over the tile's rows and tokens, unrolled where the tile's x pieces are
+// few (TT * UNIT floats a lane: float formats, or one token). Measured on lavapipe (session 26):
+// unrolled, float16's prompt matmuls took 0.63-0.71x their rolled time; q4_1's (TT * UNIT = 256)
+// took 1.3-1.9x (spilled), so they stay rolled
+#if TT * UNIT <= 64
+#define TILE_LOOP [[unroll]]
+#else
+#define TILE_LOOP
+#endif
 const uint RPW = WG / LANES;               // row groups per workgroup
+#if LANES > 1
 shared float red[WG];
-#ifdef NORM
-shared float rnorm[TT];
+
+// the LANES partial sums of v over this group's lanes (every invocation calls it: barriers)
+float lanes_sum(float v, uint lid, uint lane) {
+    red[lid] = v;
+    barrier();
+    for (uint h = LANES / 2; h > 0; h >>= 1) {
+        if (lane < h) red[lid] += red[lid + h];
+        barrier();
+    }
+    v = red[lid - lane];
+    barrier();
+    return v;
+}
 #endif
 
 uint xi(uint t, uint k) {            // index of feature k of token t (absolute) in x
@@ -95,36 +124,18 @@ void main() {
     const uint lane = lid % LANES;
     const uint n0 = (gl_WorkGroupID.x * RPW + lid / LANES) * RPL;     // this group's first row
     const uint tbase = gl_WorkGroupID.y * TT;
-#ifdef NORM
-    // 1 / rms of each token of the tile: the workgroup sums the squares through shared memory
-    for (uint j = 0; j < TT; j++) {
-        float s = 0.0;
-        if (tbase + j < T) {
-            for (uint k = lid; k < K; k += WG) {
-                float v = x[xi(T0 + tbase + j, k)];
-                s += v * v;
-            }
-        }
-        red[lid] = s;
-        barrier();
-        for (uint h = WG / 2; h > 0; h >>= 1) {
-            if (lid < h) red[lid] += red[lid + h];
-            barrier();
-        }
-        if (lid == 0) rnorm[j] = 1.0 / sqrt(red[0] / float(K) + EPS);
-        barrier();
-    }
-#endif
     float acc[RPL * TT];
 #ifdef GLU
     float acc2[RPL * TT];
 #endif
-    for (uint j = 0; j < RPL * TT; j++) {
+    TILE_LOOP for (uint j = 0; j < RPL * TT; j++) {
         acc[j] = 0.0;
 #ifdef GLU
         acc2[j] = 0.0;
 #endif
     }
+    float ss[TT];                          // NORM: sums of squares of the tokens' x (this lane's share)
+    TILE_LOOP for (uint j = 0; j < TT; j++) ss[j] = 0.0;
 #ifdef QKV
     const uint ROWS = NQ + 2 * NKV;
 #else
@@ -133,98 +144,91 @@ void main() {
     if (ALL_LANES || n0 < ROWS) {
         for (uint c = lane; c < PIECES; c += LANES) {
             const uint k = c * UNIT;
-            // the tile's x pieces, loaded once for the RPL rows (4 features of one head are contiguous)
+            // the tile's x pieces (times g), loaded once for the RPL rows and prepared for the
+            // weight format once (weights.glsl prep_x); 4 features of one head are contiguous
             vec4 xv[TT][V4];
-            for (uint j = 0; j < TT; j++) {
+            float xs[TT];
+            TILE_LOOP for (uint j = 0; j < TT; j++) {
                 const uint t = T0 + min(tbase + j, T - 1);
 #ifdef XSHARE
-                // lane l of the subgroup loads features l*PER .. l*PER+PER-1 of the piece (normalised),
-                // then shuffles with constant sources hand every lane all UNIT: UNIT / XSHARE words
+                // lane l of the subgroup loads features l*PER .. l*PER+PER-1 of the piece, then
+                // shuffles with constant sources hand every lane all UNIT: UNIT / XSHARE words
                 // loaded per lane instead of UNIT (llvmpipe loads word by word, lane by lane)
                 const uint sl = gl_SubgroupInvocationID;
                 float mine[PER];
-                for (uint e = 0; e < PER; e++) {
+                [[unroll]] for (uint e = 0; e < PER; e++) {
                     const uint f = k + sl * PER + e;
                     mine[e] = x[xi(t, f)];
 #ifdef NORM
-                    mine[e] = (mine[e] * rnorm[j]) * g[f];
+                    ss[j] = fma(mine[e], mine[e], ss[j]);
+                    mine[e] *= g[f];
 #endif
                 }
-                for (uint i = 0; i < V4; i++) {
-                    for (uint c = 0; c < 4; c++) {
+                [[unroll]] for (uint i = 0; i < V4; i++) {
+                    [[unroll]] for (uint c = 0; c < 4; c++) {
                         xv[j][i][c] = subgroupShuffle(mine[(4 * i + c) % PER], (4 * i + c) / PER);
                     }
                 }
 #else
-                for (uint i = 0; i < V4; i++) {
+                [[unroll]] for (uint i = 0; i < V4; i++) {
                     const uint i0 = xi(t, k + 4 * i);
                     xv[j][i] = vec4(x[i0], x[i0 + 1], x[i0 + 2], x[i0 + 3]);
 #ifdef NORM
-                    xv[j][i] = (xv[j][i] * rnorm[j]) * vec4(g[k + 4 * i], g[k + 4 * i + 1], g[k + 4 * i + 2], g[k + 4 * i + 3]);
+                    ss[j] += dot(xv[j][i], xv[j][i]);
+                    xv[j][i] *= vec4(g[k + 4 * i], g[k + 4 * i + 1], g[k + 4 * i + 2], g[k + 4 * i + 3]);
 #endif
                 }
 #endif
+                xs[j] = prep_x(xv[j]);
             }
-            for (uint r = 0; r < RPL; r++) {
+            TILE_LOOP for (uint r = 0; r < RPL; r++) {
                 const uint n = min(n0 + r, ROWS - 1);       // rows past the end: computed, not stored
-                vec4 wv[V4];
-                load_piece(n, c, wv);
+                vec4 wq[V4];
+                const vec2 dm = load_codes(n, c, wq);
 #ifdef GLU
-                vec4 uv[V4];
-                load_piece(n + N, c, uv);
+                vec4 uq[V4];
+                const vec2 um = load_codes(n + N, c, uq);
 #endif
-                for (uint j = 0; j < TT; j++) {
-                    float s = 0.0;
+                TILE_LOOP for (uint j = 0; j < TT; j++) {
+                    acc[r * TT + j] += codes_dot(wq, dm, xv[j], xs[j]);
 #ifdef GLU
-                    float s2 = 0.0;
-#endif
-                    for (uint i = 0; i < V4; i++) {
-                        s += dot(wv[i], xv[j][i]);
-#ifdef GLU
-                        s2 += dot(uv[i], xv[j][i]);
-#endif
-                    }
-                    acc[r * TT + j] += s;
-#ifdef GLU
-                    acc2[r * TT + j] += s2;
+                    acc2[r * TT + j] += codes_dot(uq, um, xv[j], xs[j]);
 #endif
                 }
             }
         }
     }
+#if defined(NORM) && defined(XSHARE)
+    // each lane summed the squares of its own features: the token's sum is the subgroup's
+    TILE_LOOP for (uint j = 0; j < TT; j++)
+        [[unroll]] for (uint h = 1; h < XSHARE; h *= 2)
+            ss[j] += subgroupShuffle(ss[j], gl_SubgroupInvocationID ^ h);
+#endif
 #if LANES > 1
-    // the LANES partial sums of each (row, token) through shared memory
-    for (uint j = 0; j < RPL * TT; j++) {
+    TILE_LOOP for (uint j = 0; j < RPL * TT; j++) {
+        acc[j] = lanes_sum(acc[j], lid, lane);
 #ifdef GLU
-        for (uint half_ = 0; half_ < 2; half_++) {
-            red[lid] = half_ == 0 ? acc[j] : acc2[j];
-#else
-        {
-            red[lid] = acc[j];
+        acc2[j] = lanes_sum(acc2[j], lid, lane);
 #endif
-            barrier();
-            for (uint h = LANES / 2; h > 0; h >>= 1) {
-                if (lane < h) red[lid] += red[lid + h];
-                barrier();
-            }
-#ifdef GLU
-            if (half_ == 0) acc[j] = red[lid - lane]; else acc2[j] = red[lid - lane];
-#else
-            acc[j] = red[lid - lane];
-#endif
-            barrier();
-        }
     }
+#ifdef NORM
+    TILE_LOOP for (uint j = 0; j < TT; j++) ss[j] = lanes_sum(ss[j], lid, lane);
+#endif
 #endif
     if (lane == 0) {
-        for (uint r = 0; r < RPL; r++) {
-            for (uint j = 0; j < TT; j++) {
+        TILE_LOOP for (uint j = 0; j < TT; j++) {
+#ifdef NORM
+            const float rn = 1.0 / sqrt(ss[j] / float(K) + EPS);
+#else
+            const float rn = 1.0;
+#endif
+            TILE_LOOP for (uint r = 0; r < RPL; r++) {
                 if (n0 + r < ROWS && tbase + j < T) {
 #ifdef GLU
-                    const float a = acc[r * TT + j];
-                    store(n0 + r, tbase + j, a / (1.0 + exp(-a)) * acc2[r * TT + j]);
+                    const float a = acc[r * TT + j] * rn;
+                    store(n0 + r, tbase + j, a / (1.0 + exp(-a)) * (acc2[r * TT + j] * rn));
 #else
-                    store(n0 + r, tbase + j, acc[r * TT + j]);
+                    store(n0 + r, tbase + j, acc[r * TT + j] * rn);
 #endif
                 }
             }

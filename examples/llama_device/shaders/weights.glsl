@@ -1,12 +1,25 @@
-// weights.glsl -- how linear.comp and embed.comp read a UNIT-weight piece of a weight row, as
-// float32 vec4s, for each storage format (define one, or none for float32):
+// weights.glsl -- how linear.comp and embed.comp read a UNIT-weight piece of a weight row, for
+// each storage format (define one, or none for float32):
 //   W_F16   float16, two per uint32 word (low half first): a piece of 8 is one uvec4
 //   W_Q4_1  blocks of 32 in 5 words (quant.py): d * code + m, computed as the gguf package does
 //   W_Q8_0  blocks of 32 in 9 words (quant.py): d * code
 //   (none)  float32: a piece of 8 is two vec4
 // Contract: the binding "Wb" is declared here at binding 0; K (row length, a multiple of UNIT)
 // must be a constant declared before the include. piece c of row `row` is weights
-// c*UNIT .. c*UNIT+UNIT-1; numpy: wv = W[row, c*UNIT:(c+1)*UNIT].reshape(UNIT // 4, 4)
+// c*UNIT .. c*UNIT+UNIT-1.
+//   load_piece(row, c, wv)       numpy: wv = W[row, c*UNIT:(c+1)*UNIT].reshape(UNIT // 4, 4)
+//   prep_x(xv) -> xs; load_codes(row, c, wq) -> dm; codes_dot(wq, dm, xv, xs)
+//                                numpy: W[row, c*UNIT:(c+1)*UNIT] @ x_piece (xv: x_piece as
+//                                vec4s, prepared once per token and piece for every row; wq, dm
+//                                the row's piece, loaded once for every token)
+// codes_dot never materialises the dequantised weights where a block format lets it factor them
+// out: Q4_1 sum(x * (d * q + m)) = d * sum(q * x) + m * sum(x) (sum(x): prep_x's xs, once for
+// all rows), its nibbles read in place -- nibble k of a word as (word & (15 << 4k)) = q * 16^k,
+// against x * 16^-k prepared once, so q * x rounds as it would without the scalings and needs no
+// shift (powers of two commute with rounding while x * 2^-28 stays normal: |x| >= 2^-98); Q8_0 d * sum(q * x), byte k as (word << (24 - 8k)) & 0xff000000
+// = q * 2^24 (signed) against x * 2^-24. Products and sums are float32; the order differs from
+// a dot over dequantised weights by roundings only (the weights themselves are exactly the
+// blocks' values).
 #if defined(W_Q4_1) || defined(W_Q8_0)
 #define UNIT 32
 layout(std430, binding = 0) readonly buffer Wb { uint w[]; };
@@ -24,7 +37,7 @@ void load_piece(uint row, uint c, out vec4 wv[V4]) {
 #if defined(W_Q4_1)
     const uint b = (row * PIECES + c) * 5u;
     const vec2 dm = unpackHalf2x16(w[b]);
-    for (uint i = 0; i < 4; i++) {
+    [[unroll]] for (uint i = 0; i < 4; i++) {
         const uint q = w[b + 1 + i];
         const vec4 lo = vec4(q & 15u, (q >> 4) & 15u, (q >> 8) & 15u, (q >> 12) & 15u);
         const vec4 hi = vec4((q >> 16) & 15u, (q >> 20) & 15u, (q >> 24) & 15u, q >> 28);
@@ -36,7 +49,7 @@ void load_piece(uint row, uint c, out vec4 wv[V4]) {
 #elif defined(W_Q8_0)
     const uint b = (row * PIECES + c) * 9u;
     const float d = unpackHalf2x16(w[b]).x;
-    for (uint i = 0; i < 8; i++) {
+    [[unroll]] for (uint i = 0; i < 8; i++) {
         const int q = int(w[b + 1 + i]);
         wv[i] = vec4(bitfieldExtract(q, 0, 8), bitfieldExtract(q, 8, 8), bitfieldExtract(q, 16, 8),
                      bitfieldExtract(q, 24, 8)) * d;    // exact: 11 x 8 bits
@@ -48,5 +61,71 @@ void load_piece(uint row, uint c, out vec4 wv[V4]) {
 #else
     wv[0] = w[(row * PIECES + c) * 2];
     wv[1] = w[(row * PIECES + c) * 2 + 1];
+#endif
+}
+
+#if defined(W_Q4_1)
+// nibble k of a word: weight 8i + k of word i; its x is scaled by 16^-k (k < 7; the top nibble is
+// shifted down instead: (word & 0xf0000000) does not fit a signed conversion)
+const vec4 Q4_XLO = vec4(1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0);
+const vec4 Q4_XHI = vec4(1.0 / 65536.0, 1.0 / 1048576.0, 1.0 / 16777216.0, 1.0);
+#elif defined(W_Q8_0)
+const float Q8_X = 1.0 / 16777216.0;
+#endif
+
+// the token's x piece as codes_dot reads it (in place); returns what it needs besides (Q4_1: the
+// piece's sum of x, else 0)
+float prep_x(inout vec4 xv[V4]) {
+#if defined(W_Q4_1)
+    float xs = 0.0;
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        xs += dot(xv[2 * i], vec4(1.0)) + dot(xv[2 * i + 1], vec4(1.0));
+        xv[2 * i] *= Q4_XLO;
+        xv[2 * i + 1] *= Q4_XHI;
+    }
+    return xs;
+#elif defined(W_Q8_0)
+    [[unroll]] for (uint i = 0; i < 8; i++) xv[i] *= Q8_X;
+    return 0.0;
+#else
+    return 0.0;
+#endif
+}
+
+// a row's piece as codes_dot reads it, loaded and converted once for all tokens: Q4_1 its codes q
+// (nibble k as q * 16^k, see above) and returns (d, m); Q8_0 its codes times 2^24 and (d, 0);
+// float formats the weights (load_piece) and (1, 0)
+vec2 load_codes(uint row, uint c, out vec4 wq[V4]) {
+#if defined(W_Q4_1)
+    const uint b = (row * PIECES + c) * 5u;
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        const uint q = w[b + 1 + i];
+        wq[2 * i] = vec4(ivec4(uvec4(q & 0xfu, q & 0xf0u, q & 0xf00u, q & 0xf000u)));
+        wq[2 * i + 1] = vec4(ivec4(uvec4(q & 0xf0000u, q & 0xf00000u, q & 0xf000000u, q >> 28)));
+    }
+    return unpackHalf2x16(w[b]);
+#elif defined(W_Q8_0)
+    const uint b = (row * PIECES + c) * 9u;
+    [[unroll]] for (uint i = 0; i < 8; i++) {
+        const uint q = w[b + 1 + i];
+        wq[i] = vec4(ivec4(uvec4(q << 24, q << 16, q << 8, q) & 0xff000000u));
+    }
+    return vec2(unpackHalf2x16(w[b]).x, 0.0);
+#else
+    load_piece(row, c, wq);
+    return vec2(1.0, 0.0);
+#endif
+}
+
+// W[row, piece] @ x_piece from load_codes' (wq, dm) and prep_x's (xv, xs)
+float codes_dot(vec4 wq[V4], vec2 dm, vec4 xv[V4], float xs) {
+    float s = 0.0;
+    [[unroll]] for (uint i = 0; i < V4; i++) s += dot(wq[i], xv[i]);
+#if defined(W_Q4_1)
+    return fma(dm.x, s, dm.y * xs);
+#elif defined(W_Q8_0)
+    return dm.x * s;
+#else
+    return s;
 #endif
 }

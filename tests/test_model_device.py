@@ -74,7 +74,9 @@ def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype):
     m = DeviceLlama(cfg, sd, weight_dtype=weight_dtype, capacity=64, device=device)
     assert m._xshare == device.lane_subgroup()          # lavapipe: x pieces shared by shuffles
     # the device's default layout of linear.comp (CPU drivers: one lane per 16 rows; GPUs: 16 lanes a row)
-    assert (m._wg, m._lanes, m._rows) == DeviceLlama.LAYOUTS["cpu" if device.is_software else "gpu"]
+    kind = "cpu" if device.is_software else "gpu"
+    assert (m._wg, m._lanes, m._rows) == DeviceLlama.LAYOUTS[kind]
+    assert (m._prompt_rows, m._tile) == DeviceLlama.PROMPT_LAYOUTS[kind][weight_dtype]
     try:
         for prompt, new in (([5, 17, 250, 3, 99, 42, 7, 300, 0], 20), ([11], 6), (list(range(40, 77)), 12)):
             got, got_logits = m.generate(prompt, new, return_logits=True)
@@ -133,7 +135,7 @@ def test_q4_1_and_q8_0_blocks_read_as_gguf_dequantises(rng):
 
 
 @pytest.mark.parametrize("layout", [dict(wg=32, rows=3, prompt_tile=4, xshare=False),
-                                    dict(wg=64, lanes=4, rows=2, prompt_tile=3),
+                                    dict(wg=64, lanes=4, rows=2, prompt_tile=3, prompt_rows=5),
                                     dict(zip(("wg", "lanes", "rows"), DeviceLlama.LAYOUTS["gpu"]))])
 def test_untied_head_odd_config_and_float16_cache(device, layout):
     """linear.comp's other layouts: x loaded by every lane (no shuffles), and 4 and 16 lanes per
@@ -210,6 +212,10 @@ def test_bad_input_raises_typed_errors(device, small):
         DeviceLlama(_config(hidden_act="gelu"), sd, device=device)
     with pytest.raises(ModelInputError, match="wg"):
         DeviceLlama(cfg, sd, wg=48, device=device)
+    for kw, what in ((dict(prompt_rows=0), "prompt_rows"), (dict(prompt_rows=True), "prompt_rows"),
+                     (dict(rows=33), "rows"), (dict(prompt_tile=True), "prompt_tile")):
+        with pytest.raises(ModelInputError, match=what):
+            DeviceLlama(cfg, sd, device=device, **kw)
     with pytest.raises(ModelInputError, match="multiple of 32"):          # intermediate 200: no q4_1 blocks
         DeviceLlama(cfg, sd, weight_dtype="q4_1", device=device)
     m = DeviceLlama(cfg, sd, capacity=16, device=device)

@@ -120,9 +120,10 @@ class DeviceLlama:
     cache_dtype: the KVCaches' storage ("float32", "float16", "int8"). capacity: positions per
     cache (prompt + generated tokens). Tuning of the matmul kernel (shaders/linear.comp):
     ``wg`` invocations per workgroup, ``lanes`` invocations per output row, ``rows`` output rows
-    per group of lanes (None: :data:`LAYOUTS`' for the device, CPU drivers or GPUs),
-    ``prompt_tile`` tokens per workgroup in the prompt's matmuls, ``xshare`` x shared by subgroup
-    shuffles where the device allows (Device.lane_subgroup(): lavapipe).
+    per group of lanes (None: :data:`LAYOUTS`' for the device, CPU drivers or GPUs);
+    ``prompt_rows`` and ``prompt_tile`` the rows and tokens per group of lanes in the prompt's
+    matmuls (None: :data:`PROMPT_LAYOUTS`' for the device and weight_dtype); ``xshare`` x shared
+    by subgroup shuffles where the device allows (Device.lane_subgroup(): lavapipe).
     Errors: ModelInputError (a ValueError) for a config, weight set, setting or prompt it cannot run.
     """
 
@@ -135,28 +136,42 @@ class DeviceLlama:
     # CPU layout gave them 2-3 and 192 (the H100's 19 ms of device time per float16 token, session
     # 21, 14 GB/s; this layout is not timed on a GPU yet)
     LAYOUTS = {"cpu": (16, 1, 16), "gpu": (128, 16, 1)}
+    # (rows, tokens) per group of lanes in the prompt's matmuls, by weight_dtype. CPU drivers,
+    # measured on lavapipe (perf/RESULTS.md session 26): with float weights 8 rows x 8 tokens
+    # (the tile's loops unrolled, linear.comp TILE_LOOP) took 0.73-0.81x the matmuls' device time
+    # of 16 x 8; q4_1 keeps 16 x 8 (8 x 4 read less device time per command but the same wall
+    # time per prompt, alternated). GPUs: the decode's rows, 8 tokens (not timed on a GPU)
+    PROMPT_LAYOUTS = {"cpu": {"float32": (8, 8), "float16": (8, 8), "q4_1": (16, 8)},
+                      "gpu": {"float32": (1, 8), "float16": (1, 8), "q4_1": (1, 8)}}
 
     def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",
                  capacity: int = 512, device=None, wg: int | None = None, lanes: int | None = None,
-                 rows: int | None = None, prompt_tile: int = 8, blocks: dict | None = None, xshare: bool = True):
+                 rows: int | None = None, prompt_tile: int | None = None, blocks: dict | None = None,
+                 xshare: bool = True, prompt_rows: int | None = None):
         device = device or vkattn.default_device()
-        lay = self.LAYOUTS["cpu" if device.is_software else "gpu"]
+        kind = "cpu" if device.is_software else "gpu"
+        lay = self.LAYOUTS[kind]
         wg, lanes, rows = (lay[0] if wg is None else wg), (lay[1] if lanes is None else lanes), \
             (lay[2] if rows is None else rows)
         if weight_dtype not in self.WEIGHT_DTYPES:
             raise ModelInputError(f"weight_dtype: expected one of {self.WEIGHT_DTYPES}, got {weight_dtype!r}")
+        play = self.PROMPT_LAYOUTS[kind][weight_dtype]
+        prompt_rows = play[0] if prompt_rows is None else prompt_rows
+        prompt_tile = play[1] if prompt_tile is None else prompt_tile
         if not (isinstance(wg, int) and isinstance(lanes, int) and wg > 0 and lanes > 0 and wg & (wg - 1) == 0
                 and lanes & (lanes - 1) == 0 and lanes <= wg and wg <= 256):
             raise ModelInputError(f"wg / lanes: powers of two with lanes <= wg <= 256, got {wg} / {lanes}")
-        if not (isinstance(prompt_tile, int) and 1 <= prompt_tile <= 32):
+        if isinstance(prompt_tile, bool) or not (isinstance(prompt_tile, int) and 1 <= prompt_tile <= 32):
             raise ModelInputError(f"prompt_tile: an int in 1..32, got {prompt_tile!r}")
-        if not (isinstance(rows, int) and 1 <= rows <= 32):
-            raise ModelInputError(f"rows: an int in 1..32, got {rows!r}")
+        for name, v in (("rows", rows), ("prompt_rows", prompt_rows)):
+            if isinstance(v, bool) or not (isinstance(v, int) and 1 <= v <= 32):
+                raise ModelInputError(f"{name}: an int in 1..32, got {v!r}")
         self.d = d = _Dims(config)
         self.device = device
         self.weight_dtype, self.cache_dtype = weight_dtype, cache_dtype
         self.capacity = int(capacity)
         self._wg, self._lanes, self._rows, self._tile = wg, lanes, rows, prompt_tile
+        self._prompt_rows = prompt_rows
         self._f16 = weight_dtype == "float16"
         # x pieces shared by shuffles within a subgroup (linear.comp XSHARE): where the device's
         # subgroup divides the workgroup and 8 (the smallest piece), one lane per row
@@ -303,8 +318,8 @@ class DeviceLlama:
     def _linear(self, w, x, y, *, n, k, t, tx=None, t0=0, in_hd=None, out_hd=None, norm=None,
                 acc=False, glu=False, qkv=None):
         """An algorithm of linear.comp (its header says what it computes)."""
-        tile = 1 if t == 1 else self._tile
-        defines = dict(WG=self._wg, LANES=self._lanes, RPL=self._rows, TT=tile)
+        tile, rpl = (1, self._rows) if t == 1 else (self._tile, self._prompt_rows)
+        defines = dict(WG=self._wg, LANES=self._lanes, RPL=rpl, TT=tile)
         if self._xshare:
             defines["XSHARE"] = self._xshare
         arrays = [w, x, y]
@@ -320,7 +335,7 @@ class DeviceLlama:
             defines["QKV"] = 1
             arrays += list(qkv)
             rows = self.d.nq + 2 * self.d.nkv
-        rpw = self._wg // self._lanes * self._rows
+        rpw = self._wg // self._lanes * rpl
         eps = int(np.float32(self.d.eps).view(np.uint32))
         spec = [k, n, in_hd or k, out_hd or n, eps, self.d.nq, self.d.nkv]
         return self._algo(self._spirv("linear", self._fmt_of[w], **defines), arrays, (math.ceil(rows / rpw), math.ceil(t / tile)),

@@ -68,9 +68,9 @@ layout(std430, binding = 5) writeonly buffer YVb { float yv[]; };
 #endif
 
 // TILE_LOOP: the loops over the tile's rows and tokens, unrolled where the tile's x pieces are
-// few (TT * UNIT floats a lane: float formats, or one token). Measured on lavapipe (session 26):
-// unrolled, float16's prompt matmuls took 0.63-0.71x their rolled time; q4_1's (TT * UNIT = 256)
-// took 1.3-1.9x (spilled), so they stay rolled
+// few (TT * UNIT floats a lane: float formats, or one token). Measured on lavapipe (session 26,
+// a float16 / q4_1 prompt's wall time, alternated): unrolled, float16's prompt took about 0.7x
+// its rolled time; q4_1's (TT * UNIT = 256) took 1.3-1.9x (spilled), so it stays rolled
 #if TT * UNIT <= 64
 #define TILE_LOOP [[unroll]]
 #else

@@ -385,6 +385,7 @@ class VkattnLayer(CacheLayerMixin):
         self._seen = 0
         self._pad = np.zeros(store.rows, np.int64)
         self._staged = None                 # (k, v) of an update() whose attention has not run
+        self._full_counts = {}              # (batch, n) -> np.full(batch, n), read-only (attend)
         self.is_initialized = True
 
     # -------------------------------------------------------------- transformers' layer API
@@ -513,14 +514,23 @@ class VkattnLayer(CacheLayerMixin):
                     raise ValueError(f"attention_mask: row {int(bad[0])} masks {int(lead[bad[0]])} leading positions of "
                                      f"{past} seen, but the cache holds {int(pad[bad[0]])} as padding")
                 pad = lead
-            counts = n - (pad - self._pad)
+                counts = n - (pad - self._pad)
+                full = bool((counts == n).all())
+            else:
+                # no mask: every row's n positions are real. The counts array is kept per (batch,
+                # n): numpy calls on tiny arrays cost about 10 us each between torch's ops (perf
+                # hf, session 26), and a decode call made five of them
+                counts, full = self._full_counts.get((self.batch_size, n)), True
+                if counts is None:
+                    counts = self._full_counts[(self.batch_size, n)] = np.full(self.batch_size, n, np.int64)
+                    counts.flags.writeable = False
             window = sliding_window if sliding_window is not None else self.window
-            if counts.any():
-                out = self._store.forward(counts, _pack(query, counts), _pack(k, counts), _pack(v, counts),
-                                          scale=scaling, window=window, softcap=softcap)
+            if n > 0 if full else counts.any():
+                out = self._store.forward(counts, _pack(query, counts, full), _pack(k, counts, full),
+                                          _pack(v, counts, full), scale=scaling, window=window, softcap=softcap)
             else:                           # every new position is padding: nothing to store
                 out = np.zeros((query.shape[1], 0, v.shape[3]), np.float32)
-            out = _unpack(out, counts, query)
+            out = _unpack(out, counts, query, full)
         except BaseException:
             self._staged = None
             self._seen = past
@@ -740,12 +750,13 @@ def _layer_specs(meta: dict, batch: int, path: str) -> list:
     return out
 
 
-def _pack(x, counts) -> np.ndarray:
+def _pack(x, counts, full: bool = False) -> np.ndarray:
     """(batch, heads, n, d) torch -> (heads, sum(counts), d) numpy: row b's last counts[b]
-    positions, rows one after another. Batch 1 without padding is a view."""
+    positions, rows one after another (``full``: the caller knows every count is n). Batch 1
+    without padding is a view."""
     b, h, n, d = x.shape
     x = x.detach()
-    if (counts == n).all():
+    if full or (counts == n).all():
         x = x[0] if b == 1 else x.transpose(0, 1).reshape(h, b * n, d)
     else:
         x = torch.cat([x[i, :, n - c:] for i, c in enumerate(counts) if c], dim=1)
@@ -756,12 +767,13 @@ def _pack(x, counts) -> np.ndarray:
     return x.numpy()
 
 
-def _unpack(out: np.ndarray, counts, query):
+def _unpack(out: np.ndarray, counts, query, full: bool = False):
     """vkattn's (num_qo_heads, sum(counts), head_dim) float32 -> (batch, n, num_qo_heads, head_dim)
-    in the query's dtype and device; padding rows are zeros. Without padding a view."""
+    in the query's dtype and device; padding rows are zeros (``full``: every count is n). Without
+    padding a view."""
     b, hq, n, _ = query.shape
     t = torch.from_numpy(out)
-    if (counts == n).all():
+    if full or (counts == n).all():
         res = t.view(hq, b, n, -1).permute(1, 2, 0, 3)
     else:
         res = torch.zeros((b, n, hq, out.shape[2]), dtype=torch.float32)

@@ -774,7 +774,8 @@ def _unpack(out: np.ndarray, counts, query, full: bool = False):
     b, hq, n, _ = query.shape
     t = torch.from_numpy(out)
     if full or (counts == n).all():
-        res = t.view(hq, b, n, -1).permute(1, 2, 0, 3)
+        # one decode row: (hq, 1, d) is already (1, 1, hq, d) in memory
+        res = t.view(1, 1, hq, -1) if b == 1 and n == 1 else t.view(hq, b, n, -1).permute(1, 2, 0, 3)
     else:
         res = torch.zeros((b, n, hq, out.shape[2]), dtype=torch.float32)
         a = 0
@@ -782,6 +783,8 @@ def _unpack(out: np.ndarray, counts, query, full: bool = False):
             if c:
                 res[i, n - c:] = t[:, a:a + c].transpose(0, 1)
                 a += c
+    if query.dtype is torch.float32 and query.device.type == "cpu":
+        return res
     return res.to(device=query.device, dtype=query.dtype)
 
 

@@ -418,9 +418,8 @@ class VkattnLayer(CacheLayerMixin):
     def _check_update(self, key_states, value_states) -> tuple:
         """(batch, n) of an update, checked; an empty cache takes a smaller batch than it was built for."""
         o = self._owner
-        want = (None, o.num_kv_heads, None, o.head_dim)
         for name, x in (("key_states", key_states), ("value_states", value_states)):
-            if not torch.is_tensor(x) or x.ndim != 4 or any(w is not None and w != g for w, g in zip(want, x.shape)):
+            if not torch.is_tensor(x) or x.ndim != 4 or x.shape[1] != o.num_kv_heads or x.shape[3] != o.head_dim:
                 raise ValueError(f"{name}: expected (batch, {o.num_kv_heads}, n, {o.head_dim}) from the config, got "
                                  f"{_describe(x)}")
         if key_states.shape[:3] != value_states.shape[:3]:

@@ -521,6 +521,8 @@ class VkattnLayer(CacheLayerMixin):
                 # hf, session 26), and a decode call made five of them
                 counts, full = self._full_counts.get((self.batch_size, n)), True
                 if counts is None:
+                    if len(self._full_counts) >= 16:      # prompts of many lengths: stay bounded
+                        self._full_counts.clear()
                     counts = self._full_counts[(self.batch_size, n)] = np.full(self.batch_size, n, np.int64)
                     counts.flags.writeable = False
             window = sliding_window if sliding_window is not None else self.window

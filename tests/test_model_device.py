@@ -114,6 +114,41 @@ def test_q4_1_blocks_equal_eager_on_their_dequantised_weights(device):
         m.close()
 
 
+def test_embedding_gather_is_the_blocks_values_bit_for_bit(device):
+    """embed.comp reads a Q8_0 table (the model's embedding) and a Q4_1 one (a layer's q/k/v rows
+    used as a table) through weights.glsl's codes: each value d * q (+ m) rounded once, equal bit
+    for bit to the float32 weights the reference holds; scales spread by large weights."""
+    cfg = _config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32, vocab_size=67)
+    sd = {k: v * 40.0 for k, v in _state_dict(cfg, seed=5).items()}
+    m = DeviceLlama(cfg, sd, weight_dtype="q4_1", capacity=8, device=device)
+    try:
+        ref = m.reference_state_dict()
+        qkv = np.concatenate([ref[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+        for table, want in ((m.embed, ref["model.embed_tokens.weight"]), (m.layers[0]["qkv"], qkv)):
+            rows, cols = want.shape
+            ids, x = vkattn.empty((rows,), device), vkattn.empty((rows, cols), device)
+            ids.host_view().reshape(-1).view(np.uint32)[:] = np.arange(rows, dtype=np.uint32)
+            algo = m._algo(m._spirv("embed", m._fmt_of[table]), [table, ids, x], (-(-cols // 32 // 64), rows),
+                           [cols, rows])
+            g = vkattn.Graph(device)
+            try:
+                with g.capture():
+                    g.upload(ids)
+                    g.dispatch(algo, reads=[ids], writes=[x], name="embed")
+                    g.download(x)
+                g.run()
+                got = x.host_view().reshape(rows, cols)
+                assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+            finally:
+                g.close()
+                algo.destroy()
+                ids.close()
+                x.close()
+    finally:
+        m.close()
+
+
 def test_q4_1_and_q8_0_blocks_read_as_gguf_dequantises(rng):
     """quant.from_gguf reads GGUF's own block bytes (Q4_1: d, m, then byte j = weight j low
     nibble | weight j+16 high nibble; Q8_0: d, 32 int8) into words whose dequantisation is the

@@ -33,37 +33,6 @@ layout(std430, binding = 0) readonly buffer Wb { vec4 w[]; };
 #define V4 (UNIT / 4)
 #define PIECES (K / UNIT)
 
-void load_piece(uint row, uint c, out vec4 wv[V4]) {
-#if defined(W_Q4_1)
-    const uint b = (row * PIECES + c) * 5u;
-    const vec2 dm = unpackHalf2x16(w[b]);
-    [[unroll]] for (uint i = 0; i < 4; i++) {
-        const uint q = w[b + 1 + i];
-        const vec4 lo = vec4(q & 15u, (q >> 4) & 15u, (q >> 8) & 15u, (q >> 12) & 15u);
-        const vec4 hi = vec4((q >> 16) & 15u, (q >> 20) & 15u, (q >> 24) & 15u, q >> 28);
-        precise vec4 a = lo * dm.x + dm.y;      // the product is exact (11 x 4 bits): one rounding
-        precise vec4 h = hi * dm.x + dm.y;
-        wv[2 * i] = a;
-        wv[2 * i + 1] = h;
-    }
-#elif defined(W_Q8_0)
-    const uint b = (row * PIECES + c) * 9u;
-    const float d = unpackHalf2x16(w[b]).x;
-    [[unroll]] for (uint i = 0; i < 8; i++) {
-        const int q = int(w[b + 1 + i]);
-        wv[i] = vec4(bitfieldExtract(q, 0, 8), bitfieldExtract(q, 8, 8), bitfieldExtract(q, 16, 8),
-                     bitfieldExtract(q, 24, 8)) * d;    // exact: 11 x 8 bits
-    }
-#elif defined(W_F16)
-    const uvec4 u = w[row * PIECES + c];
-    wv[0] = vec4(unpackHalf2x16(u.x), unpackHalf2x16(u.y));
-    wv[1] = vec4(unpackHalf2x16(u.z), unpackHalf2x16(u.w));
-#else
-    wv[0] = w[(row * PIECES + c) * 2];
-    wv[1] = w[(row * PIECES + c) * 2 + 1];
-#endif
-}
-
 #if defined(W_Q4_1)
 // nibble k of a word: weight 8i + k of word i; its x is scaled by 16^-k (k < 7; the top nibble is
 // shifted down instead: (word & 0xf0000000) does not fit a signed conversion)
@@ -94,7 +63,7 @@ float prep_x(inout vec4 xv[V4]) {
 
 // a row's piece as codes_dot reads it, loaded and converted once for all tokens: Q4_1 its codes q
 // (nibble k as q * 16^k, see above) and returns (d, m); Q8_0 its codes times 2^24 and (d, 0);
-// float formats the weights (load_piece) and (1, 0)
+// float formats the weights themselves and (1, 0)
 vec2 load_codes(uint row, uint c, out vec4 wq[V4]) {
 #if defined(W_Q4_1)
     const uint b = (row * PIECES + c) * 5u;
@@ -111,9 +80,30 @@ vec2 load_codes(uint row, uint c, out vec4 wq[V4]) {
         wq[i] = vec4(ivec4(uvec4(q << 24, q << 16, q << 8, q) & 0xff000000u));
     }
     return vec2(unpackHalf2x16(w[b]).x, 0.0);
-#else
-    load_piece(row, c, wq);
+#elif defined(W_F16)
+    const uvec4 u = w[row * PIECES + c];
+    wq[0] = vec4(unpackHalf2x16(u.x), unpackHalf2x16(u.y));
+    wq[1] = vec4(unpackHalf2x16(u.z), unpackHalf2x16(u.w));
     return vec2(1.0, 0.0);
+#else
+    wq[0] = w[(row * PIECES + c) * 2];
+    wq[1] = w[(row * PIECES + c) * 2 + 1];
+    return vec2(1.0, 0.0);
+#endif
+}
+
+// the dequantised piece (embed.comp): d * q + m rounded once, as the gguf package computes it --
+// the codes' power-of-two scalings folded into d exactly, the product d * q exact (11 x 4 or
+// 11 x 8 bits), so the fused multiply-add rounds only the sum
+void load_piece(uint row, uint c, out vec4 wv[V4]) {
+    const vec2 dm = load_codes(row, c, wv);
+#if defined(W_Q4_1)
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        wv[2 * i] = fma(wv[2 * i], dm.x * Q4_XLO, vec4(dm.y));
+        wv[2 * i + 1] = fma(wv[2 * i + 1], dm.x * Q4_XHI, vec4(dm.y));
+    }
+#elif defined(W_Q8_0)
+    [[unroll]] for (uint i = 0; i < 8; i++) wv[i] *= dm.x * Q8_X;
 #endif
 }
 

@@ -551,7 +551,7 @@ class VkattnLayer(CacheLayerMixin):
         self._staged = None
         counts = np.full(self.batch_size, k.shape[2])
         try:
-            self._store.append(counts, _pack(k, counts), _pack(v, counts))
+            self._store.append(counts, _pack(k, counts, True), _pack(v, counts, True))
         except BaseException:
             self._seen -= k.shape[2]
             raise

@@ -13,7 +13,7 @@ import vkattn
 from vkattn.compiler import compile_shader
 from vkattn.reference import attention, round_to
 
-from .common import Row, Shape, check, env_int, selected, time_calls
+from .common import Row, Shape, check, env_int, env_int_list, selected, time_calls
 
 
 def bare_round_trip(device):
@@ -61,10 +61,24 @@ def interleaved_ms(cases: dict, rounds: int, per: int) -> dict:
 
 
 def run(shape: Shape, device) -> list:
+    out = []
     L = env_int("VKATTN_PERF_OVERHEAD_CONTEXT", 16)
     name = f"overhead decode L={L} vs bare round trip"
-    if not selected(name):
-        return []
+    if selected(name):
+        out.append(attend_row(name, L, shape, device))
+    small = Shape(heads=9, kv_heads=3, head_dim=64, v_head_dim=64, dtype=shape.dtype, qlen=shape.qlen,
+                  capacity=None, iters=shape.iters, warmup=shape.warmup)      # SmolLM2-135M's attention
+    if selected("overhead device path"):
+        out += device_path(shape, device)
+        out += device_path(small, device)
+    if selected("overhead paged batch"):
+        for sh in (shape, small):
+            out += paged_path(sh, device)
+    return out
+
+
+def attend_row(name: str, L: int, shape: Shape, device) -> Row:
+    """KVCache.attend of one query row at length L against a bare kp round trip."""
     iters, warmup = max(shape.iters, 50), max(shape.warmup, 10)
     rng = np.random.default_rng(3)
     cache = vkattn.KVCache(max(L, 64), shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype, device=device)
@@ -77,16 +91,10 @@ def run(shape: Shape, device) -> list:
     t = time_calls(lambda: cache.attend(q), iters, warmup)
     tr = time_calls(lambda: attention(q, k, v), iters, warmup)
     cache.close()
-    out = [Row(case=name, kernel="overhead", shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim}",
+    return Row(case=name, kernel="overhead", shape=f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim}",
                vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr["median_ms"],
                speedup_vs_numpy=tr["median_ms"] / t["median_ms"], metric="x bare",
-               value=t["median_ms"] / bare["median_ms"], verified=ok, extra={"bare_ms": bare["median_ms"]})]
-    if selected("overhead device path"):
-        out += device_path(shape, device)
-        small = Shape(heads=9, kv_heads=3, head_dim=64, v_head_dim=64, dtype=shape.dtype, qlen=shape.qlen,
-                      capacity=None, iters=shape.iters, warmup=shape.warmup)      # SmolLM2-135M's attention
-        out += device_path(small, device)
-    return out
+               value=t["median_ms"] / bare["median_ms"], verified=ok, extra={"bare_ms": bare["median_ms"]})
 
 
 def python_us(fn, iters: int, reset=None) -> float:
@@ -249,4 +257,50 @@ def device_path(shape: Shape, device) -> list:
         o.close()
     for c in caches + [timed]:
         c.close()
+    return rows
+
+
+def paged_path(shape: Shape, device) -> list:
+    """A batch decode step of PagedKVCache.forward (numpy in and out, one new token for each of
+    B sequences at length L: VKATTN_PERF_OVERHEAD_BATCHES, default 1,4,16; blocks of 16) beside
+    a bare kp round trip: wall ms, and vkattn's Python per call with the submission stubbed out
+    (the metric, extra ``python_us``; issue 30's budget for a numpy call is 40 us)."""
+    L = env_int("VKATTN_PERF_OVERHEAD_CONTEXT", 16)
+    tag = f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim}"
+    iters, warmup = max(shape.iters, 50), max(shape.warmup, 10)
+    rng = np.random.default_rng(7)
+    hq, hkv, d, dv = shape.heads, shape.kv_heads, shape.head_dim, shape.v_head_dim
+    bare = bare_round_trip_ms(device, iters, warmup)
+    rows = []
+    for b in env_int_list("VKATTN_PERF_OVERHEAD_BATCHES", [1, 4, 16]):
+        blocks = b * (-(-(L + 2) // 16) + 1)
+        cache = vkattn.PagedKVCache(blocks, 16, hkv, d, dv, dtype=shape.dtype, device=device)
+        ids = [cache.add_sequence() for _ in range(b)]
+        cache.append(ids, rng.standard_normal((hkv, b * L, d), dtype=np.float32),
+                     rng.standard_normal((hkv, b * L, dv), dtype=np.float32), n_new=[L] * b)
+        q = rng.standard_normal((hq, b, d), dtype=np.float32)
+        k = rng.standard_normal((hkv, b, d), dtype=np.float32)
+        v = rng.standard_normal((hkv, b, dv), dtype=np.float32)
+
+        def reset():
+            for sid in ids:
+                cache.truncate(sid, L)
+        got = cache.forward(ids, q, k, v)
+        kv = [cache.read(sid) for sid in ids]
+        ok = all(check(got[:, i:i + 1], attention(q[:, i:i + 1], *kv[i]), shape.dtype) for i in range(b))
+        reset()
+        tr = time_calls(lambda: [attention(q[:, i:i + 1], *kv[i]) for i in range(b)], iters, warmup)["median_ms"]
+
+        def call():
+            cache.forward(ids, q, k, v)
+            reset()
+        t = time_calls(call, iters, warmup)
+        py = python_us(lambda: cache.forward(ids, q, k, v), 10 * iters, reset=reset)
+        print(f"{tag} paged batch decode B={b} L={L}: vkattn's Python {py:.1f} us per call (submission stubbed out), "
+              f"wall {t['median_ms']:.4f} ms, bare round trip {bare['median_ms']:.4f} ms")
+        rows.append(Row(case=f"paged batch decode B={b} L={L}, numpy", kernel="overhead", shape=tag,
+                        vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
+                        speedup_vs_numpy=tr / t["median_ms"], metric="python us", value=py,
+                        verified=ok, extra={"bare_ms": bare["median_ms"], "python_us": py, "batch": b}))
+        cache.close()
     return rows

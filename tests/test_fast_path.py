@@ -1,6 +1,8 @@
-"""KVCache.forward's fast path (the common call: numpy float32 in, causal, no variant, a fused
-append): bit for bit the general path's result, the same errors (it hands anything unusual to the
-general path, whose checks raise), the aux words patched rather than rebuilt."""
+"""KVCache.forward's and PagedKVCache.forward's fast paths (the common call: numpy float32 in,
+causal, no variant, a fused append): bit for bit the general path's result, the same errors (they
+hand anything unusual to the general path, whose checks raise), the aux words patched
+(KVCache) or written without SeqCall records (PagedKVCache, AttnPlan.fill_batch) rather than
+rebuilt."""
 import numpy as np
 import pytest
 
@@ -99,3 +101,111 @@ def test_fast_path_survives_plan_eviction(device, rng):
         got = cache.forward(q, k, v)
         ks, vs = cache.read()
         np.testing.assert_allclose(got, vkattn.reference.attention(q, ks, vs), atol=2e-6, rtol=2e-5)
+
+
+def _batch(rng, hq, hkv, counts, d):
+    return _call(rng, hq, hkv, sum(counts), sum(counts), d)
+
+
+@pytest.mark.parametrize("dtype,rope", [("float32", "none"), ("float16", "neox"), ("int8", "gptj partial"),
+                                        ("q4", "neox"), ("fp8_e4m3", "none")])
+def test_paged_fast_path_equals_the_general_path(device, rng, dtype, rope, monkeypatch):
+    """Batches of odd lengths in blocks of 4 (new blocks taken mid-batch), chunks of several
+    rows and batch decode, sequences in a changing order; with the cache's RoPE the rotary rows of
+    every sequence's positions come from one table (fill_batch) instead of one per sequence."""
+    fast, general = (vkattn.PagedKVCache(40, 4, 2, 40, dtype=dtype, device=device, rope=ROPES[rope])
+                     for _ in range(2))
+    fills = []
+    real = _attn.AttnPlan.fill
+    monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))
+    ids = [[c.add_sequence() for _ in range(3)] for c in (fast, general)]
+    assert ids[0] == ids[1]
+    ids = ids[0]
+    steps = [([0, 1, 2], [5, 3, 7]), ([0, 1, 2], [1, 1, 1]), ([2, 0, 1], [1, 1, 1]), ([1, 2], [2, 1]),
+             ([0, 1, 2], [1, 1, 1]), ([2], [1]), ([0, 1, 2], [3, 1, 2]), ([0, 1, 2], [1, 1, 1])]
+    calls = 0
+    for order, counts in steps:
+        seqs = [ids[i] for i in order]
+        q, k, v = _batch(rng, 6, 2, counts, 40)
+        n_new = None if set(counts) == {1} else counts
+        fills.clear()
+        got = fast.forward(seqs, q, k, v, n_new=n_new)
+        assert not fills, (order, counts)           # the fast path: no SeqCall fill
+        want, _ = general.forward(seqs, q, k, v, n_new=n_new, return_lse=True)    # the general path
+        assert fills
+        assert got.dtype == np.float32 and np.array_equal(got, want), (order, counts)
+        calls += 1
+    for sid in ids:
+        assert fast.length(sid) == general.length(sid)
+        for a, b in zip(fast.read(sid), general.read(sid)):
+            assert np.array_equal(a, b)
+    if 40 % (4 * fast._ch):
+        return          # device arrays' rows must be unpadded for this storage
+    # device arrays in and out take it too, with the numpy path's bits
+    q, k, v = _batch(rng, 6, 2, [1, 1, 1], 40)
+    out = vkattn.empty((6, 3, 40), device)
+    fills.clear()
+    got = fast.forward(ids, *(vkattn.to_device(x, device) for x in (q, k, v)), out=out)
+    assert got is out and not fills
+    assert np.array_equal(out.numpy(), general.forward(ids, q, k, v))
+
+
+def test_paged_fast_path_keeps_every_check(device, rng):
+    """The paged fast path raises the general path's errors and changes nothing on any of them."""
+    cache = vkattn.PagedKVCache(3, 4, 1, 16, dtype="float16", device=device)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    q, k, v = _batch(rng, 2, 1, [1, 1], 16)
+    for bad, match in ((np.full_like(k, np.nan), "NaN or Inf"), (np.full_like(k, 7e4), "float16 range")):
+        with pytest.raises(ValueError, match=match):
+            cache.forward([a, b], q, bad, v)
+        with pytest.raises(ValueError, match=match):
+            cache.forward([a, b], q, k, bad)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        cache.forward([a, b], np.full_like(q, np.inf), k, v)
+    with pytest.raises(vkattn.UnknownSequenceError):
+        cache.forward([a, 7], q, k, v)
+    with pytest.raises(ValueError, match="distinct"):
+        cache.forward([a, a], q, k, v)
+    with pytest.raises(TypeError, match="int sequence id"):
+        cache.forward([a, 1.0], q, k, v)
+    with pytest.raises(ValueError, match="n_new"):
+        cache.forward([a, b], q, k, v, n_new=[2, 0])
+    with pytest.raises(ValueError, match="k: expected shape"):
+        cache.forward([a, b], q, k, v, n_new=[2, 1])
+    with pytest.raises(ValueError, match="scale"):
+        cache.forward([a, b], q, k, v, scale=-1.0)
+    assert cache.lengths() == {a: 0, b: 0}
+    q1, k1, v1 = _batch(rng, 2, 1, [1], 16)
+    for _ in range(8):                                  # two blocks for a, and one for b after
+        cache.forward([a], q1, k1, v1)
+    cache.forward([b], q1, k1, v1)
+    for _ in range(3):
+        cache.forward([b], q1, k1, v1)
+    with pytest.raises(vkattn.CacheFullError):
+        cache.forward([a, b], q, k, v)                  # a needs a fourth block
+    assert cache.lengths() == {a: 8, b: 4}
+
+
+def test_paged_fast_path_leaves_shared_prefixes_to_cascade(device, rng, monkeypatch):
+    """Sequences that share blocks (a fork) go the general way, where cascade may attend their
+    shared prefix once (VKATTN_CASCADE=1: any shared block); the results stay the reference's."""
+    from vkattn import cascade
+    monkeypatch.setenv("VKATTN_CASCADE", "1")
+    cache = vkattn.PagedKVCache(16, 4, 1, 16, dtype="float32", device=device)
+    a = cache.add_sequence()
+    cache.append([a], *_batch(rng, 2, 1, [9], 16)[1:], n_new=[9])
+    b = cache.fork(a)
+    c = cache.add_sequence()
+    cache.append([c], *_batch(rng, 2, 1, [6], 16)[1:], n_new=[6])
+    plans = []
+    real = cascade.cascade_plan
+    monkeypatch.setattr(cascade, "cascade_plan", lambda *a, **kw: plans.append(1) or real(*a, **kw))
+    for batch in ([a, b], [a, c], [c, b, a]):
+        q, k, v = _batch(rng, 2, 1, [1] * len(batch), 16)
+        plans.clear()
+        got = cache.forward(batch, q, k, v)
+        assert bool(plans) == (a in batch and b in batch) or not device.is_software
+        for i, sid in enumerate(batch):
+            ks, vs = cache.read(sid)
+            np.testing.assert_allclose(got[:, i:i + 1], vkattn.reference.attention(q[:, i:i + 1], ks, vs),
+                                       atol=2e-6, rtol=2e-5)

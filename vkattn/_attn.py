@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import numbers
+from array import array
 from collections import OrderedDict
+from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +95,9 @@ class Variant:
     def flags(self, masked: bool) -> int:
         return ((F_WINDOW if self.window is not None else 0) | (F_SOFTCAP if self.softcap else 0) |
                 (F_ALIBI if self.alibi is not None else 0) | (F_MASK if masked else 0))
+
+
+_PLAIN = Variant()          # no score variant: fill_batch's
 
 
 def check_variant(num_qo_heads: int, window=None, n_sink=0, softcap=None, alibi_slopes=None) -> Variant:
@@ -272,6 +277,7 @@ class AttnPlan:
         self._rec_out = None            # the same without lse's download (out_only)
         self._header = np.zeros(HEADER, np.uint32)
         self._tiles = {}
+        self._dst = {}                  # _put_input's views: (input, shape) -> view of its host copy
         self._binds = OrderedDict()     # device arrays in place of the plan's own buffers: see bound()
 
     def warm(self) -> None:
@@ -407,7 +413,7 @@ class AttnPlan:
         return x.shape[1]
 
     _simple = None                  # (rows, new rows, scale, rope) whose whole aux block fill_simple left
-    _simple_dst = (None, None, None)    # fill_simple's views of the q, nk, nv host copies
+    _batch_head = None              # fill_batch's last (counts, scale, rows, new rows) and its offsets
 
     def fill_simple(self, q, k, v, past: int, scale: float, rope: RoPE | None = None) -> None:
         """fill() of the most common call -- one sequence of ``past`` cached keys, q (hq, s, d)
@@ -422,24 +428,10 @@ class AttnPlan:
             seq = SeqCall(past=past, n_new=n, q_start=0, q_len=s, rope_pos=past + n - rows)
             self.fill(q, k, v, [seq], True, scale, Variant(), rope)
             self._simple = (s, n, scale, rope)
-            self._simple_dst = [None, None, None]
             return
-        dst = self._simple_dst
         for i, x in enumerate((q, k, v)):
-            if type(x) is not np.ndarray:
-                continue                 # a DeviceArray is read where it lies (AttnPlan.bound)
-            view = dst[i]
-            if view is None or view.shape != x.shape:
-                # the host copy seen with x's shape where its rows are unpadded (kept for the
-                # next such call: one assignment); padded rows go through put_rows
-                c = self.c
-                buf, width = ((self.q, c._dk4), (self.nk, c._dk4), (self.nv, c._dv4))[i]
-                width *= c._ch * 4
-                if x.shape[2] != width:
-                    put_rows(buf, x, width)
-                    continue
-                view = dst[i] = buf.view()[:x.size].reshape(x.shape)
-            view[...] = x
+            if type(x) is np.ndarray:    # a DeviceArray is read where it lies (AttnPlan.bound)
+                self._put_input(i, x)
         kstart, chunk = split_keys(past + n, s, None, self.cfg.splits, 0)
         aux = self.aux.view()
         at = HEADER                      # the one sequence record: past, n_new, .., chunk, bt, kstart
@@ -455,42 +447,15 @@ class AttnPlan:
              rope: RoPE | None = None) -> int:
         """Write a call's inputs into the host copies of q, nk/nv, aux and the rotary table (what
         ``inputs`` uploads); returns its rows per head."""
-        c, cfg = self.c, self.cfg
-        self._simple = None
-        rows, nn = self._rows(q), (0 if k is None else self._rows(k))   # this call's counts (<= the plan's)
-        if isinstance(q, np.ndarray):
-            put_rows(self.q, q, c._dk4 * c._ch * 4)
-        if isinstance(k, np.ndarray):
-            put_rows(self.nk, k, c._dk4 * c._ch * 4)
-        if isinstance(v, np.ndarray):
-            put_rows(self.nv, v, c._dv4 * c._ch * 4)
+        self._batch_head = None
+        rows, nn = self._put_inputs(q, k, v)
         aux = self.aux.view()
         f = aux.view(np.float32)
-        nseq = len(seqs)
         h = self._header
-        seq_off = HEADER
-        tile_off = seq_off + SEQ_WORDS * nseq
-        q_lens = tuple(s.q_len for s in seqs)
-        tiles = self._tiles.get(q_lens)
-        if tiles is None:                 # (sequence, query tile) per workgroup row, memoised
-            tiles = np.asarray([(i, t) for i, n in enumerate(q_lens) for t in range(cfg.qtiles(n))],
-                               np.uint32).ravel()
-            if len(self._tiles) > 64:
-                self._tiles.clear()
-            self._tiles[q_lens] = tiles
-        ntiles = len(tiles) // 2
-        alibi_off = tile_off + 2 * ntiles
-        free = alibi_off + (self.hq if variant.alibi is not None else 0)
-        h[:18] = (nseq, int(causal), _f32_bits(scale * _LOG2E), 0, c._head_stride,
-                  c._block_stride, c._block_size, variant.window or 0, variant.n_sink,
-                  _f32_bits((variant.softcap or 0.0) * _LOG2E), rows, max(nn, 1), seq_off,
-                  tile_off, ntiles, alibi_off, 0, self._counters)
-        aux[tile_off:alibi_off] = tiles
-        if variant.alibi is not None:
-            f[alibi_off:free] = variant.alibi * np.float32(_LOG2E)
-        recs = np.zeros((nseq, SEQ_WORDS), np.uint32)
+        seq_off, tile_off, free = self._put_head(tuple(s.q_len for s in seqs), causal, scale, variant, rows, nn)
+        recs = np.zeros((len(seqs), SEQ_WORDS), np.uint32)
         for i, s in enumerate(seqs):
-            kstart, chunk = split_keys(s.past + s.n_new, s.q_len, variant.window, cfg.splits, s.key_lo)
+            kstart, chunk = split_keys(s.past + s.n_new, s.q_len, variant.window, self.cfg.splits, s.key_lo)
             bt = 0
             if s.table is not None:
                 bt = free
@@ -512,10 +477,93 @@ class AttnPlan:
         aux[seq_off:tile_off] = recs.ravel()
         return rows
 
+    def fill_batch(self, q, k, v, past: list, counts: list, tables: list, scale: float,
+                   rope: RoPE | None = None) -> int:
+        """fill() of a paged batch's common call, the same words in fewer steps: sequence i has
+        ``past[i]`` cached keys and brings ``counts[i]`` new rows (fused: the dispatch stores them)
+        and as many query rows, packed after sequence i-1's; its block table ``tables[i]`` (a list
+        of ints); causal, no variant, mask or shared prefix, the keys rotated by the cache's
+        ``rope`` (not q). No SeqCall objects, one record list, one rotary table for all rows."""
+        rows, nn = self._put_inputs(q, k, v)
+        aux = self.aux.view()
+        key = (tuple(counts), scale, rows, nn)
+        if self._batch_head is not None and self._batch_head[0] == key:
+            seq_off, tile_off, free = self._batch_head[1]       # header and tiles in aux as they were
+        else:
+            seq_off, tile_off, free = self._put_head(key[0], True, scale, _PLAIN, rows, nn)
+            aux[:HEADER] = self._header
+            self._batch_head = key, (seq_off, tile_off, free)
+        splits, recs, start, bt = self.cfg.splits, array("I"), 0, free
+        for p, n, t in zip(past, counts, tables):
+            span = p + n                    # split_keys with no window and key_lo 0 (p + n >= 1)
+            recs.extend((p, n, start, n, max(-(-span // splits), min(MIN_CHUNK, span)), bt, 0, 0, start, start, p, 0))
+            start += n
+            bt += len(t)
+        aux[seq_off:tile_off] = np.frombuffer(recs, np.uint32)
+        aux[free:bt] = np.frombuffer(array("I", chain.from_iterable(tables)), np.uint32)
+        if self.rope_dim:                   # rows 0 .. rows - 1: the positions p .. p + n - 1 of each
+            positions = past if rows == len(past) else [i for p, n in zip(past, counts) for i in range(p, p + n)]
+            self.rope.view()[:rows * self.rope_dim] = rope.table(positions, self.rope_dim).ravel()
+        return rows
+
+    def _put_inputs(self, q, k, v) -> tuple:
+        """fill()'s numpy q, k, v into the plan's host copies (device arrays are read where they
+        lie); (rows of q, rows of k: 0 without)."""
+        self._simple = None
+        for i, x in enumerate((q, k, v)):
+            if isinstance(x, np.ndarray):
+                self._put_input(i, x)
+        return self._rows(q), (0 if k is None else self._rows(k))   # this call's counts (<= the plan's)
+
+    def _put_input(self, i: int, x: np.ndarray) -> None:
+        """Input ``i`` (0 q, 1 new K rows, 2 new V rows; (h, n, d) float32) into its host copy:
+        where its rows are unpadded, through a view of the copy with x's shape, kept for the next
+        call of that shape (one assignment); padded rows through put_rows."""
+        view = self._dst.get((i, x.shape))
+        if view is None:
+            c = self.c
+            buf, width = ((self.q, c._dk4), (self.nk, c._dk4), (self.nv, c._dv4))[i]
+            width *= c._ch * 4
+            if x.shape[2] != width:
+                put_rows(buf, x, width)
+                return
+            if len(self._dst) >= 12:
+                self._dst.clear()
+            view = self._dst[(i, x.shape)] = buf.view()[:x.size].reshape(x.shape)
+        view[...] = x
+
+    def _put_head(self, q_lens: tuple, causal: bool, scale: float, variant: Variant, rows: int, nn: int) -> tuple:
+        """The header words (in ``_header``: fill writes them to aux last, after a mask's flag)
+        and the (sequence, query tile) list of a call whose sequences have ``q_lens`` query rows;
+        returns (first record word, first tile word, first free word: the block tables and masks)."""
+        c, cfg = self.c, self.cfg
+        aux = self.aux.view()
+        tiles = self._tiles.get(q_lens)
+        if tiles is None:                 # (sequence, query tile) per workgroup row, memoised
+            tiles = np.asarray([(i, t) for i, n in enumerate(q_lens) for t in range(cfg.qtiles(n))],
+                               np.uint32).ravel()
+            if len(self._tiles) > 64:
+                self._tiles.clear()
+            self._tiles[q_lens] = tiles
+        seq_off = HEADER
+        tile_off = seq_off + SEQ_WORDS * len(q_lens)
+        ntiles = len(tiles) // 2
+        alibi_off = tile_off + 2 * ntiles
+        free = alibi_off + (self.hq if variant.alibi is not None else 0)
+        self._header[:18] = (len(q_lens), int(causal), _f32_bits(scale * _LOG2E), 0, c._head_stride,
+                             c._block_stride, c._block_size, variant.window or 0, variant.n_sink,
+                             _f32_bits((variant.softcap or 0.0) * _LOG2E), rows, max(nn, 1), seq_off,
+                             tile_off, ntiles, alibi_off, 0, self._counters)
+        aux[tile_off:alibi_off] = tiles
+        if variant.alibi is not None:
+            aux.view(np.float32)[alibi_off:free] = variant.alibi * np.float32(_LOG2E)
+        return seq_off, tile_off, free
+
     def destroy(self) -> None:
         for key in list(self._binds):
             self._drop_bind(key)
-        self._simple, self._simple_dst = None, (None, None, None)   # no view of a freed buffer kept
+        self._simple, self._batch_head = None, None
+        self._dst = {}                  # no view of a freed buffer kept
         destroy(self.rec, self._rec_out, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,
                 self.ml, self.rope)
 

@@ -10,7 +10,7 @@ import numpy as np
 from . import reference
 from .array import DeviceArray, check_device_array
 from ._attn import Pipeline, RoPE, destroy, grid_groups, put_rows, set_storage, token_bytes, unpack_rows
-from .checks import check_array, check_bool, check_int
+from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, DeviceLimitError, VerificationError
@@ -42,6 +42,7 @@ class CacheBase:
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
         self.head_dim = check_int("head_dim", head_dim, 1)
         self.v_head_dim = self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
+        self._scale = check_scale(None, self.head_dim)     # the default scale, for the fast paths
         key = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or getattr(dtype, "name", None)
         if key not in DTYPES:
             raise TypeError(f"dtype: expected {dtype_list()}, got {dtype!r}")

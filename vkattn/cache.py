@@ -43,7 +43,6 @@ class KVCache(CacheBase):
         self._block_stride = self.num_kv_heads * self.capacity
         self._allocate(self.capacity, "capacity", 1, "positions")
         self._length = 0
-        self._scale = check_scale(None, self.head_dim)     # the default scale, for the fast path
 
     # ------------------------------------------------------------------ properties
     @property

@@ -96,6 +96,18 @@ def shared_groups(tables, past, block_size: int, min_blocks: int = 1) -> list:
     return groups
 
 
+def may_share(cache, plan) -> bool:
+    """False where plan_groups of AppendPlan ``plan`` is sure to be [] for any variant: cascade
+    off, one sequence, a GPU in automatic mode, or no sequence whose first block is held by
+    another (a shared prefix is shared blocks: forks and the prefix cache hold them twice). A
+    cheap test, without the table copies plan_groups makes (PagedKVCache's fast path)."""
+    mode = cascade_mode()
+    if mode == "off" or len(plan.seq_ids) < 2 or (mode == "auto" and not cache.device.is_software):
+        return False
+    refs = cache._pool._refs
+    return any(refs[t[0]] > 1 for t in plan.tables if t)
+
+
 def plan_groups(cache, plan, hq: int, variant, masked: bool, rope_q: bool) -> list:
     """The groups a PagedKVCache.forward of AppendPlan ``plan`` attends by cascade ([] for today's
     path): none for an unsupported variant, VKATTN_CASCADE=0, or (automatic) on a GPU, for groups

@@ -63,6 +63,8 @@ def check_shape(name: str, got: tuple, shape: tuple) -> None:
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    if type(value) is int and value >= low and (high is None or value <= high):
+        return value                    # the common case, without the ABC checks below
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     value = int(value)

@@ -1,19 +1,21 @@
 """PagedKVCache: many sequences in one pool of fixed-size blocks."""
 from __future__ import annotations
 
+from operator import add
+
 import numpy as np
 
 from . import cascade
 from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
-from .checks import check_array, check_bool, check_int, check_scale
+from .checks import check_array, check_bool, check_int, check_scale, plainly_finite
 from .compiler import compile_shader
 from . import persist
 from .device import Device
 from .errors import CacheFullError
 from .array import DeviceArray
 from .paging import BlockPool, UnknownSequenceError
-from .tuning import WORKGROUP, decode_key_bound, kernel_for, own_splits, row_bucket
+from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, decode_key_bound, kernel_for, own_splits, row_bucket
 
 
 
@@ -237,6 +239,12 @@ class PagedKVCache(CacheBase):
         the shared-prefix (cascade) path: its result is the same, computed per sequence. Inside
         a vkattn.Graph capture the call is recorded (token_ids not taken there).
         """
+        if (causal is True and (scale is None or type(scale) is float) and window is None and type(n_sink) is int
+                and n_sink == 0 and mask is None and softcap is None and alibi_slopes is None
+                and return_lse is False and rope_q is False and token_ids is None and lse is None):
+            fast = self._fast_forward(seq_ids, q, k, v, n_new, scale, out)
+            if fast is not None:
+                return fast
         with self._lock:
             self._check_open()
             plan, k, v = self._check_new(seq_ids, n_new, k, v, token_ids)
@@ -290,6 +298,70 @@ class PagedKVCache(CacheBase):
                     self._verify_rows(vout[:, rows], vlse[:, rows], vq[:, rows], *self.read(sid),
                                       s.past + s.n_new - s.q_len, dict(call, mask=s.mask))
             return (out, lse) if return_lse else out
+
+    def _fast_forward(self, seq_ids, q, k, v, n_new, scale=None, out=None):
+        """forward() of the common batch call -- numpy float32 C-contiguous q, k, v (or
+        DeviceArrays of this device with ``out`` one too), causal, no variant, mask or token ids,
+        K rotated by the cache's RoPE or not (q not), every sequence's new rows fused into the
+        attention dispatch, no shared prefix to attend by cascade, nothing asked but the output
+        -- with the same checks in fewer steps (as KVCache's: shapes compared as tuples, numpy
+        values by one dot product each) and the aux block written by AttnPlan.fill_batch. Bad
+        sequence ids or counts raise here as in the general path (nothing changed); None where
+        anything else does not hold: the general path decides, and raises the precise error."""
+        if type(seq_ids) is not list and type(seq_ids) is not tuple:
+            return None
+        if out is None:
+            if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
+                return None
+            if q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32 or q.ndim != 3 \
+                    or k.ndim != 3 or v.ndim != 3:
+                return None
+            if not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
+                return None
+        else:       # device arrays: open, on this device, rows the kernels read unpadded
+            dev = self.device
+            for a in (q, k, v, out):
+                if type(a) is not DeviceArray or a.device is not dev or a._buf is None or len(a.shape) != 3:
+                    return None
+            if (self.head_dim | self.v_head_dim) % (4 * self._ch):
+                return None
+        hkv, total, hq = self.num_kv_heads, k.shape[1], q.shape[0]
+        if k.shape != (hkv, total, self.head_dim) or v.shape != (hkv, total, self.v_head_dim) \
+                or q.shape != (hq, total, self.head_dim) or hq < 1 or hq % hkv:
+            return None
+        if out is not None and out.shape != (hq, total, self.v_head_dim):
+            return None
+        if self.verify:
+            return None
+        if scale is None:
+            scale = self._scale
+        elif not 0.0 < scale < float("inf"):
+            return None
+        if out is None and not (plainly_finite(q) and plainly_finite(k, self._f16) and plainly_finite(v, self._f16)):
+            return None
+        with self._lock:
+            if self._closed or self.device.closed or self.device._graph is not None:
+                return None
+            plan = self._plan_new(seq_ids, n_new)       # ids and counts checked (the general path's errors)
+            counts = plan.n_new
+            most = max(counts)
+            if sum(counts) != total or most > FUSED_APPEND_MAX_ROWS or self._appends_first(most) \
+                    or (out is None and cascade.may_share(self, plan)):
+                return None
+            flags = F_PAGED | (self.rope.flags(False) if self.rope is not None else 0)
+            attn = self._batch_plan(plan, hq, flags, None, False)
+            if attn._check_width:
+                return None
+            plan.evict_cached()                     # before the device writes any block it takes
+            attn.fill_batch(q, k, v, plan.past, counts, plan.tables, scale, self.rope)
+            rec = attn.out_only() if out is None else attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
+            rec.run()
+            self._last_rec = rec
+            plan.commit()
+            if out is not None:
+                return out
+            dv = self.v_head_dim
+            return attn.out.view()[:hq * total * dv].reshape(hq, total, dv).copy()
 
     def _capture(self, seq_ids, counts, q, k, v, masks, flags, split, call, out, lse, return_lse):
         """The batch call as a graph step (vkattn.graph): the pool's blocks are planned, its plan
@@ -456,14 +528,16 @@ class PagedKVCache(CacheBase):
         sequence's first attended key (cascade), which sizes a decode plan's key bound."""
         total, nseq = sum(plan.n_new), len(plan.n_new)
         words = AttnPlan.aux_need(nseq, total if total == nseq else row_bucket(total), hq,
-                                  sum(len(t) for t in plan.tables), 0 if masks is None else sum(m.size for m in masks))
+                                  sum(map(len, plan.tables)), 0 if masks is None else sum(m.size for m in masks))
         bucket = aux_bucket(words)
         nn = 0 if split else total
         decode = total == nseq
         # batch decode: sized for the longest sequence's power-of-two bucket (the split count
         # follows the context, tuning.decode_key_bound); prefill and chunks: for the pool
-        lo = key_lo or [0] * nseq
-        span = max(p + n - a for p, n, a in zip(plan.past, plan.n_new, lo))
+        if key_lo is None:
+            span = max(map(add, plan.past, plan.n_new))
+        else:
+            span = max(p + n - a for p, n, a in zip(plan.past, plan.n_new, key_lo))
         bound = decode_key_bound(span, self.slots) if decode else self.slots
         rows, nn = (total, nn) if decode else (row_bucket(total), row_bucket(nn) if nn else 0)
         splits = None

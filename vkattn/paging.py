@@ -240,6 +240,8 @@ class BlockPool:
     # ------------------------------------------------------------------ argument checks
 
     def _known(self, name: str, seq_id) -> int:
+        if type(seq_id) is int and seq_id in self._tables:
+            return seq_id               # the common case, without the ABC checks below
         if isinstance(seq_id, bool) or not isinstance(seq_id, numbers.Integral):
             raise TypeError(f"{name}: expected an int sequence id, got {type(seq_id).__name__}")
         seq_id = int(seq_id)
@@ -535,32 +537,43 @@ class BlockPool:
         if len(n_new) != len(seq_ids):
             raise ValueError(
                 f"n_new: expected {len(seq_ids)} counts (one per entry of seq_ids), got {len(n_new)}")
-        ids = []
-        seen = set()
-        for i, s in enumerate(seq_ids):
-            s = self._known(f"seq_ids[{i}]", s)
-            if s in seen:
-                raise ValueError(f"seq_ids[{i}]: expected distinct sequence ids, got {s} twice")
-            seen.add(s)
-            ids.append(s)
-        counts = [check_int(f"n_new[{i}]", n, 0) for i, n in enumerate(n_new)]
+        known = self._tables
+        if all(type(s) is int and s in known for s in seq_ids) and len(set(seq_ids)) == len(seq_ids):
+            ids = seq_ids               # the common case: known, distinct plain ints
+        else:
+            ids = []
+            seen = set()
+            for i, s in enumerate(seq_ids):
+                s = self._known(f"seq_ids[{i}]", s)
+                if s in seen:
+                    raise ValueError(f"seq_ids[{i}]: expected distinct sequence ids, got {s} twice")
+                seen.add(s)
+                ids.append(s)
+        if all(type(n) is int and n >= 0 for n in n_new):
+            counts = n_new
+        else:
+            counts = [check_int(f"n_new[{i}]", n, 0) for i, n in enumerate(n_new)]
         tokens = self._check_plan_tokens(token_ids, counts)
 
-        bs = self._block_size
-        need = [_ceil_div(self._lengths[s] + n, bs) - len(self._tables[s]) for s, n in zip(ids, counts)]
+        bs, lengths = self._block_size, self._lengths
+        need = [(lengths[s] + n + bs - 1) // bs - len(known[s]) for s, n in zip(ids, counts)]
         total = sum(need)
         if total > self.free_blocks:
             short = ", ".join(f"{s}: {k}" for s, k in zip(ids, need) if k)
             raise CacheFullError(
                 f"plan_append: the batch needs {total} new blocks, {self._describe_free()}; "
                 f"new blocks per sequence {{{short}}}")
-        picks = self._picks(total)  # the order _take() would hand them out
-        tables, new_blocks, at = [], [], 0
-        for s, k in zip(ids, need):
-            new_blocks.append(picks[at:at + k])
-            tables.append(self._tables[s] + picks[at:at + k])
-            at += k
-        return AppendPlan(seq_ids=ids, past=[self._lengths[s] for s in ids], n_new=counts,
+        if total:
+            picks = self._picks(total)  # the order _take() would hand them out
+            tables, new_blocks, at = [], [], 0
+            for s, k in zip(ids, need):
+                new_blocks.append(picks[at:at + k])
+                tables.append(known[s] + picks[at:at + k])
+                at += k
+        else:
+            new_blocks = [[] for _ in ids]
+            tables = [known[s][:] for s in ids]
+        return AppendPlan(seq_ids=ids, past=[lengths[s] for s in ids], n_new=counts,
                           tables=tables, new_blocks=new_blocks, token_ids=tokens, _pool=self,
                           _version=self._version)
 

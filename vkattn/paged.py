@@ -370,6 +370,8 @@ class PagedKVCache(CacheBase):
         call = dict(call, out=out, lse=lse, return_lse=return_lse)
         self._check_graph_call(q, k, v, call)
         hq, variant, cache = q.shape[0], call["variant"], self
+        # the common call's words come from fill_batch (no SeqCall records), the rest from fill
+        plain = masks is None and not split and call["causal"] and not variant.flags(False)
 
         class Step:
             plan = None
@@ -377,7 +379,6 @@ class PagedKVCache(CacheBase):
             def prepare(self):
                 cache._check_open()
                 plan = self.plan = cache._plan_new(seq_ids, counts)
-                seqs = _seq_calls(plan, masks, split)
                 attn = cache._batch_plan(plan, hq, flags, masks, split)
                 work, kk, vv = [], k, v
                 if split:
@@ -388,7 +389,11 @@ class PagedKVCache(CacheBase):
                     prog, _, up = append.bound(k.buffer, v.buffer)
                     work.append((prog, up))
                     kk = vv = None
-                attn.fill(q, kk, vv, seqs, call["causal"], call["scale"], variant, cache.rope)
+                if plain:
+                    attn.fill_batch(q, kk, vv, plan.past, counts, plan.tables, call["scale"], cache.rope)
+                else:
+                    attn.fill(q, kk, vv, _seq_calls(plan, masks, split), call["causal"], call["scale"], variant,
+                              cache.rope)
                 prog, _, up = attn.bound(q.buffer, None if kk is None else kk.buffer,
                                          None if vv is None else vv.buffer, out.buffer,
                                          None if lse is None else lse.buffer)

@@ -107,12 +107,18 @@ def _batch(rng, hq, hkv, counts, d):
     return _call(rng, hq, hkv, sum(counts), sum(counts), d)
 
 
-@pytest.mark.parametrize("dtype,rope", [("float32", "none"), ("float16", "neox"), ("int8", "gptj partial"),
-                                        ("q4", "neox"), ("fp8_e4m3", "none")])
-def test_paged_fast_path_equals_the_general_path(device, rng, dtype, rope, monkeypatch):
+WINDOWED = dict(window=6, n_sink=2, softcap=15.0)
+
+
+@pytest.mark.parametrize("dtype,rope,variant", [("float32", "none", {}), ("float16", "neox", {}),
+                                                ("int8", "gptj partial", {}), ("q4", "neox", {}),
+                                                ("fp8_e4m3", "none", {}), ("float16", "neox", WINDOWED),
+                                                ("float32", "none", dict(window=3))])
+def test_paged_fast_path_equals_the_general_path(device, rng, dtype, rope, variant, monkeypatch):
     """Batches of odd lengths in blocks of 4 (new blocks taken mid-batch), chunks of several
     rows and batch decode, sequences in a changing order; with the cache's RoPE the rotary rows of
-    every sequence's positions come from one table (fill_batch) instead of one per sequence."""
+    every sequence's positions come from one table (fill_batch) instead of one per sequence; a
+    sliding window with sinks and a softcap as well."""
     fast, general = (vkattn.PagedKVCache(40, 4, 2, 40, dtype=dtype, device=device, rope=ROPES[rope])
                      for _ in range(2))
     fills = []
@@ -129,9 +135,9 @@ def test_paged_fast_path_equals_the_general_path(device, rng, dtype, rope, monke
         q, k, v = _batch(rng, 6, 2, counts, 40)
         n_new = None if set(counts) == {1} else counts
         fills.clear()
-        got = fast.forward(seqs, q, k, v, n_new=n_new)
+        got = fast.forward(seqs, q, k, v, n_new=n_new, **variant)
         assert not fills, (order, counts)           # the fast path: no SeqCall fill
-        want, _ = general.forward(seqs, q, k, v, n_new=n_new, return_lse=True)    # the general path
+        want, _ = general.forward(seqs, q, k, v, n_new=n_new, return_lse=True, **variant)  # the general path
         assert fills
         assert got.dtype == np.float32 and np.array_equal(got, want), (order, counts)
         calls += 1
@@ -145,9 +151,9 @@ def test_paged_fast_path_equals_the_general_path(device, rng, dtype, rope, monke
     q, k, v = _batch(rng, 6, 2, [1, 1, 1], 40)
     out = vkattn.empty((6, 3, 40), device)
     fills.clear()
-    got = fast.forward(ids, *(vkattn.to_device(x, device) for x in (q, k, v)), out=out)
+    got = fast.forward(ids, *(vkattn.to_device(x, device) for x in (q, k, v)), out=out, **variant)
     assert got is out and not fills
-    assert np.array_equal(out.numpy(), general.forward(ids, q, k, v))
+    assert np.array_equal(out.numpy(), general.forward(ids, q, k, v, **variant))
 
 
 def test_paged_fast_path_keeps_every_check(device, rng):
@@ -174,6 +180,12 @@ def test_paged_fast_path_keeps_every_check(device, rng):
         cache.forward([a, b], q, k, v, n_new=[2, 1])
     with pytest.raises(ValueError, match="scale"):
         cache.forward([a, b], q, k, v, scale=-1.0)
+    with pytest.raises(ValueError, match="n_sink"):
+        cache.forward([a, b], q, k, v, n_sink=2)
+    with pytest.raises(ValueError, match="window"):
+        cache.forward([a, b], q, k, v, window=0)
+    with pytest.raises(TypeError, match="softcap"):
+        cache.forward([a, b], q, k, v, softcap="big")
     assert cache.lengths() == {a: 0, b: 0}
     q1, k1, v1 = _batch(rng, 2, 1, [1], 16)
     for _ in range(8):                                  # two blocks for a, and one for b after

@@ -478,25 +478,30 @@ class AttnPlan:
         return rows
 
     def fill_batch(self, q, k, v, past: list, counts: list, tables: list, scale: float,
-                   rope: RoPE | None = None) -> int:
+                   rope: RoPE | None = None, variant: Variant = _PLAIN) -> int:
         """fill() of a paged batch's common call, the same words in fewer steps: sequence i has
         ``past[i]`` cached keys and brings ``counts[i]`` new rows (fused: the dispatch stores them)
         and as many query rows, packed after sequence i-1's; its block table ``tables[i]`` (a list
-        of ints); causal, no variant, mask or shared prefix, the keys rotated by the cache's
-        ``rope`` (not q). No SeqCall objects, one record list, one rotary table for all rows."""
+        of ints); causal, no ALiBi, mask or shared prefix (a window, sinks and softcap are fine),
+        the keys rotated by the cache's ``rope``. No SeqCall objects, one record list, one rotary
+        table for all rows."""
         rows, nn = self._put_inputs(q, k, v)
         aux = self.aux.view()
-        key = (tuple(counts), scale, rows, nn)
+        key = (tuple(counts), scale, variant, rows, nn)
         if self._batch_head is not None and self._batch_head[0] == key:
             seq_off, tile_off, free = self._batch_head[1]       # header and tiles in aux as they were
         else:
-            seq_off, tile_off, free = self._put_head(key[0], True, scale, _PLAIN, rows, nn)
+            seq_off, tile_off, free = self._put_head(key[0], True, scale, variant, rows, nn)
             aux[:HEADER] = self._header
             self._batch_head = key, (seq_off, tile_off, free)
-        splits, recs, start, bt = self.cfg.splits, array("I"), 0, free
+        splits, window, recs, start, bt = self.cfg.splits, variant.window, array("I"), 0, free
         for p, n, t in zip(past, counts, tables):
-            span = p + n                    # split_keys with no window and key_lo 0 (p + n >= 1)
-            recs.extend((p, n, start, n, max(-(-span // splits), min(MIN_CHUNK, span)), bt, 0, 0, start, start, p, 0))
+            if window is None:              # split_keys with key_lo 0 (p + n >= 1)
+                kstart, span = 0, p + n
+                chunk = max(-(-span // splits), min(MIN_CHUNK, span))
+            else:
+                kstart, chunk = split_keys(p + n, n, window, splits)
+            recs.extend((p, n, start, n, chunk, bt, kstart, 0, start, start, p, 0))
             start += n
             bt += len(t)
         aux[seq_off:tile_off] = np.frombuffer(recs, np.uint32)

@@ -6,7 +6,7 @@ from operator import add
 import numpy as np
 
 from . import cascade
-from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
+from ._attn import _PLAIN, F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
 from .checks import check_array, check_bool, check_int, check_scale, plainly_finite
 from .compiler import compile_shader
@@ -239,10 +239,9 @@ class PagedKVCache(CacheBase):
         the shared-prefix (cascade) path: its result is the same, computed per sequence. Inside
         a vkattn.Graph capture the call is recorded (token_ids not taken there).
         """
-        if (causal is True and (scale is None or type(scale) is float) and window is None and type(n_sink) is int
-                and n_sink == 0 and mask is None and softcap is None and alibi_slopes is None
+        if (causal is True and (scale is None or type(scale) is float) and mask is None and alibi_slopes is None
                 and return_lse is False and rope_q is False and token_ids is None and lse is None):
-            fast = self._fast_forward(seq_ids, q, k, v, n_new, scale, out)
+            fast = self._fast_forward(seq_ids, q, k, v, n_new, scale, out, window, n_sink, softcap)
             if fast is not None:
                 return fast
         with self._lock:
@@ -299,9 +298,10 @@ class PagedKVCache(CacheBase):
                                       s.past + s.n_new - s.q_len, dict(call, mask=s.mask))
             return (out, lse) if return_lse else out
 
-    def _fast_forward(self, seq_ids, q, k, v, n_new, scale=None, out=None):
+    def _fast_forward(self, seq_ids, q, k, v, n_new, scale=None, out=None, window=None, n_sink=0, softcap=None):
         """forward() of the common batch call -- numpy float32 C-contiguous q, k, v (or
-        DeviceArrays of this device with ``out`` one too), causal, no variant, mask or token ids,
+        DeviceArrays of this device with ``out`` one too), causal, no ALiBi, mask or token ids (a
+        window, sinks and softcap are fine),
         K rotated by the cache's RoPE or not (q not), every sequence's new rows fused into the
         attention dispatch, no shared prefix to attend by cascade, nothing asked but the output
         -- with the same checks in fewer steps (as KVCache's: shapes compared as tuples, numpy
@@ -339,6 +339,8 @@ class PagedKVCache(CacheBase):
             return None
         if out is None and not (plainly_finite(q) and plainly_finite(k, self._f16) and plainly_finite(v, self._f16)):
             return None
+        variant = _PLAIN if window is None and type(n_sink) is int and n_sink == 0 and softcap is None else \
+            check_variant(hq, window, n_sink, softcap)
         with self._lock:
             if self._closed or self.device.closed or self.device._graph is not None:
                 return None
@@ -348,12 +350,12 @@ class PagedKVCache(CacheBase):
             if sum(counts) != total or most > FUSED_APPEND_MAX_ROWS or self._appends_first(most) \
                     or (out is None and cascade.may_share(self, plan)):
                 return None
-            flags = F_PAGED | (self.rope.flags(False) if self.rope is not None else 0)
+            flags = F_PAGED | variant.flags(False) | (self.rope.flags(False) if self.rope is not None else 0)
             attn = self._batch_plan(plan, hq, flags, None, False)
             if attn._check_width:
                 return None
             plan.evict_cached()                     # before the device writes any block it takes
-            attn.fill_batch(q, k, v, plan.past, counts, plan.tables, scale, self.rope)
+            attn.fill_batch(q, k, v, plan.past, counts, plan.tables, scale, self.rope, variant)
             rec = attn.out_only() if out is None else attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
             rec.run()
             self._last_rec = rec
@@ -371,7 +373,7 @@ class PagedKVCache(CacheBase):
         self._check_graph_call(q, k, v, call)
         hq, variant, cache = q.shape[0], call["variant"], self
         # the common call's words come from fill_batch (no SeqCall records), the rest from fill
-        plain = masks is None and not split and call["causal"] and not variant.flags(False)
+        plain = masks is None and not split and call["causal"] and variant.alibi is None
 
         class Step:
             plan = None
@@ -390,7 +392,7 @@ class PagedKVCache(CacheBase):
                     work.append((prog, up))
                     kk = vv = None
                 if plain:
-                    attn.fill_batch(q, kk, vv, plan.past, counts, plan.tables, call["scale"], cache.rope)
+                    attn.fill_batch(q, kk, vv, plan.past, counts, plan.tables, call["scale"], cache.rope, variant)
                 else:
                     attn.fill(q, kk, vv, _seq_calls(plan, masks, split), call["causal"], call["scale"], variant,
                               cache.rope)

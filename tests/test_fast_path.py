@@ -19,11 +19,17 @@ ROPES = {"none": None, "neox": vkattn.RoPE(base=500.0), "gptj partial": vkattn.R
                                                                                     style="gptj")}
 
 
-@pytest.mark.parametrize("dtype,rope", [(d, "none") for d in ("float32", "float16", "int8", "bfloat16")]
-                         + [("float16", "neox"), ("int8", "gptj partial"), ("q4", "neox")])
-def test_fast_path_equals_the_general_path(device, rng, dtype, rope, monkeypatch):
+WINDOWED = dict(window=6, n_sink=2, softcap=15.0)
+
+
+@pytest.mark.parametrize("dtype,rope,variant", [(d, "none", {}) for d in ("float32", "float16", "int8", "bfloat16")]
+                         + [("float16", "neox", {}), ("int8", "gptj partial", {}), ("q4", "neox", {}),
+                            ("float16", "neox", WINDOWED), ("float32", "none", dict(window=5)),
+                            ("float32", "none", dict(softcap=3.0))])
+def test_fast_path_equals_the_general_path(device, rng, dtype, rope, variant, monkeypatch):
     """Also with the cache's RoPE rotating K (the fast path writes the rotary rows of the new
-    positions, shared between caches of the same RoPE and position)."""
+    positions, shared between caches of the same RoPE and position), and with a sliding window,
+    sinks and a softcap."""
     fast, general = (vkattn.KVCache(96, 2, 40, dtype=dtype, device=device, rope=ROPES[rope]) for _ in range(2))
     fills = []
     real = _attn.AttnPlan.fill
@@ -32,8 +38,8 @@ def test_fast_path_equals_the_general_path(device, rng, dtype, rope, monkeypatch
     for s, n in shapes:
         q, k, v = _call(rng, 4, 2, s, n, 40)
         scale = 0.3 if s == 2 else None
-        got = fast.forward(q, k, v, scale=scale)
-        want, _ = general.forward(q, k, v, scale=scale, return_lse=True)      # return_lse: the general path
+        got = fast.forward(q, k, v, scale=scale, **variant)
+        want, _ = general.forward(q, k, v, scale=scale, return_lse=True, **variant)   # return_lse: the general path
         assert got.dtype == np.float32 and np.array_equal(got, want), (s, n)
     assert fast.length == general.length == sum(n for _, n in shapes)
     for a, b in zip(fast.read(), general.read()):
@@ -54,6 +60,12 @@ def test_fast_path_keeps_every_check(device, rng):
         cache.forward(np.full_like(q, np.inf), k, v)
     with pytest.raises(ValueError, match="scale"):
         cache.forward(q, k, v, scale=-1.0)
+    with pytest.raises(ValueError, match="n_sink"):
+        cache.forward(q, k, v, n_sink=1)
+    with pytest.raises(TypeError, match="window"):
+        cache.forward(q, k, v, window=2.5)
+    with pytest.raises(ValueError, match="softcap"):
+        cache.forward(q, k, v, softcap=float("nan"))
     with pytest.raises(ValueError, match="query rows"):
         cache.forward(*_call(rng, 2, 1, 3, 1, 16))
     with pytest.raises(ValueError, match="q: expected shape"):
@@ -105,9 +117,6 @@ def test_fast_path_survives_plan_eviction(device, rng):
 
 def _batch(rng, hq, hkv, counts, d):
     return _call(rng, hq, hkv, sum(counts), sum(counts), d)
-
-
-WINDOWED = dict(window=6, n_sink=2, softcap=15.0)
 
 
 @pytest.mark.parametrize("dtype,rope,variant", [("float32", "none", {}), ("float16", "neox", {}),

@@ -412,10 +412,11 @@ class AttnPlan:
         """Rows per head of a (heads, rows, dim) numpy array or DeviceArray."""
         return x.shape[1]
 
-    _simple = None                  # (rows, new rows, scale, rope) whose whole aux block fill_simple left
-    _batch_head = None              # fill_batch's last (counts, scale, rows, new rows) and its offsets
+    _simple = None                  # (rows, new rows, scale, rope, variant) whose whole aux block fill_simple left
+    _batch_head = None              # fill_batch's last (counts, scale, variant, rows, new rows), its offsets
 
-    def fill_simple(self, q, k, v, past: int, scale: float, rope: RoPE | None = None) -> None:
+    def fill_simple(self, q, k, v, past: int, scale: float, rope: RoPE | None = None,
+                    variant: Variant = _PLAIN) -> None:
         """fill() of the most common call -- one sequence of ``past`` cached keys, q (hq, s, d)
         and new rows k, v as C-contiguous float32 numpy arrays, causal, no variant or mask,
         rotated by the cache's ``rope`` or not: the aux block of the last such call of the same
@@ -424,15 +425,15 @@ class AttnPlan:
         whose q, k, v are DeviceArrays)."""
         s, n = q.shape[1], k.shape[1]
         rows = max(s, n)
-        if self._simple != (s, n, scale, rope):
+        if self._simple != (s, n, scale, rope, variant):
             seq = SeqCall(past=past, n_new=n, q_start=0, q_len=s, rope_pos=past + n - rows)
-            self.fill(q, k, v, [seq], True, scale, Variant(), rope)
-            self._simple = (s, n, scale, rope)
+            self.fill(q, k, v, [seq], True, scale, variant, rope)
+            self._simple = (s, n, scale, rope, variant)
             return
         for i, x in enumerate((q, k, v)):
             if type(x) is np.ndarray:    # a DeviceArray is read where it lies (AttnPlan.bound)
                 self._put_input(i, x)
-        kstart, chunk = split_keys(past + n, s, None, self.cfg.splits, 0)
+        kstart, chunk = split_keys(past + n, s, variant.window, self.cfg.splits, 0)
         aux = self.aux.view()
         at = HEADER                      # the one sequence record: past, n_new, .., chunk, bt, kstart
         aux[at] = past

@@ -9,7 +9,7 @@ from .device import Device
 from . import persist
 from .errors import CacheFullError
 from .tuning import FUSED_APPEND_MAX_ROWS, decode_key_bound, row_bucket
-from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
+from ._attn import _PLAIN, AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
 from .array import DeviceArray
 
 
@@ -109,10 +109,9 @@ class KVCache(CacheBase):
         covers the ``length + n`` positions after the append); the ``s`` query rows are the last
         ``s`` positions after the append. All checks run first: on any error the cache is
         unchanged. q, k, v, ``out`` and ``lse`` may be device arrays, as in :meth:`attend`."""
-        if (causal is True and (scale is None or type(scale) is float) and window is None and type(n_sink) is int
-                and n_sink == 0 and mask is None and softcap is None and alibi_slopes is None
+        if (causal is True and (scale is None or type(scale) is float) and mask is None and alibi_slopes is None
                 and return_lse is False and rope_q is False and lse is None):
-            fast = self._fast_forward(q, k, v, scale, out)
+            fast = self._fast_forward(q, k, v, scale, out, window, n_sink, softcap)
             if fast is not None:
                 return fast
         with self._lock:
@@ -200,10 +199,10 @@ class KVCache(CacheBase):
             raise
         self._length = n
 
-    def _fast_forward(self, q, k, v, scale=None, out=None):
+    def _fast_forward(self, q, k, v, scale=None, out=None, window=None, n_sink=0, softcap=None):
         """forward() of the common call -- numpy float32 C-contiguous q, k, v (or DeviceArrays of
-        this device with ``out`` one too), causal, no variant, K rotated by the cache's RoPE or
-        not (q not: ``rope_q`` False), a fused append (at most
+        this device with ``out`` one too), causal, no ALiBi or mask (a window, sinks and softcap
+        are fine), K rotated by the cache's RoPE or not (q not: ``rope_q`` False), a fused append (at most
         FUSED_APPEND_MAX_ROWS new rows), nothing asked but the output -- with the same checks in
         fewer steps: shapes compared as tuples, numpy values by one dot product each
         (checks.plainly_finite), the plan's aux words patched (AttnPlan.fill_simple). None where
@@ -239,6 +238,8 @@ class KVCache(CacheBase):
             return None
         if out is None and not (plainly_finite(q) and plainly_finite(k, self._f16) and plainly_finite(v, self._f16)):
             return None
+        variant = _PLAIN if window is None and type(n_sink) is int and n_sink == 0 and softcap is None else \
+            check_variant(hq, window, n_sink, softcap)
         with self._lock:
             total = self._length + n
             if self._closed or self.device.closed or self.device._graph is not None or s > total \
@@ -251,21 +252,22 @@ class KVCache(CacheBase):
             memo = self._fast_plans
             if memo is None:
                 memo = self._fast_plans = {}
-            hit = memo.get((hq, s, n, bound), 0)
+            vflags = variant.flags(False)
+            hit = memo.get((hq, s, n, bound, vflags), 0)
             if hit == 0:
                 hit = None
                 if not self._appends_first(n, s):
-                    flags = self.rope.flags(False) if self.rope is not None else 0     # K rotated, not q
+                    flags = vflags | (self.rope.flags(False) if self.rope is not None else 0)   # K rotated, not q
                     plan = self._attn_plan(hq, s, n, flags, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0), total)
                     if not plan._check_width:
                         hit = [self._plan_key(plan), plan, None]     # None: out's host view, once used
                 memo = self._fast_plans = self._fast_plans or {}     # a plan built may have evicted some
-                memo[(hq, s, n, bound)] = hit
+                memo[(hq, s, n, bound, vflags)] = hit
             if hit is None:
                 return None
             key, plan, result = hit
             self._plans.move_to_end(key)
-            plan.fill_simple(q, k, v, self._length, scale, self.rope)
+            plan.fill_simple(q, k, v, self._length, scale, self.rope, variant)
             rec = plan.out_only() if out is None else plan.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
             rec.run()
             self._last_rec = rec
@@ -317,8 +319,8 @@ class KVCache(CacheBase):
         self._check_graph_call(q, k, v, call)
         s, n = q.shape[1], 0 if k is None else k.shape[1]
         cache = self
-        # no variant or mask (a rotation is fine): fill_simple
-        simple = call["causal"] and call["variant"].flags(call["mask"] is not None) == 0
+        # no ALiBi or mask (a rotation, window, sinks and softcap are fine): fill_simple
+        simple = call["causal"] and call["mask"] is None and call["variant"].alibi is None
 
         class Step:
             def prepare(self):
@@ -334,7 +336,7 @@ class KVCache(CacheBase):
                     kk = vv = None
                 fused = 0 if kk is None else n
                 if simple and fused:
-                    plan.fill_simple(q, kk, vv, cache._length, call["scale"], cache.rope)
+                    plan.fill_simple(q, kk, vv, cache._length, call["scale"], cache.rope, call["variant"])
                 else:
                     plan.fill(q, kk, vv, [cache._seq_call(s, fused, total, call["mask"])], call["causal"],
                               call["scale"], call["variant"], cache.rope)

@@ -200,8 +200,10 @@ def test_graph_records_again_when_a_plan_changes_and_refuses_what_breaks_its_rul
 def test_graph_replay_with_rope_equals_the_general_path(device, rng, dtype):
     """Two caches sharing one RoPE (a model's layers): the replayed decode step writes only the
     words that follow the length and the rotary rows of the new position (memoised across the
-    caches); each step's outputs equal, bit for bit, the general path's (return_lse) call by call."""
+    caches); each step's outputs equal, bit for bit, the general path's (return_lse) call by call.
+    The second layer slides a window with a sink and a softcap (Gemma's alternating layers)."""
     hkv, d, hq = 2, 32, 4
+    kw = [{}, dict(window=4, n_sink=1, softcap=20.0)]
     rope = vkattn.RoPE(base=1000.0)
     gpu = [vkattn.KVCache(40, hkv, d, dtype=dtype, device=device, rope=rope) for _ in range(2)]
     cpu = [vkattn.KVCache(40, hkv, d, dtype=dtype, device=device, rope=rope) for _ in range(2)]
@@ -217,7 +219,7 @@ def test_graph_replay_with_rope_equals_the_general_path(device, rng, dtype):
     with g.capture():
         g.upload(*q, *k, *v)
         for i, c in enumerate(gpu):
-            c.forward(q[i], k[i], v[i], out=out[i])
+            c.forward(q[i], k[i], v[i], out=out[i], **kw[i])
         g.download(*out)
     for step in range(6):
         data = [(_data(rng, hq, 1, d), _data(rng, hkv, 1, d), _data(rng, hkv, 1, d)) for _ in gpu]
@@ -225,7 +227,7 @@ def test_graph_replay_with_rope_equals_the_general_path(device, rng, dtype):
             q[i].host_view()[...], k[i].host_view()[...], v[i].host_view()[...] = qq, kk, vv
         g.run()
         for i, (qq, kk, vv) in enumerate(data):
-            want, _ = cpu[i].forward(qq, kk, vv, return_lse=True)
+            want, _ = cpu[i].forward(qq, kk, vv, return_lse=True, **kw[i])
             assert np.array_equal(out[i].host_view(), want), (step, i)
     assert [c.length for c in gpu] == [c.length for c in cpu] == [15, 15] and g.recordings == 1
     for a, b in zip(gpu, cpu):

@@ -836,3 +836,28 @@ def test_check_detects_corruption():
     pool._free[2] = None
     with pytest.raises(AssertionError, match="partial tail block 1 is shared"):
         pool.check()
+
+
+def test_new_rows_are_the_plans_slots_and_positions():
+    """PagedKVCache's vectorised (slots, positions) of a plan's new rows equal, in batch order, the
+    concatenation of AppendPlan.slots(i) and of each sequence's position range -- odd block sizes,
+    rows crossing into planned blocks, sequences of every length, a non-fresh pool (blocks freed
+    and reused out of order)."""
+    from vkattn.paged import _new_rows
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        bs = int(rng.integers(1, 9))
+        pool = BlockPool(600, bs)
+        junk = pool.add()
+        pool.plan_append([junk], [int(rng.integers(0, 40))]).commit()
+        b = int(rng.integers(1, 12))
+        ids = [pool.add() for _ in range(b)]
+        pool.plan_append(ids, [int(x) for x in rng.integers(0, 30, b)]).commit()
+        pool.remove(junk)                               # its blocks go back, to be taken again below
+        counts = [int(x) for x in rng.integers(1, 20, b)]
+        plan = pool.plan_append(ids, counts)
+        slots, positions = _new_rows(plan, bs)
+        want_slots = np.concatenate([plan.slots(i) for i in range(b)])
+        want_pos = np.concatenate([np.arange(p, p + n) for p, n in zip(plan.past, counts)])
+        assert slots.dtype == np.int64 and np.array_equal(slots, want_slots), trial
+        assert np.array_equal(positions, want_pos), trial

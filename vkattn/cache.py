@@ -238,13 +238,13 @@ class KVCache(CacheBase):
             return None
         if out is None and not (plainly_finite(q) and plainly_finite(k, self._f16) and plainly_finite(v, self._f16)):
             return None
-        variant = _PLAIN if window is None and type(n_sink) is int and n_sink == 0 and softcap is None else \
-            check_variant(hq, window, n_sink, softcap)
         with self._lock:
             total = self._length + n
             if self._closed or self.device.closed or self.device._graph is not None or s > total \
                     or total > self.capacity:
                 return None
+            variant = _PLAIN if window is None and type(n_sink) is int and n_sink == 0 and softcap is None else \
+                check_variant(hq, window, n_sink, softcap)
             # the plan of (hq, s, n) at this key bound (_attn_plan's), memoised with what decides
             # the path: its plan key (touched in the LRU), or None (appended first, or the output
             # width checked after the run: the general path)

@@ -1,6 +1,7 @@
 """PagedKVCache: many sequences in one pool of fixed-size blocks."""
 from __future__ import annotations
 
+from itertools import chain
 from operator import add
 
 import numpy as np
@@ -339,11 +340,11 @@ class PagedKVCache(CacheBase):
             return None
         if out is None and not (plainly_finite(q) and plainly_finite(k, self._f16) and plainly_finite(v, self._f16)):
             return None
-        variant = _PLAIN if window is None and type(n_sink) is int and n_sink == 0 and softcap is None else \
-            check_variant(hq, window, n_sink, softcap)
         with self._lock:
             if self._closed or self.device.closed or self.device._graph is not None:
                 return None
+            variant = _PLAIN if window is None and type(n_sink) is int and n_sink == 0 and softcap is None else \
+                check_variant(hq, window, n_sink, softcap)
             plan = self._plan_new(seq_ids, n_new)       # ids and counts checked (the general path's errors)
             counts = plan.n_new
             most = max(counts)
@@ -385,8 +386,7 @@ class PagedKVCache(CacheBase):
                 work, kk, vv = [], k, v
                 if split:
                     append = cache._append_plan(sum(counts))
-                    positions = np.concatenate([np.arange(p, p + n) for p, n in zip(plan.past, counts)])
-                    slots = np.concatenate([plan.slots(i) for i in range(len(seq_ids))])
+                    slots, positions = _new_rows(plan, cache.block_size)
                     append.fill_rows(sum(counts), slots, positions)
                     prog, _, up = append.bound(k.buffer, v.buffer)
                     work.append((prog, up))
@@ -556,8 +556,7 @@ class PagedKVCache(CacheBase):
     def _write_new(self, plan, k, v) -> None:
         """append.comp: every new row of ``plan`` at its slot, rotated at its position (one
         submission). The caller commits the plan."""
-        positions = np.concatenate([np.arange(p, p + n) for p, n in zip(plan.past, plan.n_new)])
-        slots = np.concatenate([plan.slots(i) for i in range(len(plan.seq_ids))])
+        slots, positions = _new_rows(plan, self.block_size)
         self._append_plan(sum(plan.n_new)).run(k, v, slots, positions)
 
     def _check_masks(self, mask, hq, plan):
@@ -577,6 +576,21 @@ class PagedKVCache(CacheBase):
         """The device side of a BlockPool copy instruction (the first ``rows`` of ``src`` are
         needed; the whole block is copied)."""
         self._plan(("copy",), lambda: _CopyPlan(self)).run(src, dst)
+
+
+def _new_rows(plan, block_size: int) -> tuple:
+    """(slots, positions), int64, of every new row of AppendPlan ``plan`` in batch order: rows
+    past_i .. past_i + n_new_i - 1 of sequence i (np.concatenate of plan.slots(i) and of those
+    ranges, in a fixed number of numpy steps however many sequences)."""
+    counts = np.asarray(plan.n_new, np.int64)
+    starts = np.cumsum(counts) - counts                    # each sequence's first packed row
+    seq = np.repeat(np.arange(len(counts)), counts)        # the sequence of each packed row
+    positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(np.asarray(plan.past, np.int64) - starts,
+                                                                           counts)
+    lens = np.fromiter(map(len, plan.tables), np.int64, len(plan.tables))
+    flat = np.fromiter(chain.from_iterable(plan.tables), np.int64, int(lens.sum()))
+    blocks = flat[(np.cumsum(lens) - lens)[seq] + positions // block_size]
+    return blocks * block_size + positions % block_size, positions
 
 
 def _seq_calls(plan, masks, split: bool) -> list:

@@ -101,8 +101,10 @@ def may_share(cache, plan) -> bool:
     off, one sequence, a GPU in automatic mode, or no sequence whose first block is held by
     another (a shared prefix is shared blocks: forks and the prefix cache hold them twice). A
     cheap test, without the table copies plan_groups makes (PagedKVCache's fast path)."""
+    if len(plan.seq_ids) < 2:
+        return False
     mode = cascade_mode()
-    if mode == "off" or len(plan.seq_ids) < 2 or (mode == "auto" and not cache.device.is_software):
+    if mode == "off" or (mode == "auto" and not cache.device.is_software):
         return False
     refs = cache._pool._refs
     return any(refs[t[0]] > 1 for t in plan.tables if t)

@@ -31,6 +31,7 @@ def test_fast_path_equals_the_general_path(device, rng, dtype, rope, variant, mo
     positions, shared between caches of the same RoPE and position), and with a sliding window,
     sinks and a softcap."""
     fast, general = (vkattn.KVCache(96, 2, 40, dtype=dtype, device=device, rope=ROPES[rope]) for _ in range(2))
+    general._fast_forward = lambda *a, **kw: None          # the twin always takes the general path
     fills = []
     real = _attn.AttnPlan.fill
     monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))
@@ -38,8 +39,12 @@ def test_fast_path_equals_the_general_path(device, rng, dtype, rope, variant, mo
     for s, n in shapes:
         q, k, v = _call(rng, 4, 2, s, n, 40)
         scale = 0.3 if s == 2 else None
-        got = fast.forward(q, k, v, scale=scale, **variant)
-        want, _ = general.forward(q, k, v, scale=scale, return_lse=True, **variant)   # return_lse: the general path
+        lse = s == 3                                            # lse asked for once: on the fast path too
+        got = fast.forward(q, k, v, scale=scale, return_lse=lse, **variant)
+        want = general.forward(q, k, v, scale=scale, return_lse=lse, **variant)
+        if lse:
+            assert np.array_equal(got[1], want[1]) and got[1].shape == (4, s), (s, n)
+            got, want = got[0], want[0]
         assert got.dtype == np.float32 and np.array_equal(got, want), (s, n)
     assert fast.length == general.length == sum(n for _, n in shapes)
     for a, b in zip(fast.read(), general.read()):
@@ -130,6 +135,7 @@ def test_paged_fast_path_equals_the_general_path(device, rng, dtype, rope, varia
     sliding window with sinks and a softcap as well."""
     fast, general = (vkattn.PagedKVCache(40, 4, 2, 40, dtype=dtype, device=device, rope=ROPES[rope])
                      for _ in range(2))
+    general._fast_forward = lambda *a, **kw: None          # the twin always takes the general path
     fills = []
     real = _attn.AttnPlan.fill
     monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))
@@ -144,10 +150,14 @@ def test_paged_fast_path_equals_the_general_path(device, rng, dtype, rope, varia
         q, k, v = _batch(rng, 6, 2, counts, 40)
         n_new = None if set(counts) == {1} else counts
         fills.clear()
-        got = fast.forward(seqs, q, k, v, n_new=n_new, **variant)
+        lse = counts == [2, 1]                              # lse asked for once: on the fast path too
+        got = fast.forward(seqs, q, k, v, n_new=n_new, return_lse=lse, **variant)
         assert not fills, (order, counts)           # the fast path: no SeqCall fill
-        want, _ = general.forward(seqs, q, k, v, n_new=n_new, return_lse=True, **variant)  # the general path
+        want = general.forward(seqs, q, k, v, n_new=n_new, return_lse=lse, **variant)
         assert fills
+        if lse:
+            assert np.array_equal(got[1], want[1]) and got[1].shape == (6, 3), (order, counts)
+            got, want = got[0], want[0]
         assert got.dtype == np.float32 and np.array_equal(got, want), (order, counts)
         calls += 1
     for sid in ids:

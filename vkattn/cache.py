@@ -110,8 +110,8 @@ class KVCache(CacheBase):
         ``s`` positions after the append. All checks run first: on any error the cache is
         unchanged. q, k, v, ``out`` and ``lse`` may be device arrays, as in :meth:`attend`."""
         if (causal is True and (scale is None or type(scale) is float) and mask is None and alibi_slopes is None
-                and return_lse is False and rope_q is False and lse is None):
-            fast = self._fast_forward(q, k, v, scale, out, window, n_sink, softcap)
+                and (return_lse is False or (return_lse is True and out is None)) and rope_q is False and lse is None):
+            fast = self._fast_forward(q, k, v, scale, out, window, n_sink, softcap, return_lse)
             if fast is not None:
                 return fast
         with self._lock:
@@ -199,11 +199,11 @@ class KVCache(CacheBase):
             raise
         self._length = n
 
-    def _fast_forward(self, q, k, v, scale=None, out=None, window=None, n_sink=0, softcap=None):
+    def _fast_forward(self, q, k, v, scale=None, out=None, window=None, n_sink=0, softcap=None, return_lse=False):
         """forward() of the common call -- numpy float32 C-contiguous q, k, v (or DeviceArrays of
         this device with ``out`` one too), causal, no ALiBi or mask (a window, sinks and softcap
         are fine), K rotated by the cache's RoPE or not (q not: ``rope_q`` False), a fused append (at most
-        FUSED_APPEND_MAX_ROWS new rows), nothing asked but the output -- with the same checks in
+        FUSED_APPEND_MAX_ROWS new rows), nothing asked but the output (and lse, for numpy calls) -- with the same checks in
         fewer steps: shapes compared as tuples, numpy values by one dot product each
         (checks.plainly_finite), the plan's aux words patched (AttnPlan.fill_simple). None where
         any of that does not hold: the caller takes the general path, whose checks raise the
@@ -268,12 +268,17 @@ class KVCache(CacheBase):
             key, plan, result = hit
             self._plans.move_to_end(key)
             plan.fill_simple(q, k, v, self._length, scale, self.rope, variant)
-            rec = plan.out_only() if out is None else plan.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
+            if out is not None:
+                rec = plan.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
+            else:
+                rec = plan.rec if return_lse else plan.out_only()
             rec.run()
             self._last_rec = rec
             self._length = total
             if out is not None:
                 return out
+            if return_lse:                  # numpy only: out and lse copied back
+                return plan.result(s)
             if result is None:
                 dv = self.v_head_dim
                 result = hit[2] = plan.out.view()[:hq * s * dv].reshape(hq, s, dv)

@@ -241,8 +241,9 @@ class PagedKVCache(CacheBase):
         a vkattn.Graph capture the call is recorded (token_ids not taken there).
         """
         if (causal is True and (scale is None or type(scale) is float) and mask is None and alibi_slopes is None
-                and return_lse is False and rope_q is False and token_ids is None and lse is None):
-            fast = self._fast_forward(seq_ids, q, k, v, n_new, scale, out, window, n_sink, softcap)
+                and (return_lse is False or (return_lse is True and out is None)) and rope_q is False
+                and token_ids is None and lse is None):
+            fast = self._fast_forward(seq_ids, q, k, v, n_new, scale, out, window, n_sink, softcap, return_lse)
             if fast is not None:
                 return fast
         with self._lock:
@@ -299,12 +300,14 @@ class PagedKVCache(CacheBase):
                                       s.past + s.n_new - s.q_len, dict(call, mask=s.mask))
             return (out, lse) if return_lse else out
 
-    def _fast_forward(self, seq_ids, q, k, v, n_new, scale=None, out=None, window=None, n_sink=0, softcap=None):
+    def _fast_forward(self, seq_ids, q, k, v, n_new, scale=None, out=None, window=None, n_sink=0, softcap=None,
+                      return_lse=False):
         """forward() of the common batch call -- numpy float32 C-contiguous q, k, v (or
         DeviceArrays of this device with ``out`` one too), causal, no ALiBi, mask or token ids (a
         window, sinks and softcap are fine),
         K rotated by the cache's RoPE or not (q not), every sequence's new rows fused into the
-        attention dispatch, no shared prefix to attend by cascade, nothing asked but the output
+        attention dispatch, no shared prefix to attend by cascade, nothing asked but the output (and lse, for
+        numpy calls)
         -- with the same checks in fewer steps (as KVCache's: shapes compared as tuples, numpy
         values by one dot product each) and the aux block written by AttnPlan.fill_batch. Bad
         sequence ids or counts raise here as in the general path (nothing changed); None where
@@ -357,12 +360,17 @@ class PagedKVCache(CacheBase):
                 return None
             plan.evict_cached()                     # before the device writes any block it takes
             attn.fill_batch(q, k, v, plan.past, counts, plan.tables, scale, self.rope, variant)
-            rec = attn.out_only() if out is None else attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
+            if out is not None:
+                rec = attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
+            else:
+                rec = attn.rec if return_lse else attn.out_only()
             rec.run()
             self._last_rec = rec
             plan.commit()
             if out is not None:
                 return out
+            if return_lse:                  # numpy only: out and lse copied back
+                return attn.result(total)
             dv = self.v_head_dim
             return attn.out.view()[:hq * total * dv].reshape(hq, total, dv).copy()
 

@@ -175,6 +175,25 @@ def test_paged_fast_path_equals_the_general_path(device, rng, dtype, rope, varia
     assert np.array_equal(out.numpy(), general.forward(ids, q, k, v, **variant))
 
 
+@pytest.mark.parametrize("variant", [{}, dict(window=100)])
+def test_paged_fast_path_splits_long_sequences_as_the_general_path(device, rng, variant):
+    """Sequences long enough for every split-size rule (all keys in one split, MIN_CHUNK keys a
+    split, more), with and without a window, 18 of them (more than a handful of records)."""
+    fast, general = (vkattn.PagedKVCache(300, 16, 1, 16, dtype="float32", device=device) for _ in range(2))
+    general._fast_forward = lambda *a, **kw: None
+    lengths = [3, 40, 63, 64, 65, 150, 255, 256, 257, 700, 1000, 9, 129, 300, 17, 513, 80, 1]
+    for c in (fast, general):
+        ids = [c.add_sequence() for _ in lengths]
+    data = np.random.default_rng(3)
+    k, v = (data.standard_normal((1, sum(lengths), 16)).astype(np.float32) for _ in range(2))
+    for c in (fast, general):
+        c.append(ids, k, v, n_new=lengths)
+    for step in range(3):
+        q, k1, v1 = _batch(rng, 2, 1, [1] * len(ids), 16)
+        got = fast.forward(ids, q, k1, v1, **variant)
+        assert np.array_equal(got, general.forward(ids, q, k1, v1, **variant)), step
+
+
 def test_paged_fast_path_keeps_every_check(device, rng):
     """The paged fast path raises the general path's errors and changes nothing on any of them."""
     cache = vkattn.PagedKVCache(3, 4, 1, 16, dtype="float16", device=device)

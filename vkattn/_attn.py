@@ -496,13 +496,16 @@ class AttnPlan:
             aux[:HEADER] = self._header
             self._batch_head = key, (seq_off, tile_off, free)
         splits, window, recs, start, bt = self.cfg.splits, variant.window, array("I"), 0, free
+        put, least = recs.extend, MIN_CHUNK
         for p, n, t in zip(past, counts, tables):
-            if window is None:              # split_keys with key_lo 0 (p + n >= 1)
+            if window is None:              # split_keys with key_lo 0 (p + n >= 1), inlined
                 kstart, span = 0, p + n
-                chunk = max(-(-span // splits), min(MIN_CHUNK, span))
+                chunk = -(-span // splits)
+                if chunk < least:           # max(chunk, min(least, span)); chunk <= span
+                    chunk = least if span > least else span
             else:
                 kstart, chunk = split_keys(p + n, n, window, splits)
-            recs.extend((p, n, start, n, chunk, bt, kstart, 0, start, start, p, 0))
+            put((p, n, start, n, chunk, bt, kstart, 0, start, start, p, 0))
             start += n
             bt += len(t)
         aux[seq_off:tile_off] = np.frombuffer(recs, np.uint32)

@@ -140,3 +140,30 @@ def test_context_manager_closes(device):
 def test_error_types_are_value_errors():
     assert issubclass(vkattn.CacheFullError, ValueError)
     assert issubclass(vkattn.DeviceLimitError, ValueError)
+
+
+@pytest.mark.parametrize("limit,dtype", [(vkattn.checks.FP16_MAX, "float16"),
+                                         (vkattn.reference.BF16_FINITE_INPUT, "bfloat16"),
+                                         (vkattn.reference.Q4_MAX_ABS, "q4")])
+def test_check_array_quick_test_refuses_what_the_exact_checks_refuse(limit, dtype):
+    """check_array's one-dot quick test only lets through arrays every value of which is finite and
+    within the limit; the rest go to the exact checks: a value just past the limit among tiny ones
+    (and one just within it, which passes), NaN, +-Inf, and sums of squares that overflow float32
+    while every value is fine."""
+    from vkattn.checks import check_array
+    x = np.full((1, 4097, 8), 1e-3, np.float32)
+    above = np.nextafter(np.float32(limit), np.float32(np.inf))
+    for bad in (above, -above, np.float32(np.nan), np.float32(np.inf), -np.float32(np.inf)):
+        y = x.copy()
+        y[0, 4000, 5] = bad
+        with pytest.raises(ValueError, match="range|NaN or Inf"):
+            check_array("k", y, (1, None, 8), max_abs=(limit, dtype))
+    y = x.copy()
+    y[0, 17, 2] = -np.float32(limit)                   # exactly at the limit: accepted (exact path)
+    assert check_array("k", y, (1, None, 8), max_abs=(limit, dtype)) is y
+    huge = np.full((1, 3, 8), 1e25, np.float32)        # squares overflow; values within every limit but float16's
+    if limit > 1e25:
+        assert check_array("k", huge, (1, None, 8), max_abs=(limit, dtype)) is huge
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        check_array("q", np.full((1, 2, 8), np.nan, np.float32), (1, None, 8))
+    assert check_array("q", huge, (1, None, 8)) is huge  # finite only: no limit

@@ -861,3 +861,22 @@ def test_new_rows_are_the_plans_slots_and_positions():
         want_pos = np.concatenate([np.arange(p, p + n) for p, n in zip(plan.past, counts)])
         assert slots.dtype == np.int64 and np.array_equal(slots, want_slots), trial
         assert np.array_equal(positions, want_pos), trial
+
+
+def test_new_rows_of_one_sequence_and_of_a_batch_decode():
+    """_new_rows' shortcuts (one sequence; one row for each) give the general rule's rows."""
+    from vkattn.paged import _new_rows
+    rng = np.random.default_rng(12)
+    for trial in range(100):
+        bs = int(rng.integers(1, 6))
+        pool = BlockPool(400, bs)
+        b = int(rng.integers(1, 9))
+        ids = [pool.add() for _ in range(b)]
+        pool.plan_append(ids, [int(x) for x in rng.integers(0, 25, b)]).commit()
+        for counts in ([1] * b, [int(rng.integers(1, 9))] + [1] * (b - 1)):
+            use = ids if trial % 2 else ids[:1]
+            plan = pool.plan_append(use, counts[:len(use)])
+            slots, positions = _new_rows(plan, bs)
+            assert np.array_equal(slots, np.concatenate([plan.slots(i) for i in range(len(use))])), trial
+            assert np.array_equal(positions, np.concatenate([np.arange(p, p + n) for p, n in
+                                                             zip(plan.past, plan.n_new)])), trial

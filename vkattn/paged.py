@@ -590,6 +590,14 @@ def _new_rows(plan, block_size: int) -> tuple:
     """(slots, positions), int64, of every new row of AppendPlan ``plan`` in batch order: rows
     past_i .. past_i + n_new_i - 1 of sequence i (np.concatenate of plan.slots(i) and of those
     ranges, in a fixed number of numpy steps however many sequences)."""
+    if len(plan.n_new) == 1:            # one sequence: its range
+        positions = np.arange(plan.past[0], plan.past[0] + plan.n_new[0], dtype=np.int64)
+        blocks = np.asarray(plan.tables[0], np.int64)[positions // block_size]
+        return blocks * block_size + positions % block_size, positions
+    if all(n == 1 for n in plan.n_new):     # batch decode: one row each, at its length
+        positions = np.asarray(plan.past, np.int64)
+        blocks = np.asarray([t[p // block_size] for t, p in zip(plan.tables, plan.past)], np.int64)
+        return blocks * block_size + positions % block_size, positions
     counts = np.asarray(plan.n_new, np.int64)
     starts = np.cumsum(counts) - counts                    # each sequence's first packed row
     seq = np.repeat(np.arange(len(counts)), counts)        # the sequence of each packed row

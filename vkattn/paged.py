@@ -304,14 +304,13 @@ class PagedKVCache(CacheBase):
                       return_lse=False):
         """forward() of the common batch call -- numpy float32 C-contiguous q, k, v (or
         DeviceArrays of this device with ``out`` one too), causal, no ALiBi, mask or token ids (a
-        window, sinks and softcap are fine),
-        K rotated by the cache's RoPE or not (q not), every sequence's new rows fused into the
-        attention dispatch, no shared prefix to attend by cascade, nothing asked but the output (and lse, for
-        numpy calls)
-        -- with the same checks in fewer steps (as KVCache's: shapes compared as tuples, numpy
-        values by one dot product each) and the aux block written by AttnPlan.fill_batch. Bad
-        sequence ids or counts raise here as in the general path (nothing changed); None where
-        anything else does not hold: the general path decides, and raises the precise error."""
+        window, sinks and softcap are fine), K rotated by the cache's RoPE or not (q not), every
+        sequence's new rows fused into the attention dispatch, no shared prefix to attend by
+        cascade, nothing asked but the output (and lse, for numpy calls) -- with the same checks
+        in fewer steps (as KVCache's: shapes compared as tuples, numpy values by one dot product
+        each) and the aux block written by AttnPlan.fill_batch. Bad sequence ids, counts or
+        variants raise here as in the general path (nothing changed); None where anything else
+        does not hold: the general path decides, and raises the precise error."""
         if type(seq_ids) is not list and type(seq_ids) is not tuple:
             return None
         if out is None:

@@ -72,7 +72,7 @@ test-noshuffle: setup
 
 test-subgroup4: setup
 	LP_NATIVE_VECTOR_WIDTH=128 VKATTN_HOST_MEMORY=staging $(PY) -m pytest -q -n auto --dist worksteal $(PARITY) \
-		tests/test_device_path.py tests/test_cascade.py
+		tests/test_device_path.py tests/test_cascade.py tests/test_fast_path.py
 	LP_NATIVE_VECTOR_WIDTH=128 VKATTN_HOST_MEMORY=staging $(PY) -m pytest -q -n auto --dist worksteal $(FORMATS) \
 		-k "append_forward_decode and lane and not e5m2"
 

@@ -15,6 +15,14 @@ def _call(rng, hq, hkv, s, n, d):
             rng.standard_normal((hkv, n, d)).astype(np.float32))
 
 
+def _strided(x):
+    """x's values as a view that is not C-contiguous (rows of another array's transpose)."""
+    y = np.ascontiguousarray(np.swapaxes(x, 0, 1))
+    view = np.swapaxes(y, 0, 1)
+    assert not view.flags.c_contiguous and np.array_equal(view, x)
+    return view
+
+
 ROPES = {"none": None, "neox": vkattn.RoPE(base=500.0), "gptj partial": vkattn.RoPE(base=10000.0, rotary_dim=32,
                                                                                     style="gptj")}
 
@@ -40,6 +48,8 @@ def test_fast_path_equals_the_general_path(device, rng, dtype, rope, variant, mo
         q, k, v = _call(rng, 4, 2, s, n, 40)
         scale = 0.3 if s == 2 else None
         lse = s == 3                                            # lse asked for once: on the fast path too
+        if s == 2:                                              # strided views (transformers' are)
+            q, k = _strided(q), _strided(k)
         got = fast.forward(q, k, v, scale=scale, return_lse=lse, **variant)
         want = general.forward(q, k, v, scale=scale, return_lse=lse, **variant)
         if lse:
@@ -150,6 +160,8 @@ def test_paged_fast_path_equals_the_general_path(device, rng, dtype, rope, varia
         q, k, v = _batch(rng, 6, 2, counts, 40)
         n_new = None if set(counts) == {1} else counts
         fills.clear()
+        if order == [2, 0, 1]:                              # strided views (transformers' are)
+            q, v = _strided(q), _strided(v)
         lse = counts == [2, 1]                              # lse asked for once: on the fast path too
         got = fast.forward(seqs, q, k, v, n_new=n_new, return_lse=lse, **variant)
         assert not fills, (order, counts)           # the fast path: no SeqCall fill

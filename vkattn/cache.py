@@ -200,7 +200,7 @@ class KVCache(CacheBase):
         self._length = n
 
     def _fast_forward(self, q, k, v, scale=None, out=None, window=None, n_sink=0, softcap=None, return_lse=False):
-        """forward() of the common call -- numpy float32 C-contiguous q, k, v (or DeviceArrays of
+        """forward() of the common call -- numpy float32 q, k, v (any strides) (or DeviceArrays of
         this device with ``out`` one too), causal, no ALiBi or mask (a window, sinks and softcap
         are fine), K rotated by the cache's RoPE or not (q not: ``rope_q`` False), a fused append (at most
         FUSED_APPEND_MAX_ROWS new rows), nothing asked but the output (and lse, for numpy calls) -- with the same checks in
@@ -213,8 +213,6 @@ class KVCache(CacheBase):
                 return None
             if q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32 or q.ndim != 3 \
                     or k.ndim != 3 or v.ndim != 3:
-                return None
-            if not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
                 return None
         else:       # device arrays: open, on this device, rows the kernels read unpadded
             dev = self.device

@@ -51,12 +51,12 @@ warnings.filterwarnings("ignore", message="overflow encountered in v?dot", categ
 
 
 def plainly_finite(x: np.ndarray, fp16_range: bool = False) -> bool:
-    """A one-pass sufficient test (one BLAS dot, no temporary array) that a C-contiguous float32
-    array is finite and, with ``fp16_range``, within float16's range: its sum of squares is finite
+    """A one-pass sufficient test (one BLAS dot; no temporary array where x is C-contiguous) that a
+    float32 array is finite and, with ``fp16_range``, within float16's range: its sum of squares is finite
     (NaN and Inf propagate; so does an overflow of huge finite values) and, for the range, at most
     FP16_MAX^2 (each square is at most the sum). False means "not shown": the exact checks of
     check_array decide then."""
-    ssq = float(np.vdot(x, x))        # flattens a C-contiguous array in place: no view object
+    ssq = float(np.vdot(x, x))        # flattens a C-contiguous array in place (others: a copy)
     return ssq <= FP16_SSQ_BOUND if fp16_range else ssq < float("inf")
 
 

@@ -302,7 +302,7 @@ class PagedKVCache(CacheBase):
 
     def _fast_forward(self, seq_ids, q, k, v, n_new, scale=None, out=None, window=None, n_sink=0, softcap=None,
                       return_lse=False):
-        """forward() of the common batch call -- numpy float32 C-contiguous q, k, v (or
+        """forward() of the common batch call -- numpy float32 q, k, v (any strides) (or
         DeviceArrays of this device with ``out`` one too), causal, no ALiBi, mask or token ids (a
         window, sinks and softcap are fine), K rotated by the cache's RoPE or not (q not), every
         sequence's new rows fused into the attention dispatch, no shared prefix to attend by
@@ -318,8 +318,6 @@ class PagedKVCache(CacheBase):
                 return None
             if q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32 or q.ndim != 3 \
                     or k.ndim != 3 or v.ndim != 3:
-                return None
-            if not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
                 return None
         else:       # device arrays: open, on this device, rows the kernels read unpadded
             dev = self.device

@@ -202,12 +202,12 @@ class KVCache(CacheBase):
     def _fast_forward(self, q, k, v, scale=None, out=None, window=None, n_sink=0, softcap=None, return_lse=False):
         """forward() of the common call -- numpy float32 q, k, v (any strides) (or DeviceArrays of
         this device with ``out`` one too), causal, no ALiBi or mask (a window, sinks and softcap
-        are fine), K rotated by the cache's RoPE or not (q not: ``rope_q`` False), a fused append (at most
-        FUSED_APPEND_MAX_ROWS new rows), nothing asked but the output (and lse, for numpy calls) -- with the same checks in
-        fewer steps: shapes compared as tuples, numpy values by one dot product each
-        (checks.plainly_finite), the plan's aux words patched (AttnPlan.fill_simple). None where
-        any of that does not hold: the caller takes the general path, whose checks raise the
-        precise error."""
+        are fine), K rotated by the cache's RoPE or not (q not: ``rope_q`` False), a fused append
+        (at most FUSED_APPEND_MAX_ROWS new rows), nothing asked but the output (and lse, for numpy
+        calls) -- with the same checks in fewer steps: shapes compared as tuples, numpy values by
+        one dot product each (checks.plainly_finite), the plan's aux words patched
+        (AttnPlan.fill_simple). None where any of that does not hold: the caller takes the general
+        path, whose checks raise the precise error."""
         if out is None:
             if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
                 return None

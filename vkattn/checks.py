@@ -28,7 +28,8 @@ def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: boo
     if finite:
         # one BLAS dot first (plainly_finite): a finite sum of squares within limit^2 * 0.99 shows
         # every value finite and within the limit; anything else gets the exact checks below
-        limit = max_abs[0] if max_abs is not None else (FP16_MAX if fp16_range else None)
+        limits = ([FP16_MAX] if fp16_range else []) + ([max_abs[0]] if max_abs is not None else [])
+        limit = min(limits) if limits else None
         ssq = float(np.vdot(x, x))
         if ssq < float("inf") and (limit is None or ssq <= limit * limit * 0.99):
             return x

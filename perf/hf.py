@@ -1,9 +1,10 @@
 """``python -m perf hf``: transformers ``generate()`` per generated token with attn_implementation
 "vkattn" (a VkattnCache), "eager" and "sdpa" (a DynamicCache), at the contexts of
 VKATTN_PERF_CONTEXT (default 512,2048), for a Llama-3.2-1B-shaped model (random weights) cut to
-VKATTN_PERF_HF_LAYERS (2) layers; how much of a decode step is attention (the cache update plus
-the attention function, every layer); and vkattn's fixed cost per attention call (the same call
-at a 16-token context) beside a bare Kompute round trip. Needs the hf extra (make setup-hf).
+VKATTN_PERF_HF_LAYERS (2) layers, VKATTN_PERF_HF_BATCH (1) sequences at once (above 1 vkattn keeps
+a PagedKVCache per layer); how much of a decode step is attention (the cache update plus the
+attention function, every layer); and vkattn's fixed cost per attention call (the same call at a
+16-token context) beside a bare Kompute round trip. Needs the hf extra (make setup-hf).
 
 A decode step is the interval between two calls of a logits processor (one forward plus greedy
 selection); the first VKATTN_PERF_WARMUP (at least 1: it builds vkattn's decode pipelines) are
@@ -45,7 +46,9 @@ def run(shape: Shape, device) -> list:
         return []
     contexts = env_int_list("VKATTN_PERF_CONTEXT", [512, 2048])
     layers = env_int("VKATTN_PERF_HF_LAYERS", 2)
-    names = [f"hf generate L={L}" for L in contexts] + [f"hf attention call L={FIXED_CONTEXT} (fixed cost)"]
+    batch = env_int("VKATTN_PERF_HF_BATCH", 1)
+    tag = "" if batch == 1 else f" B={batch}"
+    names = [f"hf generate L={L}{tag}" for L in contexts] + [f"hf attention call L={FIXED_CONTEXT}{tag} (fixed cost)"]
     if not any(selected(n) for n in names):
         return []
     torch.manual_seed(0)
@@ -53,9 +56,9 @@ def run(shape: Shape, device) -> list:
         transformers.LlamaConfig(num_hidden_layers=layers, **LLAMA_1B)).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    bench = _Bench(model, torch, transformers, VkattnCache, shape)
+    bench = _Bench(model, torch, transformers, VkattnCache, shape, batch)
     desc = (f"Llama-3.2-1B-shaped, {layers} layers, hq=32 hkv=8 d=64, vocab 128256, float32 model, "
-            f"vkattn cache {shape.dtype}")
+            f"vkattn cache {shape.dtype}, batch {batch}")
     rows = []
     for L, name in zip(contexts + [FIXED_CONTEXT], names):
         if not selected(name):
@@ -97,35 +100,39 @@ def notes(rows) -> None:
             fwd = x["vkattn_vkattn_forward_ms"]
             print(f"  {r.case}: vkattn {r.vkattn_ms:.3f} ms per attention call (update + attention) "
                   f"= {r.value:.1f} x a bare Kompute round trip ({x['bare_round_trip_ms']:.3f} ms); of it "
-                  f"KVCache.forward {fwd:.3f} ms, the rest (update, tensor conversion and packing) {r.vkattn_ms - fwd:.3f} ms; "
+                  f"the vkattn cache's forward {fwd:.3f} ms, the rest (update, tensor conversion and packing) {r.vkattn_ms - fwd:.3f} ms; "
                   f"eager {r.numpy_ms:.3f} ms, sdpa {r.torch_ms:.3f} ms")
 
 
 class _Bench:
     """generate() of one model with the step, cache-update and attention-call times recorded."""
 
-    def __init__(self, model, torch, transformers, cache_cls, shape: Shape):
+    def __init__(self, model, torch, transformers, cache_cls, shape: Shape, batch: int = 1):
         self.model, self.torch, self.tf, self.cache_cls, self.shape = model, torch, transformers, cache_cls, shape
+        self.batch = batch
 
     def measure(self, impl: str, L: int) -> dict:
         torch, tf, model = self.torch, self.tf, self.model
         warm, iters = max(self.shape.warmup, 1), self.shape.iters
         n_new = warm + iters + 1
-        ids = torch.randint(3, model.config.vocab_size, (1, L), generator=torch.Generator().manual_seed(L))
+        ids = torch.randint(3, model.config.vocab_size, (self.batch, L), generator=torch.Generator().manual_seed(L))
         if impl == "vkattn":
-            cache = self.cache_cls(model.config, L + n_new, dtype=self.shape.dtype)
+            cache = self.cache_cls(model.config, L + n_new, batch_size=self.batch, dtype=self.shape.dtype)
         else:
             cache = tf.DynamicCache(config=model.config)
         timed = {"update": [], "attention": [], "store": []}
-        decode_arg = {"update": 0, "attention": 1, "store": 1}    # an argument whose axis 2 (axis 1: store) is n
+        # decode calls only: one new row (update's key states and the attention's query: axis 2;
+        # the vkattn store's call: every row's count 1)
+        decode = {"update": lambda a: a[0].shape[2] == 1, "attention": lambda a: a[1].shape[2] == 1,
+                  "store": lambda a: all(int(c) == 1 for c in a[0])}
 
         def timer(fn, key):
             def wrapped(*a, **kw):
                 t0 = time.perf_counter()
                 out = fn(*a, **kw)
-                x = a[decode_arg[key]]
-                if x.shape[1 if key == "store" else 2] == 1:                # decode calls only
-                    timed[key].append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                if decode[key](a):
+                    timed[key].append(t1 - t0)
                 return out
             return wrapped
 

@@ -97,10 +97,12 @@ class Variant:
                 (F_ALIBI if self.alibi is not None else 0) | (F_MASK if masked else 0))
 
 
-_PLAIN = Variant()          # no score variant: fill_batch's
+_PLAIN = Variant()          # no score variant: check_variant's for the plain call, fill_batch's default
 
 
 def check_variant(num_qo_heads: int, window=None, n_sink=0, softcap=None, alibi_slopes=None) -> Variant:
+    if window is None and type(n_sink) is int and n_sink == 0 and softcap is None and alibi_slopes is None:
+        return _PLAIN               # the common call: nothing to check
     if window is not None:
         window = check_int("window", window, 1)
     n_sink = check_int("n_sink", n_sink, 0)

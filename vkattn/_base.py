@@ -10,7 +10,7 @@ import numpy as np
 from . import reference
 from .array import DeviceArray, check_device_array
 from ._attn import Pipeline, RoPE, destroy, grid_groups, put_rows, set_storage, token_bytes, unpack_rows
-from .checks import check_array, check_bool, check_int, check_scale
+from .checks import check_array, check_bool, check_int, check_scale, plainly_finite
 from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, DeviceLimitError, VerificationError
@@ -187,6 +187,36 @@ class CacheBase:
         if lse is not None:
             lse = check_device_array("lse", lse, (hq, s), self.device)
         return out, lse
+
+    # ------------------------------------------------------------------ the fast paths' tests
+    def _fast_kinds(self, q, k, v, out) -> bool:
+        """Whether q, k, v are what a fast path takes: numpy float32 (h, n, d) arrays (any
+        strides) with ``out`` None, or DeviceArrays of this device, open and 3-D, with ``out`` one
+        too and head dims the kernels read unpadded. Shapes are the caller's to compare."""
+        if out is None:
+            return (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
+                    and q.dtype == np.float32 and k.dtype == np.float32 and v.dtype == np.float32
+                    and q.ndim == 3 and k.ndim == 3 and v.ndim == 3)
+        dev = self.device
+        for a in (q, k, v, out):
+            if type(a) is not DeviceArray or a.device is not dev or a._buf is None or len(a.shape) != 3:
+                return False
+        return not (self.head_dim | self.v_head_dim) % (4 * self._ch)
+
+    def _fast_scale(self, q, k, v, out, scale):
+        """After _fast_kinds and the caller's shape tests: the call's scale (the default where
+        None), or None where the general path must decide -- verify mode, a scale not a finite
+        positive float, numpy values not plainly finite (and, for a float16 cache, within its
+        range: checks.plainly_finite, one dot product each)."""
+        if self.verify:
+            return None
+        if scale is None:
+            scale = self._scale
+        elif not 0.0 < scale < float("inf"):
+            return None
+        if out is None and not (plainly_finite(q) and plainly_finite(k, self._f16) and plainly_finite(v, self._f16)):
+            return None
+        return scale
 
     def _check_graph_call(self, q, k, v, call) -> None:
         """vkattn.graph's rules for a captured call (ValueError naming the first broken one)."""

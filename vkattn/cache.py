@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checks import check_array, check_bool, check_int, check_scale, plainly_finite
+from .checks import check_array, check_bool, check_int, check_scale
 from ._base import CacheBase
 from .device import Device
 from . import persist
 from .errors import CacheFullError
 from .tuning import FUSED_APPEND_MAX_ROWS, decode_key_bound, row_bucket
-from ._attn import _PLAIN, AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
+from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
 from .array import DeviceArray
 
 
@@ -208,41 +208,24 @@ class KVCache(CacheBase):
         one dot product each (checks.plainly_finite), the plan's aux words patched
         (AttnPlan.fill_simple). None where any of that does not hold: the caller takes the general
         path, whose checks raise the precise error."""
-        if out is None:
-            if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
-                return None
-            if q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32 or q.ndim != 3 \
-                    or k.ndim != 3 or v.ndim != 3:
-                return None
-        else:       # device arrays: open, on this device, rows the kernels read unpadded
-            dev = self.device
-            for a in (q, k, v, out):
-                if type(a) is not DeviceArray or a.device is not dev or a._buf is None or len(a.shape) != 3:
-                    return None
-            if (self.head_dim | self.v_head_dim) % (4 * self._ch):
-                return None
+        if not self._fast_kinds(q, k, v, out):
+            return None
         hkv, n = self.num_kv_heads, k.shape[1]
         hq, s = q.shape[0], q.shape[1]
         if k.shape != (hkv, n, self.head_dim) or v.shape != (hkv, n, self.v_head_dim) or n < 1 \
-                or q.shape[2] != self.head_dim or hq < 1 or hq % hkv or s < 1:
+                or q.shape[2] != self.head_dim or hq < 1 or hq % hkv or s < 1 or n > FUSED_APPEND_MAX_ROWS:
             return None
         if out is not None and out.shape != (hq, s, self.v_head_dim):
             return None
-        if self.verify or n > FUSED_APPEND_MAX_ROWS:
-            return None
+        scale = self._fast_scale(q, k, v, out, scale)
         if scale is None:
-            scale = self._scale
-        elif not 0.0 < scale < float("inf"):
-            return None
-        if out is None and not (plainly_finite(q) and plainly_finite(k, self._f16) and plainly_finite(v, self._f16)):
             return None
         with self._lock:
             total = self._length + n
             if self._closed or self.device.closed or self.device._graph is not None or s > total \
                     or total > self.capacity:
                 return None
-            variant = _PLAIN if window is None and type(n_sink) is int and n_sink == 0 and softcap is None else \
-                check_variant(hq, window, n_sink, softcap)
+            variant = check_variant(hq, window, n_sink, softcap)
             # the plan of (hq, s, n) at this key bound (_attn_plan's), memoised with what decides
             # the path: its plan key (touched in the LRU), or None (appended first, or the output
             # width checked after the run: the general path)

@@ -100,7 +100,8 @@ def may_share(cache, plan) -> bool:
     """False where plan_groups of AppendPlan ``plan`` is sure to be [] for any variant: cascade
     off, one sequence, a GPU in automatic mode, or no sequence whose first block is held by
     another (a shared prefix is shared blocks: forks and the prefix cache hold them twice). A
-    cheap test, without the table copies plan_groups makes (PagedKVCache's fast path)."""
+    cheap test, without the table copies shared_groups makes: plan_groups starts with it, and
+    PagedKVCache's fast path takes it alone."""
     if len(plan.seq_ids) < 2:
         return False
     mode = cascade_mode()
@@ -115,13 +116,10 @@ def plan_groups(cache, plan, hq: int, variant, masked: bool, rope_q: bool) -> li
     path): none for an unsupported variant, VKATTN_CASCADE=0, or (automatic) on a GPU, for groups
     sharing fewer than CASCADE_MIN_PREFIX tokens or whose shared query tile would hold a single
     row."""
-    mode = cascade_mode()
-    if mode == "off" or len(plan.seq_ids) < 2 or (mode == "auto" and not cache.device.is_software):
-        return []
-    if masked or rope_q or variant.window is not None or variant.alibi is not None:
+    if not may_share(cache, plan) or masked or rope_q or variant.window is not None or variant.alibi is not None:
         return []
     bs = cache.block_size
-    if mode == "on":
+    if cascade_mode() == "on":
         return shared_groups(plan.tables, plan.past, bs, 1)
     groups = shared_groups(plan.tables, plan.past, bs, -(-CASCADE_MIN_PREFIX // bs))
     if not groups:

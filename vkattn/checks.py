@@ -25,14 +25,9 @@ def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: boo
         raise TypeError(f"{name}: expected dtype float32 or float16, got {x.dtype}")
     check_shape(name, x.shape, shape)
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if finite:
-        # one BLAS dot first (plainly_finite): a finite sum of squares within limit^2 * 0.99 shows
-        # every value finite and within the limit; anything else gets the exact checks below
-        limits = ([FP16_MAX] if fp16_range else []) + ([max_abs[0]] if max_abs is not None else [])
-        limit = min(limits) if limits else None
-        ssq = float(np.vdot(x, x))
-        if ssq < float("inf") and (limit is None or ssq <= limit * limit * 0.99):
-            return x
+    limits = ([FP16_MAX] if fp16_range else []) + ([max_abs[0]] if max_abs is not None else [])
+    if finite and plainly_finite(x, limit=min(limits) if limits else None):
+        return x                        # shown by one dot product; the rest get the exact checks
     if finite and not np.isfinite(x).all():
         raise ValueError(f"{name}: contains NaN or Inf")
     if fp16_range and x.size and float(np.abs(x).max()) > FP16_MAX:
@@ -43,22 +38,23 @@ def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: boo
     return x
 
 
-FP16_SSQ_BOUND = FP16_MAX * FP16_MAX * 0.99      # sdot's rounding stays well inside 1%
-
 # plainly_finite's dot overflowing to Inf is its signal, not a fault: numpy's warning for it is
 # silenced for this module only (a filter costs nothing per call; np.errstate costs ~5 us a call)
 warnings.filterwarnings("ignore", message="overflow encountered in v?dot", category=RuntimeWarning,
                         module=r"vkattn\.checks$")
 
 
-def plainly_finite(x: np.ndarray, fp16_range: bool = False) -> bool:
+def plainly_finite(x: np.ndarray, fp16_range: bool = False, limit: float | None = None) -> bool:
     """A one-pass sufficient test (one BLAS dot; no temporary array where x is C-contiguous) that a
-    float32 array is finite and, with ``fp16_range``, within float16's range: its sum of squares is finite
-    (NaN and Inf propagate; so does an overflow of huge finite values) and, for the range, at most
-    FP16_MAX^2 (each square is at most the sum). False means "not shown": the exact checks of
-    check_array decide then."""
+    float32 array is finite and, with ``fp16_range`` or a ``limit``, every |value| within float16's
+    range or that limit: its sum of squares is finite (NaN and Inf propagate; so does an overflow
+    of huge finite values) and at most limit^2 * 0.99 (each square is at most the sum, and the
+    sum of non-negative terms rounds no lower than its largest; 1% covers the square's own
+    rounding). False means "not shown": the exact checks of check_array decide then."""
+    if fp16_range:
+        limit = FP16_MAX if limit is None else min(limit, FP16_MAX)
     ssq = float(np.vdot(x, x))        # flattens a C-contiguous array in place (others: a copy)
-    return ssq <= FP16_SSQ_BOUND if fp16_range else ssq < float("inf")
+    return ssq < float("inf") if limit is None else ssq <= limit * limit * 0.99
 
 
 def check_shape(name: str, got: tuple, shape: tuple) -> None:

@@ -7,15 +7,15 @@ from operator import add
 import numpy as np
 
 from . import cascade
-from ._attn import _PLAIN, F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
+from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
-from .checks import check_array, check_bool, check_int, check_scale, plainly_finite
+from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
 from . import persist
 from .device import Device
 from .errors import CacheFullError
 from .array import DeviceArray
-from .paging import BlockPool, UnknownSequenceError
+from .paging import BlockPool, UnknownSequenceError, _slots_of
 from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, decode_key_bound, kernel_for, own_splits, row_bucket
 
 
@@ -313,38 +313,21 @@ class PagedKVCache(CacheBase):
         does not hold: the general path decides, and raises the precise error."""
         if type(seq_ids) is not list and type(seq_ids) is not tuple:
             return None
-        if out is None:
-            if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
-                return None
-            if q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32 or q.ndim != 3 \
-                    or k.ndim != 3 or v.ndim != 3:
-                return None
-        else:       # device arrays: open, on this device, rows the kernels read unpadded
-            dev = self.device
-            for a in (q, k, v, out):
-                if type(a) is not DeviceArray or a.device is not dev or a._buf is None or len(a.shape) != 3:
-                    return None
-            if (self.head_dim | self.v_head_dim) % (4 * self._ch):
-                return None
+        if not self._fast_kinds(q, k, v, out):
+            return None
         hkv, total, hq = self.num_kv_heads, k.shape[1], q.shape[0]
         if k.shape != (hkv, total, self.head_dim) or v.shape != (hkv, total, self.v_head_dim) \
                 or q.shape != (hq, total, self.head_dim) or hq < 1 or hq % hkv:
             return None
         if out is not None and out.shape != (hq, total, self.v_head_dim):
             return None
-        if self.verify:
-            return None
+        scale = self._fast_scale(q, k, v, out, scale)
         if scale is None:
-            scale = self._scale
-        elif not 0.0 < scale < float("inf"):
-            return None
-        if out is None and not (plainly_finite(q) and plainly_finite(k, self._f16) and plainly_finite(v, self._f16)):
             return None
         with self._lock:
             if self._closed or self.device.closed or self.device._graph is not None:
                 return None
-            variant = _PLAIN if window is None and type(n_sink) is int and n_sink == 0 and softcap is None else \
-                check_variant(hq, window, n_sink, softcap)
+            variant = check_variant(hq, window, n_sink, softcap)
             plan = self._plan_new(seq_ids, n_new)       # ids and counts checked (the general path's errors)
             counts = plan.n_new
             most = max(counts)
@@ -589,8 +572,7 @@ def _new_rows(plan, block_size: int) -> tuple:
     ranges, in a fixed number of numpy steps however many sequences)."""
     if len(plan.n_new) == 1:            # one sequence: its range
         positions = np.arange(plan.past[0], plan.past[0] + plan.n_new[0], dtype=np.int64)
-        blocks = np.asarray(plan.tables[0], np.int64)[positions // block_size]
-        return blocks * block_size + positions % block_size, positions
+        return _slots_of(plan.tables[0], block_size, positions), positions
     if all(n == 1 for n in plan.n_new):     # batch decode: one row each, at its length
         positions = np.asarray(plan.past, np.int64)
         blocks = np.asarray([t[p // block_size] for t, p in zip(plan.tables, plan.past)], np.int64)

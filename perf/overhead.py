@@ -302,5 +302,56 @@ def paged_path(shape: Shape, device) -> list:
                         vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
                         speedup_vs_numpy=tr / t["median_ms"], metric="python us", value=py,
                         verified=ok, extra={"bare_ms": bare["median_ms"], "python_us": py, "batch": b}))
+        rows.append(paged_layers_row(cache, ids, L, b, shape, tag, iters, rng, tr))
         cache.close()
     return rows
+
+
+def paged_layers_row(first, ids: list, L: int, b: int, shape: Shape, tag: str, iters: int, rng, numpy_ms) -> Row:
+    """A model's step: VKATTN_PERF_OVERHEAD_LAYERS (30) PagedKVCaches of one family (``first`` and
+    copies of its state), each called in turn with the same B sequences, as a model's layers are
+    (the later layers take the first one's step plan: vkattn.paged._Step); wall ms and vkattn's
+    Python per layer (submission stubbed out), each layer's output checked against the reference;
+    ``numpy_ms``: the numpy reference's time for one layer's B sequences."""
+    n = env_int("VKATTN_PERF_OVERHEAD_LAYERS", 30)
+    hq, hkv, d, dv = shape.heads, shape.kv_heads, shape.head_dim, shape.v_head_dim
+    layers = [first]
+    for _ in range(n - 1):
+        c = vkattn.PagedKVCache(first.num_blocks, 16, hkv, d, dv, dtype=shape.dtype, device=first.device)
+        for sid in ids:
+            c.add_sequence(sid)
+        c.append(ids, rng.standard_normal((hkv, b * L, d), dtype=np.float32),
+                 rng.standard_normal((hkv, b * L, dv), dtype=np.float32), n_new=[L] * b)
+        layers.append(c)
+    data = [(rng.standard_normal((hq, b, d), dtype=np.float32), rng.standard_normal((hkv, b, d), dtype=np.float32),
+             rng.standard_normal((hkv, b, dv), dtype=np.float32)) for _ in layers]
+
+    def reset():
+        for c in layers:
+            for sid in ids:
+                c.truncate(sid, L)
+
+    def step():
+        for c, (q, k, v) in zip(layers, data):
+            c.forward(ids, q, k, v)
+    got = [c.forward(ids, *x) for c, x in zip(layers, data)]
+    ok = True
+    for c, (q, _, _), out in zip(layers, data, got):
+        kv = [c.read(sid) for sid in ids]
+        ok = ok and all(check(out[:, i:i + 1], attention(q[:, i:i + 1], *kv[i]), shape.dtype) for i in range(b))
+    reset()
+
+    def timed():
+        step()
+        reset()
+    t = time_calls(timed, max(iters // 5, 10), 3)
+    py = python_us(step, max(iters, 50), reset=reset) / n
+    for c in layers[1:]:
+        c.close()
+    per = t["median_ms"] / n
+    print(f"{tag} paged batch decode B={b} L={L}, {n} layers of one family: vkattn's Python {py:.1f} us per layer "
+          f"(submission stubbed out), wall {per:.4f} ms per layer (truncations included)")
+    return Row(case=f"paged batch decode B={b} L={L}, {n} layers", kernel="overhead", shape=tag, vkattn_ms=per,
+               vkattn_min_ms=t["min_ms"] / n, numpy_ms=numpy_ms, speedup_vs_numpy=numpy_ms / per,
+               metric="python us", value=py, verified=ok,
+               extra={"python_us": py, "batch": b, "layers": n})

@@ -271,3 +271,64 @@ def test_paged_fast_path_leaves_shared_prefixes_to_cascade(device, rng, monkeypa
             ks, vs = cache.read(sid)
             np.testing.assert_allclose(got[:, i:i + 1], vkattn.reference.attention(q[:, i:i + 1], ks, vs),
                                        atol=2e-6, rtol=2e-5)
+
+
+def test_paged_layers_share_one_step_plan(device, rng, monkeypatch):
+    """A model's layers -- PagedKVCaches of one family (device, pool geometry, format, RoPE) called
+    with the same sequences and counts in turn -- plan a step once: a layer whose pool agrees with
+    the family's last step on the sequences' lengths, block tables and next free blocks takes its
+    AppendPlan and aux words (vkattn.paged._Step), bit for bit what planning gives (twins that
+    always plan); a layer whose pool differs (another free-block order; a truncated sequence)
+    plans for itself, and the layer after it matches that layer's step, not the first one's."""
+    from vkattn import paged
+    rope = ROPES["neox"]
+    make = lambda: vkattn.PagedKVCache(40, 4, 2, 40, dtype="float16", device=device, rope=rope)  # noqa: E731
+    layers, twins = [make() for _ in range(5)], [make() for _ in range(5)]
+    ids = [3, 5, 8]
+    for c in layers + twins:
+        if c in (layers[2], twins[2]):              # churn: blocks come back in another order
+            for sid in (98, 99):
+                c.add_sequence(sid)
+                c.append([sid], *_batch(rng, 6, 2, [4], 40)[1:], n_new=[4])
+            c.remove_sequence(98)
+            c.remove_sequence(99)
+        for sid in ids:
+            c.add_sequence(sid)
+    hits = []
+    real = paged._Step.plan_for
+
+    def spy(self, pool, *a):
+        plan = real(self, pool, *a)
+        hits.extend(i for i, c in enumerate(layers + twins) if plan is not None and c._pool is pool)
+        return plan
+    monkeypatch.setattr(paged._Step, "plan_for", spy)
+    steps = [([3, 5, 8], [5, 3, 7]), ([3, 5, 8], [1, 1, 1]), ([8, 3, 5], [1, 1, 1]), ([5, 8], [2, 1]),
+             ([3, 5, 8], [1, 1, 1]), ([3, 5, 8], [3, 1, 2]), ([3, 5, 8], [1, 1, 1])]
+    data = [[_batch(rng, 6, 2, counts, 40) for _ in layers] for _, counts in steps]
+    # the layers that take the last step's plan: 1 (layer 0's), 4 (layer 3's: 2 and 3 planned for
+    # themselves, sequence 3's blocks differ in 2) -- all where sequence 3 sits out and the churned
+    # pool agrees on 5 and 8 -- and after layer 4 truncates sequence 5, layer 1 alone
+    expect = [[1, 4], [1, 4], [1, 4], [1, 2, 3, 4], [1], [1], [1]]
+    got = []
+    for s, (seqs, counts) in enumerate(steps):
+        n_new = None if set(counts) == {1} else counts
+        if s == 4:                                  # layer 4 leaves the others' state
+            layers[4].truncate(5, layers[4].length(5) - 1)
+        hits.clear()
+        got.append([c.forward(seqs, *data[s][i], n_new=n_new) for i, c in enumerate(layers)])
+        assert hits == expect[s], (s, hits)
+    monkeypatch.setattr(paged._Step, "plan_for", lambda *a: None)     # the twins always plan
+    for s, (seqs, counts) in enumerate(steps):
+        n_new = None if set(counts) == {1} else counts
+        if s == 4:
+            twins[4].truncate(5, twins[4].length(5) - 1)
+        for i, c in enumerate(twins):
+            assert np.array_equal(got[s][i], c.forward(seqs, *data[s][i], n_new=n_new)), (s, i)
+    for a, b in zip(layers, twins):
+        assert a.lengths() == b.lengths()
+        for sid in ids:
+            assert a.block_table(sid) == b.block_table(sid)
+            for x, y in zip(a.read(sid), b.read(sid)):
+                assert np.array_equal(x, y)
+    assert layers[2].block_table(3) != layers[0].block_table(3)      # the churned pool's own blocks
+    assert layers[1].block_table(3) == layers[0].block_table(3)

@@ -416,6 +416,7 @@ class AttnPlan:
 
     _simple = None                  # (rows, new rows, scale, rope, variant) whose whole aux block fill_simple left
     _batch_head = None              # fill_batch's last (counts, scale, variant, rows, new rows), its offsets
+    batch_words = None              # fill_batch's last per-sequence words (layout, records, tables, rotary rows)
 
     def fill_simple(self, q, k, v, past: int, scale: float, rope: RoPE | None = None,
                     variant: Variant = _PLAIN) -> None:
@@ -481,13 +482,19 @@ class AttnPlan:
         return rows
 
     def fill_batch(self, q, k, v, past: list, counts: list, tables: list, scale: float,
-                   rope: RoPE | None = None, variant: Variant = _PLAIN) -> int:
+                   rope: RoPE | None = None, variant: Variant = _PLAIN, words=None) -> int:
         """fill() of a paged batch's common call, the same words in fewer steps: sequence i has
         ``past[i]`` cached keys and brings ``counts[i]`` new rows (fused: the dispatch stores them)
         and as many query rows, packed after sequence i-1's; its block table ``tables[i]`` (a list
         of ints); causal, no ALiBi, mask or shared prefix (a window, sinks and softcap are fine),
         the keys rotated by the cache's ``rope``. No SeqCall objects, one record list, one rotary
-        table for all rows."""
+        table for all rows.
+
+        The per-sequence words it writes (records, block tables, rotary rows) are kept in
+        ``batch_words``; ``words``: another plan's ``batch_words`` from a call with the same
+        ``past``, ``counts`` and ``tables`` (the caller's to know: vkattn.paged's step memo, a
+        model's next layer), copied instead of computed where that plan laid out the same
+        configuration (its words name the offsets, split count, window and rotary table)."""
         rows, nn = self._put_inputs(q, k, v)
         aux = self.aux.view()
         key = (tuple(counts), scale, variant, rows, nn)
@@ -497,8 +504,23 @@ class AttnPlan:
             seq_off, tile_off, free = self._put_head(key[0], True, scale, variant, rows, nn)
             aux[:HEADER] = self._header
             self._batch_head = key, (seq_off, tile_off, free)
-        splits, window, recs, start, bt = self.cfg.splits, variant.window, array("I"), 0, free
-        put, least = recs.extend, MIN_CHUNK
+        splits, window = self.cfg.splits, variant.window
+        layout = (free, splits, window, self.rope_dim, rope if self.rope_dim else None)
+        if words is None or words[0] != layout:
+            words = (layout,) + self._batch_words(past, counts, tables, splits, window, free, rope)
+        _, recs, tabs, rtab = words
+        aux[seq_off:tile_off] = recs
+        aux[free:free + tabs.size] = tabs
+        if rtab is not None:
+            self.rope.view()[:rtab.size] = rtab
+        self.batch_words = words
+        return rows
+
+    def _batch_words(self, past, counts, tables, splits, window, free, rope) -> tuple:
+        """fill_batch's per-sequence words: (records, block tables) as uint32 arrays and the
+        rotary rows (float32, flattened; None without rotation)."""
+        recs, start, bt, least = array("I"), 0, free, MIN_CHUNK
+        put = recs.extend
         for p, n, t in zip(past, counts, tables):
             if window is None:              # split_keys with key_lo 0 (p + n >= 1), inlined
                 kstart, span = 0, p + n
@@ -510,12 +532,12 @@ class AttnPlan:
             put((p, n, start, n, chunk, bt, kstart, 0, start, start, p, 0))
             start += n
             bt += len(t)
-        aux[seq_off:tile_off] = np.frombuffer(recs, np.uint32)
-        aux[free:bt] = np.frombuffer(array("I", chain.from_iterable(tables)), np.uint32)
+        rtab = None
         if self.rope_dim:                   # rows 0 .. rows - 1: the positions p .. p + n - 1 of each
-            positions = past if rows == len(past) else [i for p, n in zip(past, counts) for i in range(p, p + n)]
-            self.rope.view()[:rows * self.rope_dim] = rope.table(positions, self.rope_dim).ravel()
-        return rows
+            positions = past if start == len(past) else [i for p, n in zip(past, counts) for i in range(p, p + n)]
+            rtab = rope.table(positions, self.rope_dim).ravel()
+        return (np.frombuffer(recs, np.uint32), np.frombuffer(array("I", chain.from_iterable(tables)), np.uint32),
+                rtab)
 
     def _put_inputs(self, q, k, v) -> tuple:
         """fill()'s numpy q, k, v into the plan's host copies (device arrays are read where they

@@ -1,6 +1,7 @@
 """PagedKVCache: many sequences in one pool of fixed-size blocks."""
 from __future__ import annotations
 
+import weakref
 from itertools import chain
 from operator import add
 
@@ -73,6 +74,10 @@ class PagedKVCache(CacheBase):
         self._block_size = self.block_size
         self._allocate(self.slots, "num_blocks", self.block_size, "blocks")
         self._pool = BlockPool(self.num_blocks, self.block_size)
+        # caches of one family lay out a batch call's words alike (_Step): a model's layers
+        family = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.v_head_dim,
+                  self.dtype, self.rope)
+        self._steps = _STEPS.setdefault(self.device, {}).setdefault(family, [None])    # [the family's last]
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -328,18 +333,19 @@ class PagedKVCache(CacheBase):
             if self._closed or self.device.closed or self.device._graph is not None:
                 return None
             variant = check_variant(hq, window, n_sink, softcap)
-            plan = self._plan_new(seq_ids, n_new)       # ids and counts checked (the general path's errors)
+            flags = F_PAGED | variant.flags(False) | (self.rope.flags(False) if self.rope is not None else 0)
+            plan, step = self._step_plan(seq_ids, n_new, hq, flags)     # ids and counts checked
             counts = plan.n_new
             most = max(counts)
             if sum(counts) != total or most > FUSED_APPEND_MAX_ROWS or self._appends_first(most) \
                     or (out is None and cascade.may_share(self, plan)):
                 return None
-            flags = F_PAGED | variant.flags(False) | (self.rope.flags(False) if self.rope is not None else 0)
-            attn = self._batch_plan(plan, hq, flags, None, False)
+            attn = self._step_attn(plan, step)
             if attn._check_width:
                 return None
             plan.evict_cached()                     # before the device writes any block it takes
-            attn.fill_batch(q, k, v, plan.past, counts, plan.tables, scale, self.rope, variant)
+            attn.fill_batch(q, k, v, plan.past, counts, plan.tables, scale, self.rope, variant, step.words)
+            self._keep_step(step, attn)
             if out is not None:
                 rec = attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
             else:
@@ -365,12 +371,17 @@ class PagedKVCache(CacheBase):
         plain = masks is None and not split and call["causal"] and variant.alibi is None
 
         class Step:
-            plan = None
+            plan = step = None
 
             def prepare(self):
                 cache._check_open()
-                plan = self.plan = cache._plan_new(seq_ids, counts)
-                attn = cache._batch_plan(plan, hq, flags, masks, split)
+                if plain:                   # the family's last step where it applies (a model's layers)
+                    plan, self.step = cache._step_plan(seq_ids, counts, hq, flags)
+                    attn = cache._step_attn(plan, self.step)
+                    self.plan = plan
+                else:
+                    plan = self.plan = cache._plan_new(seq_ids, counts)
+                    attn = cache._batch_plan(plan, hq, flags, masks, split)
                 work, kk, vv = [], k, v
                 if split:
                     append = cache._append_plan(sum(counts))
@@ -380,7 +391,9 @@ class PagedKVCache(CacheBase):
                     work.append((prog, up))
                     kk = vv = None
                 if plain:
-                    attn.fill_batch(q, kk, vv, plan.past, counts, plan.tables, call["scale"], cache.rope, variant)
+                    attn.fill_batch(q, kk, vv, plan.past, counts, plan.tables, call["scale"], cache.rope, variant,
+                                    self.step.words)
+                    cache._keep_step(self.step, attn)
                 else:
                     attn.fill(q, kk, vv, _seq_calls(plan, masks, split), call["causal"], call["scale"], variant,
                               cache.rope)
@@ -512,6 +525,34 @@ class PagedKVCache(CacheBase):
             raise ValueError(f"n_new: every sequence needs at least one new token, got {plan.n_new}")
         return plan
 
+    def _step_plan(self, seq_ids, n_new, hq: int, flags: int) -> tuple:
+        """(AppendPlan, _Step) of a batch call that fill_batch fills: the family's last step where
+        it applies to this pool (fill_batch copies its words), else planned here (a new _Step
+        without words); ids and counts checked as _plan_new checks them. Then _step_attn, and
+        after fill_batch, _keep_step."""
+        step = self._steps[0]
+        plan = None if step is None else step.plan_for(self._pool, seq_ids, n_new, hq, flags)
+        if plan is None:
+            plan = self._plan_new(seq_ids, n_new)
+            step = _Step(plan, hq, flags)       # its attention plan's key: at _step_attn; words: at _keep_step
+        return plan, step
+
+    def _step_attn(self, plan, step) -> AttnPlan:
+        """The AttnPlan of a _step_plan (built here on a miss of the LRU)."""
+        if step.key is None:
+            step.key, step.args = self._batch_plan_args(plan, step.hq, step.flags, None, False)
+        args = step.args
+        return self._plan(step.key, lambda: AttnPlan(self, *args))
+
+    def _keep_step(self, step, attn) -> None:
+        """After fill_batch of a _step_plan: its _Step (planned here: with the words fill_batch
+        wrote) is the family's last, the next layer's to match (before this call commits: a
+        graph prepares every layer before it submits)."""
+        if step.words is None:
+            step.words = attn.batch_words
+            self._steps[0] = step
+        step.pool = self._pool
+
     def _batch_plan(self, plan, hq, flags, masks, split) -> AttnPlan:
         """The attention plan of a batch call (AppendPlan ``plan``; ``split``: its rows are appended
         first, so the dispatch carries none)."""
@@ -564,6 +605,64 @@ class PagedKVCache(CacheBase):
         """The device side of a BlockPool copy instruction (the first ``rows`` of ``src`` are
         needed; the whole block is copied)."""
         self._plan(("copy",), lambda: _CopyPlan(self)).run(src, dst)
+
+
+_STEPS = weakref.WeakKeyDictionary()    # Device -> {family: [the family's last _Step]}
+
+
+class _Step:
+    """The last fast batch call of a family of PagedKVCaches -- one device, the same pool
+    geometry, storage format and RoPE: a model's layers, each called with the same sequences in
+    turn. It holds what that call planned from its pool's state: the AppendPlan (ids, counts,
+    each sequence's length and block table, the blocks taken), the attention plan's key and the
+    per-sequence aux words fill_batch wrote. plan_append and fill_batch are functions of exactly
+    the ids, counts, lengths, tables and the blocks the pool would hand out next, so another pool
+    of the family whose state agrees on those takes the plan and the words instead of computing
+    them again: the same words, compared, not assumed. ``pool``: the pool that used it last (its
+    state has moved on: no match there)."""
+
+    __slots__ = ("ids", "counts", "hq", "flags", "past", "before", "picks", "plan", "key", "args", "words",
+                 "pool")
+
+    def __init__(self, plan, hq, flags):
+        self.ids, self.counts, self.hq, self.flags = None, plan.n_new, hq, flags
+        self.past, self.plan = plan.past, plan
+        self.before = self.picks = self.words = self.pool = self.key = self.args = None  # ids..: at the first test
+
+    def plan_for(self, pool, seq_ids, n_new, hq, flags):
+        """This step's AppendPlan, made current for ``pool``, where the call and the pool's state
+        match it; else None (the caller plans)."""
+        if pool is self.pool or hq != self.hq or flags != self.flags or self.words is None:
+            return None
+        if self.ids is None:               # ids last: another thread may test meanwhile
+            plan = self.plan
+            self.before = [t[:len(t) - len(b)] if b else t for t, b in zip(plan.tables, plan.new_blocks)]
+            self.picks = list(chain.from_iterable(plan.new_blocks))
+            self.ids = tuple(plan.seq_ids)
+        if tuple(seq_ids) != self.ids:
+            return None
+        counts = self.counts
+        if n_new is None:
+            if counts.count(1) != len(counts):
+                return None
+        elif type(n_new) is not list and type(n_new) is not tuple or list(n_new) != counts \
+                or set(map(type, n_new)) != _INT:
+            return None
+        if set(map(type, seq_ids)) != _INT:
+            return None
+        lengths, tables = pool._lengths, pool._tables
+        try:
+            if list(map(lengths.__getitem__, seq_ids)) != self.past \
+                    or list(map(tables.__getitem__, seq_ids)) != self.before:
+                return None
+        except (KeyError, TypeError):
+            return None
+        if self.picks and pool._picks(len(self.picks)) != self.picks:
+            return None
+        return self.plan._rebased(pool)
+
+
+_INT = {int}
 
 
 def _new_rows(plan, block_size: int) -> tuple:

@@ -125,6 +125,16 @@ class AppendPlan:
     _pool: "BlockPool" = field(repr=False, compare=False)
     _version: int = field(repr=False, compare=False)
 
+    def _rebased(self, pool: "BlockPool") -> "AppendPlan":
+        """The same plan for ``pool`` at its current version: for a caller that found ``pool`` in
+        the state this plan was made from for its sequences (vkattn.paged's step memo); nothing
+        is checked here. A copy of the fields (cheaper than dataclasses.replace)."""
+        plan = object.__new__(AppendPlan)
+        fields = plan.__dict__
+        fields.update(self.__dict__)
+        fields["_pool"], fields["_version"] = pool, pool._version
+        return plan
+
     @property
     def total_new_blocks(self) -> int:
         return sum(len(b) for b in self.new_blocks)

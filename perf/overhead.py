@@ -264,7 +264,9 @@ def paged_path(shape: Shape, device) -> list:
     """A batch decode step of PagedKVCache.forward (numpy in and out, one new token for each of
     B sequences at length L: VKATTN_PERF_OVERHEAD_BATCHES, default 1,4,16; blocks of 16) beside
     a bare kp round trip: wall ms, and vkattn's Python per call with the submission stubbed out
-    (the metric, extra ``python_us``; issue 30's budget for a numpy call is 40 us)."""
+    (the metric, extra ``python_us``; issue 30's budget for a numpy call is 40 us); the same call
+    with each new token's id (prefix caching; its wall time is the plain call's); and a model's
+    step of such caches (paged_layers_row)."""
     L = env_int("VKATTN_PERF_OVERHEAD_CONTEXT", 16)
     tag = f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim}"
     iters, warmup = max(shape.iters, 50), max(shape.warmup, 10)
@@ -275,9 +277,10 @@ def paged_path(shape: Shape, device) -> list:
     for b in env_int_list("VKATTN_PERF_OVERHEAD_BATCHES", [1, 4, 16]):
         blocks = b * (-(-(L + 2) // 16) + 1)
         cache = vkattn.PagedKVCache(blocks, 16, hkv, d, dv, dtype=shape.dtype, device=device)
-        ids = [cache.add_sequence() for _ in range(b)]
+        ids = [cache.add_sequence(token_ids=[]) for _ in range(b)]     # they know their token ids
         cache.append(ids, rng.standard_normal((hkv, b * L, d), dtype=np.float32),
-                     rng.standard_normal((hkv, b * L, dv), dtype=np.float32), n_new=[L] * b)
+                     rng.standard_normal((hkv, b * L, dv), dtype=np.float32), n_new=[L] * b,
+                     token_ids=[list(range(1000 * i, 1000 * i + L)) for i in range(b)])
         q = rng.standard_normal((hq, b, d), dtype=np.float32)
         k = rng.standard_normal((hkv, b, d), dtype=np.float32)
         v = rng.standard_normal((hkv, b, dv), dtype=np.float32)
@@ -302,6 +305,14 @@ def paged_path(shape: Shape, device) -> list:
                         vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
                         speedup_vs_numpy=tr / t["median_ms"], metric="python us", value=py,
                         verified=ok, extra={"bare_ms": bare["median_ms"], "python_us": py, "batch": b}))
+        toks = [[7] for _ in ids]          # a prefix-caching engine's call: each new token's id
+        py_ids = python_us(lambda: cache.forward(ids, q, k, v, token_ids=toks), 10 * iters, reset=reset)
+        print(f"{tag} paged batch decode B={b} L={L} with token ids: vkattn's Python {py_ids:.1f} us per call "
+              f"(submission stubbed out)")
+        rows.append(Row(case=f"paged batch decode B={b} L={L}, numpy, token ids", kernel="overhead", shape=tag,
+                        vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
+                        speedup_vs_numpy=tr / t["median_ms"], metric="python us", value=py_ids,
+                        verified=ok, extra={"python_us": py_ids, "batch": b}))
         rows.append(paged_layers_row(cache, ids, L, b, shape, tag, iters, rng, tr))
         cache.close()
     return rows

@@ -332,3 +332,65 @@ def test_paged_layers_share_one_step_plan(device, rng, monkeypatch):
                 assert np.array_equal(x, y)
     assert layers[2].block_table(3) != layers[0].block_table(3)      # the churned pool's own blocks
     assert layers[1].block_table(3) == layers[0].block_table(3)
+
+
+def test_paged_fast_path_takes_token_ids(device, rng, monkeypatch):
+    """A batch call with token ids (a prefix-caching engine passes them every step) takes the fast
+    path: the same outputs, token ids, hashed blocks and prefix matches as the general path; bad
+    token ids raise the general path's errors and change nothing; a model's layers passing the
+    same ids share the step's plan."""
+    from vkattn import paged
+    fast, general, layer = (vkattn.PagedKVCache(30, 4, 2, 16, dtype="float16", device=device) for _ in range(3))
+    general._fast_forward = lambda *a, **kw: None
+    fills = []
+    real = _attn.AttnPlan.fill
+    monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))
+    hits = []
+    real_for = paged._Step.plan_for
+
+    def spy(self, pool, *a):
+        plan = real_for(self, pool, *a)
+        if plan is not None:
+            hits.append(pool)
+        return plan
+    monkeypatch.setattr(paged._Step, "plan_for", spy)
+    ids = [0, 1]
+    for c in (fast, general, layer):
+        for sid in ids:
+            c.add_sequence(sid, token_ids=[])
+    prompts = [list(range(100, 107)), list(range(200, 203))]
+    steps = [([0, 1], [p[:] for p in prompts])] + [([0, 1], [[300 + i], [400 + i]]) for i in range(6)] \
+        + [([1], [[500]]), ([1, 0], [[501], None])]
+    for seqs, toks in steps:
+        counts = [len(t) if t is not None else 1 for t in toks]
+        q, k, v = _batch(rng, 4, 2, counts, 16)
+        n_new = None if set(counts) == {1} else counts
+        fills.clear()
+        hits.clear()
+        got = fast.forward(seqs, q, k, v, n_new=n_new, token_ids=toks)
+        assert not fills, toks
+        assert np.array_equal(got, general.forward(seqs, q, k, v, n_new=n_new, token_ids=toks)), toks
+        fills.clear()
+        layer.forward(seqs, *_batch(rng, 4, 2, counts, 16), n_new=n_new, token_ids=toks)
+        assert hits == [layer._pool] and not fills       # the layer took fast's step
+    for sid in ids:
+        assert fast.token_ids(sid) == general.token_ids(sid) == layer.token_ids(sid), sid
+        assert fast.block_table(sid) == general.block_table(sid) == layer.block_table(sid)
+    assert fast.token_ids(0) == prompts[0] + [300 + i for i in range(6)]
+    assert fast.token_ids(1) == prompts[1] + [400 + i for i in range(6)] + [500, 501]
+    assert fast._pool._hash_of == general._pool._hash_of and fast._pool._hash_of
+    for c in (fast, general):                           # a new sequence finds sequence 0's full blocks
+        assert c.add_sequence(9, token_ids=fast.token_ids(0) + [1]) == 9 and c.length(9) == 12
+    # bad token ids: the general path's errors, nothing changed
+    q, k, v = _batch(rng, 4, 2, [1, 1], 16)
+    before = fast.lengths(), {s: fast.token_ids(s) for s in ids}
+    for bad, err, match in (([[1]], ValueError, "2 entries"), ([[1, 2], [3]], ValueError, "expected 1 token ids"),
+                            ([[-1], [3]], ValueError, "2\\*\\*63"), ([[True], [3]], TypeError, "integer token ids"),
+                            ([[1.0], [3]], TypeError, "integer token ids"), ("ab", TypeError, "token_ids"),
+                            ([np.zeros((1, 1), np.int64), [3]], ValueError, "1-D")):
+        with pytest.raises(err, match=match):
+            fast.forward(ids, q, k, v, token_ids=bad)
+        assert (fast.lengths(), {s: fast.token_ids(s) for s in ids}) == before, bad
+    np_ids = [np.array([7]), [np.int64(8)]]             # numpy ids: the general check's conversion
+    fast.forward(ids, q, k, v, token_ids=np_ids)
+    assert fast.token_ids(1)[-1] == 8 and type(fast.token_ids(1)[-1]) is int

@@ -247,8 +247,9 @@ class PagedKVCache(CacheBase):
         """
         if (causal is True and (scale is None or type(scale) is float) and mask is None and alibi_slopes is None
                 and (return_lse is False or (return_lse is True and out is None)) and rope_q is False
-                and token_ids is None and lse is None):
-            fast = self._fast_forward(seq_ids, q, k, v, n_new, scale, out, window, n_sink, softcap, return_lse)
+                and lse is None):
+            fast = self._fast_forward(seq_ids, q, k, v, n_new, scale, out, window, n_sink, softcap, return_lse,
+                                      token_ids)
             if fast is not None:
                 return fast
         with self._lock:
@@ -306,10 +307,10 @@ class PagedKVCache(CacheBase):
             return (out, lse) if return_lse else out
 
     def _fast_forward(self, seq_ids, q, k, v, n_new, scale=None, out=None, window=None, n_sink=0, softcap=None,
-                      return_lse=False):
+                      return_lse=False, token_ids=None):
         """forward() of the common batch call -- numpy float32 q, k, v (any strides) (or
-        DeviceArrays of this device with ``out`` one too), causal, no ALiBi, mask or token ids (a
-        window, sinks and softcap are fine), K rotated by the cache's RoPE or not (q not), every
+        DeviceArrays of this device with ``out`` one too), causal, no ALiBi or mask (a window,
+        sinks, softcap and token ids are fine), K rotated by the cache's RoPE or not (q not), every
         sequence's new rows fused into the attention dispatch, no shared prefix to attend by
         cascade, nothing asked but the output (and lse, for numpy calls) -- with the same checks
         in fewer steps (as KVCache's: shapes compared as tuples, numpy values by one dot product
@@ -334,7 +335,7 @@ class PagedKVCache(CacheBase):
                 return None
             variant = check_variant(hq, window, n_sink, softcap)
             flags = F_PAGED | variant.flags(False) | (self.rope.flags(False) if self.rope is not None else 0)
-            plan, step = self._step_plan(seq_ids, n_new, hq, flags)     # ids and counts checked
+            plan, step = self._step_plan(seq_ids, n_new, hq, flags, token_ids)  # ids, counts, token ids checked
             counts = plan.n_new
             most = max(counts)
             if sum(counts) != total or most > FUSED_APPEND_MAX_ROWS or self._appends_first(most) \
@@ -525,15 +526,15 @@ class PagedKVCache(CacheBase):
             raise ValueError(f"n_new: every sequence needs at least one new token, got {plan.n_new}")
         return plan
 
-    def _step_plan(self, seq_ids, n_new, hq: int, flags: int) -> tuple:
+    def _step_plan(self, seq_ids, n_new, hq: int, flags: int, token_ids=None) -> tuple:
         """(AppendPlan, _Step) of a batch call that fill_batch fills: the family's last step where
         it applies to this pool (fill_batch copies its words), else planned here (a new _Step
-        without words); ids and counts checked as _plan_new checks them. Then _step_attn, and
-        after fill_batch, _keep_step."""
+        without words); ids, counts and token ids checked as _plan_new checks them. Then
+        _step_attn, and after fill_batch, _keep_step."""
         step = self._steps[0]
-        plan = None if step is None else step.plan_for(self._pool, seq_ids, n_new, hq, flags)
+        plan = None if step is None else step.plan_for(self._pool, seq_ids, n_new, hq, flags, token_ids)
         if plan is None:
-            plan = self._plan_new(seq_ids, n_new)
+            plan = self._plan_new(seq_ids, n_new, token_ids)
             step = _Step(plan, hq, flags)       # its attention plan's key: at _step_attn; words: at _keep_step
         return plan, step
 
@@ -629,9 +630,10 @@ class _Step:
         self.past, self.plan = plan.past, plan
         self.before = self.picks = self.words = self.pool = self.key = self.args = None  # ids..: at the first test
 
-    def plan_for(self, pool, seq_ids, n_new, hq, flags):
-        """This step's AppendPlan, made current for ``pool``, where the call and the pool's state
-        match it; else None (the caller plans)."""
+    def plan_for(self, pool, seq_ids, n_new, hq, flags, token_ids=None):
+        """This step's AppendPlan, made current for ``pool``, where the call (its token ids too:
+        plain lists of plain ints, or None) and the pool's state match it; else None (the caller
+        plans)."""
         if pool is self.pool or hq != self.hq or flags != self.flags or self.words is None:
             return None
         if self.ids is None:               # ids last: another thread may test meanwhile
@@ -650,6 +652,15 @@ class _Step:
             return None
         if set(map(type, seq_ids)) != _INT:
             return None
+        known = self.plan.token_ids
+        if token_ids is None:
+            if known.count(None) != len(known):
+                return None
+        elif type(token_ids) is not list and type(token_ids) is not tuple \
+                or not set(map(type, token_ids)) <= _LIST_OR_NONE \
+                or not set(map(type, chain.from_iterable(filter(None, token_ids)))) <= _INT \
+                or list(token_ids) != known:
+            return None
         lengths, tables = pool._lengths, pool._tables
         try:
             if list(map(lengths.__getitem__, seq_ids)) != self.past \
@@ -663,6 +674,7 @@ class _Step:
 
 
 _INT = {int}
+_LIST_OR_NONE = {list, type(None)}
 
 
 def _new_rows(plan, block_size: int) -> tuple:

@@ -43,12 +43,15 @@ import hashlib
 import numbers
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import chain, islice
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
 from .checks import check_int
+
+_INT = {int}                        # set(map(type, values)) of plain ints, or a subset
+_LIST = {list}
 from .errors import CacheFullError
 
 __all__ = ["BlockPool", "AppendPlan", "UnknownSequenceError", "BlockCopy", "root_hash", "block_hash"]
@@ -92,6 +95,9 @@ def block_hash(parent: bytes, token_ids) -> bytes:
 
 def check_token_ids(name: str, token_ids, n: Optional[int] = None) -> list:
     """``token_ids`` (a 1-D sequence or array of ints in [0, 2**63)) as a list of int; with ``n``, exactly n of them."""
+    if type(token_ids) is list and (n is None or len(token_ids) == n) and set(map(type, token_ids)) <= _INT \
+            and (not token_ids or (min(token_ids) >= 0 and max(token_ids) < 1 << 63)):
+        return token_ids[:]             # plain ints in range: a copy, in C loops (a decode step's one id)
     if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
         raise TypeError(f"{name}: expected a 1-D sequence of token ids (ints), got {type(token_ids).__name__}")
     arr = np.asarray(token_ids)
@@ -594,6 +600,10 @@ class BlockPool:
             raise TypeError(f"token_ids: expected None or one entry per sequence, got {type(token_ids).__name__}")
         if len(token_ids) != len(counts):
             raise ValueError(f"token_ids: expected {len(counts)} entries (one per entry of seq_ids), got {len(token_ids)}")
+        if set(map(type, token_ids)) == _LIST and list(map(len, token_ids)) == counts:
+            flat = list(chain.from_iterable(token_ids))     # the common call, in C loops: lists of plain ints
+            if set(map(type, flat)) <= _INT and (not flat or (min(flat) >= 0 and max(flat) < 1 << 63)):
+                return list(map(list.copy, token_ids))
         return [None if t is None else check_token_ids(f"token_ids[{i}]", t, n)
                 for i, (t, n) in enumerate(zip(token_ids, counts))]
 

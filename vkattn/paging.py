@@ -49,12 +49,12 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from .checks import check_int
-
-_INT = {int}                        # set(map(type, values)) of plain ints, or a subset
-_LIST = {list}
 from .errors import CacheFullError
 
 __all__ = ["BlockPool", "AppendPlan", "UnknownSequenceError", "BlockCopy", "root_hash", "block_hash"]
+
+_INT = {int}                        # set(map(type, values)) of plain ints, or a subset
+_LIST = {list}
 
 HASH_DOMAIN = b"vkattn prefix v1"
 

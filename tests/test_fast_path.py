@@ -332,6 +332,15 @@ def test_paged_layers_share_one_step_plan(device, rng, monkeypatch):
                 assert np.array_equal(x, y)
     assert layers[2].block_table(3) != layers[0].block_table(3)      # the churned pool's own blocks
     assert layers[1].block_table(3) == layers[0].block_table(3)
+    # the family's step keeps no pool alive
+    import gc
+    import weakref
+    pools = [weakref.ref(c._pool) for c in layers + twins]
+    for c in layers + twins:
+        c.close()
+    del layers, twins, a, b, c
+    gc.collect()
+    assert all(p() is None for p in pools)
 
 
 def test_paged_fast_path_takes_token_ids(device, rng, monkeypatch):

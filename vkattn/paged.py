@@ -551,8 +551,9 @@ class PagedKVCache(CacheBase):
         graph prepares every layer before it submits)."""
         if step.words is None:
             step.words = attn.batch_words
+            step.plan = step.plan._rebased(None)        # the memo holds no pool (the caller has its plan)
             self._steps[0] = step
-        step.pool = self._pool
+        step.pool = id(self._pool)
 
     def _batch_plan(self, plan, hq, flags, masks, split) -> AttnPlan:
         """The attention plan of a batch call (AppendPlan ``plan``; ``split``: its rows are appended
@@ -619,8 +620,8 @@ class _Step:
     per-sequence aux words fill_batch wrote. plan_append and fill_batch are functions of exactly
     the ids, counts, lengths, tables and the blocks the pool would hand out next, so another pool
     of the family whose state agrees on those takes the plan and the words instead of computing
-    them again: the same words, compared, not assumed. ``pool``: the pool that used it last (its
-    state has moved on: no match there)."""
+    them again: the same words, compared, not assumed. ``pool``: the id of the pool that used it
+    last (its state has moved on: no match there). It keeps no pool or cache alive."""
 
     __slots__ = ("ids", "counts", "hq", "flags", "past", "before", "picks", "plan", "key", "args", "words",
                  "pool")
@@ -634,7 +635,7 @@ class _Step:
         """This step's AppendPlan, made current for ``pool``, where the call (its token ids too:
         plain lists of plain ints, or None) and the pool's state match it; else None (the caller
         plans)."""
-        if pool is self.pool or hq != self.hq or flags != self.flags or self.words is None:
+        if id(pool) == self.pool or hq != self.hq or flags != self.flags or self.words is None:
             return None
         if self.ids is None:               # ids last: another thread may test meanwhile
             plan = self.plan

@@ -131,14 +131,15 @@ class AppendPlan:
     _pool: "BlockPool" = field(repr=False, compare=False)
     _version: int = field(repr=False, compare=False)
 
-    def _rebased(self, pool: "BlockPool") -> "AppendPlan":
+    def _rebased(self, pool: Optional["BlockPool"]) -> "AppendPlan":
         """The same plan for ``pool`` at its current version: for a caller that found ``pool`` in
         the state this plan was made from for its sequences (vkattn.paged's step memo); nothing
-        is checked here. A copy of the fields (cheaper than dataclasses.replace)."""
+        is checked here. A copy of the fields (cheaper than dataclasses.replace). ``pool`` None:
+        a copy tied to no pool (what the memo keeps), committed nowhere."""
         plan = object.__new__(AppendPlan)
         fields = plan.__dict__
         fields.update(self.__dict__)
-        fields["_pool"], fields["_version"] = pool, pool._version
+        fields["_pool"], fields["_version"] = pool, (None if pool is None else pool._version)
         return plan
 
     @property

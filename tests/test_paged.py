@@ -235,6 +235,10 @@ def test_variants_through_the_paged_path(device, rng, monkeypatch, kernel, varia
         heads = (4,) if variant == "mask_heads" else ()
         kw["mask"] = [rng.standard_normal(heads + (1, cache.length(s) + 1)).astype(np.float32) for s in sids]
     step(rng, cache, model, sids, [1, 1, 1], 2, **kw)
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "3")    # the batch decode again, its keys split and merged
+    if variant.startswith("mask"):
+        kw["mask"] = [rng.standard_normal(heads + (1, cache.length(s) + 1)).astype(np.float32) for s in sids]
+    step(rng, cache, model, sids, [1, 1, 1], 2, **kw)
 
 
 def test_verify_mode_and_memory_report(device, rng):

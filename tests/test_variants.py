@@ -14,14 +14,16 @@ VARIANTS = ["window", "window_sinks", "softcap", "alibi", "mask", "mask_heads", 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("hkv,group,d,past,s,dtype", [
-    (2, 4, 64, 250, 1, "float16"),      # decode: split-K, merged by the last workgroup
-    (1, 3, 13, 61, 1, "float32"),       # odd head_dim, group 3
-    (2, 2, 24, 100, 9, "float16"),      # prefill with past: direct output
-    (3, 1, 37, 0, 29, "float32"),       # prefill from empty
+@pytest.mark.parametrize("hkv,group,d,past,s,dtype,splits", [
+    (2, 4, 64, 250, 1, "float16", "4"),     # decode: split-K, merged by the last workgroup
+    (1, 3, 13, 61, 1, "float32", None),     # odd head_dim, group 3; the machine's split count
+    (2, 2, 24, 100, 9, "float16", None),    # prefill with past: direct output
+    (3, 1, 37, 0, 29, "float32", None),     # prefill from empty
 ])
-def test_variant_forward(device, rng, monkeypatch, kernel, variant, hkv, group, d, past, s, dtype):
+def test_variant_forward(device, rng, monkeypatch, kernel, variant, hkv, group, d, past, s, dtype, splits):
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    if splits:                          # whatever the machine's cores would choose (tuning.decode_splits)
+        monkeypatch.setenv("VKATTN_DECODE_SPLITS", splits)
     cache = vkattn.KVCache(past + s + 5, hkv, d, dtype=dtype, device=device)
     mirror = Mirror(cache)
     if past:
@@ -46,6 +48,7 @@ def test_variant_forward(device, rng, monkeypatch, kernel, variant, hkv, group, 
 def test_sliding_window_decode_long(device, rng, monkeypatch, kernel):
     # a window far shorter than the cache: most splits see no key; sinks come from split 0
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "6")
     cache = vkattn.KVCache(3000, 2, 32, device=device)
     mirror = Mirror(cache)
     k, v = rand_kv(rng, cache, 2900)

@@ -189,7 +189,7 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
     hkv = fmt.num_kv_heads
     group = hq // hkv
     cfg = attention_config(dev, group, 1 if decode else rows, fmt._dk4, fmt._dv4, fmt._ch, key_bound, hkv, splits,
-                           matrices=fmt._matrices)
+                           matrices=fmt._matrices, nseq=nseq if decode else 1)
     tiles_max = max(1, min(nseq * cfg.qtiles(rows), cfg.qtiles(rows) + nseq - 1))   # sum of ceil(q_len/bq)
     grid = (cfg.splits, tiles_max, hkv)
     if grid[1] > dev.max_workgroup_count[1]:

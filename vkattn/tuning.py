@@ -405,7 +405,7 @@ def coopmat_takes(device, rows: int, ch: int, matrices: bool = True) -> bool:
 
 
 def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_heads: int,
-                capacity: int, splits: int | None = None) -> AttnConfig:
+                capacity: int, splits: int | None = None, nseq: int = 1) -> AttnConfig:
     """attn_lane.comp: one subgroup per workgroup owning up to LANE_NQ query vectors (heads x
     rows), fewer when the head dims are large: a lane keeps (KPL + VPL) * CH vec4 of query and
     accumulator per query vector, bounded by LANE_STATE_VEC4: the key block is straight-line code
@@ -425,18 +425,25 @@ def lane_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, num_kv_
     while bq // 2 >= s:             # fewest rows covering s, in powers of two (fewer pipelines)
         bq //= 2
     if splits is None:
-        splits = decode_splits(device, "lane", num_kv_heads, capacity) if s == 1 else 1
+        splits = decode_splits(device, "lane", num_kv_heads, capacity, nseq) if s == 1 else 1
     # one loop iteration per key and invocation: stay far below lavapipe's per-invocation cap
     splits = max(splits, -(-capacity // LANE_MAX_KEYS))
     splits = max(1, min(splits, -(-capacity // 16)))
     return AttnConfig(kernel="lane", wg=wg, bq=bq, splits=splits)
 
 
-def decode_splits(device, kernel: str, num_kv_heads: int, capacity: int) -> int:
+def decode_splits(device, kernel: str, num_kv_heads: int, capacity: int, nseq: int = 1) -> int:
     """Key splits for decode of up to ``capacity`` keys (a decode plan's key bound,
-    decode_key_bound; VKATTN_DECODE_SPLITS overrides). The lane kernel wants a few workgroups per
-    CPU core in all (they are fat); attn.comp on a GPU about DECODE_SPLIT_KEYS keys per split,
-    32 to DECODE_MAX_SPLITS splits."""
+    decode_key_bound; VKATTN_DECODE_SPLITS overrides) by ``nseq`` sequences at once (a paged
+    batch). The lane kernel: as many workgroups in all as the CPU has cores, no more -- kv heads
+    times sequences, split only where those are fewer. A split costs more than the balance it
+    buys on lavapipe (each split's workgroup reads its queries, writes a partial and takes part
+    in the merge, with or without keys): 2-core Zen 4, lavapipe 22.3, device time of a decode
+    step, 9/3 heads d64 one sequence of 4096 keys 0.73-0.97 ms in 1 split against 1.36-2.08 in
+    3 (the rule before: four workgroups a core); 16 sequences of 16 keys 0.27 against 0.98 ms;
+    4/1 heads d256, 4096 keys, 2 splits 1.03-1.07 against 1.54-1.57 in 1 (perf/RESULTS.md,
+    session 28; session 4 found the same for 32/8 heads). attn.comp on a GPU about
+    DECODE_SPLIT_KEYS keys per split, 32 to DECODE_MAX_SPLITS splits."""
     env = os.environ.get("VKATTN_DECODE_SPLITS")
     if env:
         if not env.isdigit() or int(env) < 1:
@@ -444,7 +451,7 @@ def decode_splits(device, kernel: str, num_kv_heads: int, capacity: int) -> int:
         return int(env)
     cores = os.cpu_count() or 1
     if kernel == "lane":
-        return -(-4 * cores // num_kv_heads)
+        return -(-cores // (num_kv_heads * max(1, nseq)))
     want = 2 * cores if device.is_software else max(32, min(DECODE_MAX_SPLITS, -(-capacity // DECODE_SPLIT_KEYS)))
     return max(1, min(want, -(-capacity // WORKGROUP)))
 
@@ -597,18 +604,20 @@ def tile_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacit
 
 
 def attention_config(device, group: int, s: int, dk4: int, dv4: int, ch: int, capacity: int,
-                     num_kv_heads: int, splits: int | None = None, matrices: bool = True) -> AttnConfig:
+                     num_kv_heads: int, splits: int | None = None, matrices: bool = True,
+                     nseq: int = 1) -> AttnConfig:
     """Kernel and tile sizes; raises DeviceLimitError if even the smallest tile does not fit.
     ``splits``: the key splits wanted instead of the shape's own choice (cascade's shared pass:
     ``s`` rows split like a decode step; software devices still bound the keys per workgroup).
     Calls of more than one query row go to attn_coopmat.comp where coopmat_wanted and
     coopmat_config takes them (not with ``splits`` given) and the storage format's values fit its
     float16 matrices (``matrices``, vkattn.formats: not bfloat16, whatever VKATTN_KERNEL says);
-    decode and the rest to kernel_for's kernel."""
+    decode and the rest to kernel_for's kernel. ``nseq``: the sequences a decode dispatch serves
+    (a paged batch; the lane kernel's split count counts their workgroups)."""
     if matrices and coopmat_wanted(device) and s > 1 and splits is None:
         cfg = coopmat_config(device, group, s, dk4, dv4, ch, capacity, num_kv_heads)
         if cfg is not None:
             return cfg
     if kernel_for(device) == "lane":
-        return lane_config(device, group, s, dk4, dv4, ch, num_kv_heads, capacity, splits)
+        return lane_config(device, group, s, dk4, dv4, ch, num_kv_heads, capacity, splits, nseq)
     return tile_config(device, group, s, dk4, dv4, ch, capacity, num_kv_heads, splits)

@@ -203,8 +203,24 @@ class CacheBase:
                 return False
         return not (self.head_dim | self.v_head_dim) % (4 * self._ch)
 
+    def _fast_shapes(self, q, k, v, out):
+        """(hq, new rows, query rows) where q, k, v (and ``out``) are what a fast path takes
+        (_fast_kinds) and agree with this cache and each other: k and v (hkv, n, head dims), q
+        (hq, s, head_dim) with hq a multiple of hkv, out (hq, s, v_head_dim); None otherwise (the
+        general path decides). Counts are the caller's to bound."""
+        if not self._fast_kinds(q, k, v, out):
+            return None
+        hkv, n = self.num_kv_heads, k.shape[1]
+        hq, s = q.shape[0], q.shape[1]
+        if k.shape != (hkv, n, self.head_dim) or v.shape != (hkv, n, self.v_head_dim) \
+                or q.shape[2] != self.head_dim or hq < 1 or hq % hkv:
+            return None
+        if out is not None and out.shape != (hq, s, self.v_head_dim):
+            return None
+        return hq, n, s
+
     def _fast_scale(self, q, k, v, out, scale):
-        """After _fast_kinds and the caller's shape tests: the call's scale (the default where
+        """After _fast_shapes and the caller's count tests: the call's scale (the default where
         None), or None where the general path must decide -- verify mode, a scale not a finite
         positive float, numpy values not plainly finite (and, for a float16 cache, within its
         range: checks.plainly_finite, one dot product each)."""

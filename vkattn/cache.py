@@ -208,14 +208,11 @@ class KVCache(CacheBase):
         one dot product each (checks.plainly_finite), the plan's aux words patched
         (AttnPlan.fill_simple). None where any of that does not hold: the caller takes the general
         path, whose checks raise the precise error."""
-        if not self._fast_kinds(q, k, v, out):
+        shapes = self._fast_shapes(q, k, v, out)
+        if shapes is None:
             return None
-        hkv, n = self.num_kv_heads, k.shape[1]
-        hq, s = q.shape[0], q.shape[1]
-        if k.shape != (hkv, n, self.head_dim) or v.shape != (hkv, n, self.v_head_dim) or n < 1 \
-                or q.shape[2] != self.head_dim or hq < 1 or hq % hkv or s < 1 or n > FUSED_APPEND_MAX_ROWS:
-            return None
-        if out is not None and out.shape != (hq, s, self.v_head_dim):
+        hq, n, s = shapes
+        if n < 1 or s < 1 or n > FUSED_APPEND_MAX_ROWS:
             return None
         scale = self._fast_scale(q, k, v, out, scale)
         if scale is None:

@@ -16,7 +16,7 @@ from . import persist
 from .device import Device
 from .errors import CacheFullError
 from .array import DeviceArray
-from .paging import BlockPool, UnknownSequenceError, _slots_of
+from .paging import _INT, BlockPool, UnknownSequenceError, _slots_of
 from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, decode_key_bound, kernel_for, own_splits, row_bucket
 
 
@@ -319,14 +319,10 @@ class PagedKVCache(CacheBase):
         does not hold: the general path decides, and raises the precise error."""
         if type(seq_ids) is not list and type(seq_ids) is not tuple:
             return None
-        if not self._fast_kinds(q, k, v, out):
+        shapes = self._fast_shapes(q, k, v, out)
+        if shapes is None or shapes[1] != shapes[2]:            # every new row is a query row
             return None
-        hkv, total, hq = self.num_kv_heads, k.shape[1], q.shape[0]
-        if k.shape != (hkv, total, self.head_dim) or v.shape != (hkv, total, self.v_head_dim) \
-                or q.shape != (hq, total, self.head_dim) or hq < 1 or hq % hkv:
-            return None
-        if out is not None and out.shape != (hq, total, self.v_head_dim):
-            return None
+        hq, total, _ = shapes
         scale = self._fast_scale(q, k, v, out, scale)
         if scale is None:
             return None
@@ -623,13 +619,11 @@ class _Step:
     them again: the same words, compared, not assumed. ``pool``: the id of the pool that used it
     last (its state has moved on: no match there). It keeps no pool or cache alive."""
 
-    __slots__ = ("ids", "counts", "hq", "flags", "past", "before", "picks", "plan", "key", "args", "words",
-                 "pool")
+    __slots__ = ("ids", "hq", "flags", "before", "picks", "plan", "key", "args", "words", "pool")
 
     def __init__(self, plan, hq, flags):
-        self.ids, self.counts, self.hq, self.flags = None, plan.n_new, hq, flags
-        self.past, self.plan = plan.past, plan
-        self.before = self.picks = self.words = self.pool = self.key = self.args = None  # ids..: at the first test
+        self.plan, self.hq, self.flags = plan, hq, flags
+        self.ids = self.before = self.picks = self.words = self.pool = self.key = self.args = None  # ids..: at the first test
 
     def plan_for(self, pool, seq_ids, n_new, hq, flags, token_ids=None):
         """This step's AppendPlan, made current for ``pool``, where the call (its token ids too:
@@ -644,7 +638,7 @@ class _Step:
             self.ids = tuple(plan.seq_ids)
         if tuple(seq_ids) != self.ids:
             return None
-        counts = self.counts
+        counts = self.plan.n_new
         if n_new is None:
             if counts.count(1) != len(counts):
                 return None
@@ -664,7 +658,7 @@ class _Step:
             return None
         lengths, tables = pool._lengths, pool._tables
         try:
-            if list(map(lengths.__getitem__, seq_ids)) != self.past \
+            if list(map(lengths.__getitem__, seq_ids)) != self.plan.past \
                     or list(map(tables.__getitem__, seq_ids)) != self.before:
                 return None
         except (KeyError, TypeError):
@@ -674,7 +668,6 @@ class _Step:
         return self.plan._rebased(pool)
 
 
-_INT = {int}
 _LIST_OR_NONE = {list, type(None)}
 
 

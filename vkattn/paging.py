@@ -93,10 +93,14 @@ def block_hash(parent: bytes, token_ids) -> bytes:
     return hashlib.sha256(parent + np.asarray(token_ids, dtype="<i8").tobytes()).digest()
 
 
+def _plain_ids(ids: list) -> bool:
+    """Whether a list holds plain ints in [0, 2**63) only (C loops: check_token_ids's common case)."""
+    return set(map(type, ids)) <= _INT and (not ids or (min(ids) >= 0 and max(ids) < 1 << 63))
+
+
 def check_token_ids(name: str, token_ids, n: Optional[int] = None) -> list:
     """``token_ids`` (a 1-D sequence or array of ints in [0, 2**63)) as a list of int; with ``n``, exactly n of them."""
-    if type(token_ids) is list and (n is None or len(token_ids) == n) and set(map(type, token_ids)) <= _INT \
-            and (not token_ids or (min(token_ids) >= 0 and max(token_ids) < 1 << 63)):
+    if type(token_ids) is list and (n is None or len(token_ids) == n) and _plain_ids(token_ids):
         return token_ids[:]             # plain ints in range: a copy, in C loops (a decode step's one id)
     if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
         raise TypeError(f"{name}: expected a 1-D sequence of token ids (ints), got {type(token_ids).__name__}")
@@ -602,8 +606,7 @@ class BlockPool:
         if len(token_ids) != len(counts):
             raise ValueError(f"token_ids: expected {len(counts)} entries (one per entry of seq_ids), got {len(token_ids)}")
         if set(map(type, token_ids)) == _LIST and list(map(len, token_ids)) == counts:
-            flat = list(chain.from_iterable(token_ids))     # the common call, in C loops: lists of plain ints
-            if set(map(type, flat)) <= _INT and (not flat or (min(flat) >= 0 and max(flat) < 1 << 63)):
+            if _plain_ids(list(chain.from_iterable(token_ids))):     # the common call: lists of plain ints
                 return list(map(list.copy, token_ids))
         return [None if t is None else check_token_ids(f"token_ids[{i}]", t, n)
                 for i, (t, n) in enumerate(zip(token_ids, counts))]

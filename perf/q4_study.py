@@ -21,6 +21,9 @@ Candidates (blocks of B values along head_dim, per kv head and position; "bytes"
              after (scores are unchanged by rotating q and k alike; spreads K's outlier channels
              over the block), then q4 / asym32; had16+q4 the same per 16-value block (q4's own)
   int8       vkattn's int8 (per row), for scale
+  fp8_e5m2, fp8_e4m3, had64+fp8_e5m2, had64+fp8_e4m3
+             vkattn's fp8 formats (scale 1), plain and rotated: whether a rotation would bring
+             e5m2 (2 mantissa bits) within the 1% target (session 29: it narrows the KL, not enough)
 
 Environment: VKATTN_PERF_QUALITY_TOKENS (the first N tokens of the text), VKATTN_PERF_Q4_STUDY
 (comma list of candidates; default all). Prints a markdown table; exits 2 without the model.
@@ -118,6 +121,10 @@ def candidates():
         "had16+q4": rotated(q4, 16),
         "had64+asym32": rotated(asym),
         "int8": lambda x: round_to(x, "int8"),
+        "fp8_e5m2": lambda x: round_to(x, "fp8_e5m2"),
+        "had64+fp8_e5m2": rotated(lambda x: round_to(x, "fp8_e5m2")),
+        "fp8_e4m3": lambda x: round_to(x, "fp8_e4m3"),
+        "had64+fp8_e4m3": rotated(lambda x: round_to(x, "fp8_e4m3")),
     }
 
 

@@ -231,6 +231,32 @@ def test_each_token_is_one_submission_and_only_the_token_id_comes_back(device, s
         m.close()
 
 
+def test_a_new_prompt_builds_no_pipeline(device, small, monkeypatch):
+    """A prompt's algorithms are kept until the next prompt's exist, so the prompt pipelines (kp
+    shares one per SPIR-V and spec constants and frees it with its last holder; lavapipe re-JITs
+    a freed one: 80-106 ms of every SmolLM2 prompt before) outlive the prompt. A prompt of another
+    length then builds none, and its tokens are the first run's."""
+    cfg, sd = small
+    m = DeviceLlama(cfg, sd, capacity=40, device=device)
+    be = device.backend
+    if be.pipeline_count() is None:
+        pytest.skip("kp without scripts/kp-0.9.0-features.patch: no shared pipelines to count")
+    try:
+        first = m.generate([9, 8, 7, 6, 5], 4)
+        seen = []
+        real = DeviceLlama._release_prompt
+        monkeypatch.setattr(DeviceLlama, "_release_prompt",
+                            lambda self: (seen.append(be.pipeline_count()), real(self), seen.append(be.pipeline_count())))
+        alive = be.pipeline_count()
+        m.generate([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 3)      # another length: its own algorithms
+        # no pipeline built beside the old ones, none freed with them
+        assert seen == [alive, alive] and be.pipeline_count() == alive
+        assert m.generate([9, 8, 7, 6, 5], 4) == first
+    finally:
+        m.close()
+    assert m._prompt_kept == ((), None, None)
+
+
 def test_bad_input_raises_typed_errors(device, small):
     cfg, sd = small
     with pytest.raises(ModelInputError, match="weight_dtype"):

@@ -339,3 +339,26 @@ def test_plan_checks_like_forward(device, args, exc, match):
     with pytest.raises(exc, match=match):
         cache.plan(**call)
     assert cache.lengths() == {s: 0 for s in sids} and cache.free_blocks == 6
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_batch_decode_with_mostly_empty_splits(device, rng, monkeypatch, kernel, dtype):
+    """A GPU's tile kernel splits a batch decode's keys as many ways as its compute units want (32
+    and more on an H100), whatever the sequences' lengths: a batch of one key, one split's worth, a
+    split and a key, and 33 splits' worth of keys leaves most workgroups of the short sequences
+    with no key at all. Their partials must drop out of the merge (lse -inf), on both kernels,
+    plain and with a window that leaves the long sequence's early splits empty."""
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "32")
+    mc = vkattn.tuning.MIN_CHUNK
+    cache = vkattn.PagedKVCache(-(-(40 * mc) // 16) + 16, 16, 2, 48, dtype=dtype, device=device)
+    model = Model(cache)
+    sids = model.add_sequences(4)
+    step(rng, cache, model, sids, [1, mc - 1, mc, 33 * mc - 1], 3)   # prefill: 1, mc-1, mc and 33 mc - 1 keys
+    for _ in range(2):                                                # then decode: 2, mc, mc+1, 33 mc keys
+        step(rng, cache, model, sids, [1, 1, 1, 1], 3)
+    step(rng, cache, model, sids, [1, 1, 1, 1], 3, window=mc + 3, n_sink=1)
+    step(rng, cache, model, sids[::-1], [1, 1, 1, 1], 3, softcap=5.0)
+    model.check_stored()
+    cache.close()

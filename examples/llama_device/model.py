@@ -189,6 +189,7 @@ class DeviceLlama:
         self._dec_algos = None
         self._graphs = {}                                  # return_logits -> the decode graph
         self.prompt_submissions = 0
+        self._prompt_kept = ((), None, None)               # the last prompt's (algorithms, activations, ids)
 
     # ------------------------------------------------------------------ weights
     def _load(self, sd):
@@ -411,21 +412,29 @@ class DeviceLlama:
         t0 = time.perf_counter()
         s = int(ids.size)
         acts, idbuf, g = _Acts(d, s, self.device), vkattn.empty((s,), self.device), vkattn.Graph(self.device)
+        algos = []
         try:
             idbuf.host_view().reshape(-1).view(np.uint32)[:s] = ids.astype(np.uint32)
             with g.capture():
                 g.upload(idbuf)
                 algos = self._step(g, acts, idbuf, return_logits)
+            # the previous prompt's algorithms go only now that this prompt's exist: they held the
+            # prompt pipelines (kp shares a VkPipeline among algorithms of the same SPIR-V and spec
+            # constants and frees it with the last holder; lavapipe re-JITs a freed one)
+            self._release_prompt()
             g.run()
             self.prompt_submissions += 1
             out = [self._token()]
             logits = [acts.logits.host_view().copy()] if return_logits else None
-        finally:
-            g.close()
-            for a in algos if "algos" in locals() else ():
+        except BaseException:
+            for a in algos:
                 a.destroy()
             acts.close()
             idbuf.close()
+            raise
+        finally:
+            g.close()
+        self._prompt_kept = (algos, acts, idbuf)
         t1 = time.perf_counter()
         dg = self.decode_graph(return_logits)
         while len(out) < max_new_tokens and not (eos_token_id is not None and out[-1] == eos_token_id):
@@ -436,7 +445,19 @@ class DeviceLlama:
         self.last_times = (t1 - t0, time.perf_counter() - t1)
         return (out, np.stack(logits)) if return_logits else out
 
+    def _release_prompt(self):
+        """Destroy the last prompt's algorithms and activations (kept until the next prompt's
+        algorithms exist, so that their pipelines stay built)."""
+        algos, acts, idbuf = self._prompt_kept
+        self._prompt_kept = ((), None, None)
+        for a in algos:
+            a.destroy()
+        for a in (acts, idbuf):
+            if a is not None:
+                a.close()
+
     def close(self):
+        self._release_prompt()
         for g in self._graphs.values():
             g.close()
             for a in g._algos:

@@ -10,7 +10,10 @@ next request). Then, per prompt length, every layer's cache is reset and the pro
 - ``new 77`` and ``new 93``: lengths in the same row bucket (tuning.row_bucket: 65..128 share a plan),
   timed on their first call -- what a chat sees on nearly every turn;
 - ``new 300``: the first call of a length in a bucket the model has not run (256..512 builds its
-  plans: pipelines the driver has cached, buffers and recordings per layer).
+  plans: pipelines the driver has cached, buffers and recordings per layer);
+- ``on new caches``: every layer's cache closed and a new one made (a request with caches of its
+  own), the warm-up length on its first call: the device keeps the pipelines built
+  (vkattn._kp.Backend.keep_pipeline), so only buffers and recordings are new.
 
 ``extra["pipelines"]``: distinct pipelines alive on the device after the case (kp patched to share
 them per device: independent of the layer count; None with a plain kp).
@@ -84,6 +87,22 @@ def run(shape: Shape, device) -> list:
                         extra={"layers": layers, "repeated_ms": base * 1e3, "first_ms": dt * 1e3,
                                "again_ms": again * 1e3, "length": s, "x_warm": dt / base,
                                "pipelines": backend.pipeline_count()}))
+    # a new request with caches of its own: every layer's cache closed, a new one made (the
+    # device keeps the pipelines built: Backend.keep_pipeline), the warm-up length on its first call
+    for c in caches:
+        c.close()
+    caches[:] = [vkattn.KVCache(CAPACITY, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype,
+                                device=device) for _ in range(layers)]
+    dt, out0, (q, k, v) = prompt(WARM_PROMPT)
+    ok = check(out0, attention(q, round_to(k, shape.dtype), round_to(v, shape.dtype)), shape.dtype)
+    again = float(np.median([prompt(WARM_PROMPT)[0] for _ in range(3)]))
+    rows.append(Row(case=f"prompt length {WARM_PROMPT} on new caches, {layers} layers", kernel="newlen", shape=shp,
+                    vkattn_ms=dt * 1e3, vkattn_min_ms=again * 1e3, numpy_ms=float("nan"),
+                    speedup_vs_numpy=float("nan"), metric="x repeated", value=dt / again, verified=ok,
+                    device_ms=None, torch_ms=None,
+                    extra={"layers": layers, "repeated_ms": base * 1e3, "first_ms": dt * 1e3,
+                           "again_ms": again * 1e3, "length": WARM_PROMPT, "x_warm": dt / base,
+                           "pipelines": backend.pipeline_count()}))
     for c in caches:
         c.close()
     return rows

@@ -51,7 +51,58 @@ def test_layers_build_the_pipelines_of_one(fresh, rng):
     assert be.pipeline_count() == after_one          # five more layers: no pipeline built
     for c in one + many:
         c.close()
-    assert be.pipeline_count() == before             # the last holder destroyed them
+    # the device keeps them built (Backend.keep_pipeline): a new layer of the shape builds none
+    assert be.pipeline_count() == after_one
+    again = _layers(device, 2)
+    got = _prompt(rng, again, 37)
+    assert be.pipeline_count() == after_one
+    for out, ref in got:
+        assert_close(out, ref, "float16")
+    for c in again:
+        c.close()
+    # released, the last holder destroys them
+    assert be.release_pipelines() >= after_one - before
+    assert be.pipeline_count() == before
+
+
+def test_kept_pipelines_are_bounded_and_least_recent_go_first(device, rng, monkeypatch):
+    """keep_pipelines bounds the pipelines kept without a program; the least recently built or
+    reused go first, and one still held by a program lives on whatever happens to its pin. A
+    device of its own, so the counts are this test's."""
+    dev = vkattn.Device(device.index)
+    be = dev.backend
+    try:
+        if not be.shares_pipelines:
+            pytest.skip("kp without scripts/kp-0.9.0-features.patch: pipelines are not shared")
+        base = be.pipeline_count()
+        be.keep_pipelines = 3
+        held = vkattn.KVCache(64, 2, 40, dtype="float16", device=dev)
+        _prompt(rng, [held], 5)
+        n_held = be.pipeline_count() - base
+        for dtype in ("float32", "int8", "bfloat16"):      # three more formats, each its own pipelines
+            c = vkattn.KVCache(64, 2, 40, dtype=dtype, device=dev)
+            _prompt(rng, [c], 5)
+            c.close()
+            assert len(be._pins) <= 3
+        # the held cache's pipelines plus at most 3 kept of the others
+        kept = be.pipeline_count()
+        assert base + n_held <= kept <= base + n_held + 3
+        c = vkattn.KVCache(64, 2, 40, dtype="bfloat16", device=dev)   # the most recent: still built
+        _prompt(rng, [c], 5)
+        assert be.pipeline_count() == kept
+        c.close()
+        held.reset()
+        got = _prompt(rng, [held], 3)                        # still runs: its pipelines were held
+        assert_close(*got[0], "float16")
+        be.keep_pipelines = 0                                # keeps nothing new
+        c = vkattn.KVCache(64, 1, 24, dtype="float32", device=dev)
+        _prompt(rng, [c], 4)
+        c.close()
+        held.close()
+        be.release_pipelines()
+        assert be.pipeline_count() == base and not be._pins
+    finally:
+        dev.close()
 
 
 def test_scratch_is_shared_and_each_layer_keeps_its_result(fresh, rng):

@@ -79,6 +79,9 @@ _STAGES = 0x800 | 0x1000
 # VK_PIPELINE_STAGE_HOST) as well as every later command (as any barrier)
 _HOST_READ, _HOST_STAGE = 0x2000, 0x4000
 HOST_MEMORY_MODES = ("auto", "staging", "direct")
+# pipelines a device keeps built after their last program is destroyed (Backend.keep_pipeline):
+# every kernel variant a workload uses, several cache shapes and formats over
+PIPELINES_KEPT = 64
 
 
 def host_memory_mode(local: bool) -> bool:
@@ -115,6 +118,12 @@ class Backend:
         # that the device's one queue would not serialise anyway.
         self.lock = DeviceLock(self)
         self._shared = weakref.WeakValueDictionary()    # holders keep them alive, not the registry
+        # the pipelines kept built after their last program goes (keep_pipeline): key -> a pin
+        # algorithm over a 1-word tensor, least recently asked for first
+        self._pins: dict = {}
+        self._pin_tensor = None
+        self._pin_lock = threading.Lock()
+        self.keep_pipelines = PIPELINES_KEPT
         # a recording submitted without waiting (vkattn.graph): every later run waits for it first
         self.pending = None
 
@@ -153,8 +162,43 @@ class Backend:
     def recording(self) -> "Recording":
         return Recording(self)
 
+    def keep_pipeline(self, spirv: bytes, nbind: int, spec: np.ndarray, subgroup: tuple) -> None:
+        """Keep the pipeline of (spirv, binding count, spec constants, subgroup settings) built
+        after its last program is destroyed: a pin algorithm that shares it, bound to a 1-word
+        tensor and never dispatched. The patched kp frees a pipeline with its last holder, and a
+        new cache or plan of a shape that went would build it again (lavapipe JITs it anew: about
+        0.2 s for a KVCache's prefill and decode pipelines). The :attr:`keep_pipelines` (at most)
+        asked for most recently stay; a plain kp shares nothing and keeps nothing. Call with the
+        subgroup settings applied (Program)."""
+        if not self.shares_pipelines or self.keep_pipelines <= 0:
+            return
+        key = (spirv, int(nbind), spec.tobytes(), tuple(subgroup))
+        with self._pin_lock:
+            pin = self._pins.pop(key, None)
+            if pin is None:
+                if self._pin_tensor is None:
+                    self._pin_tensor = self._mgr.tensor_t(np.zeros(1, np.uint32), tensor_type=kp.TensorTypes.storage)
+                pin = self._mgr.algorithm([self._pin_tensor] * int(nbind), spirv, [1, 1, 1], spec,
+                                          np.zeros(0, np.uint32))
+            self._pins[key] = pin                   # most recent last
+            while len(self._pins) > self.keep_pipelines:
+                self._pins.pop(next(iter(self._pins))).destroy()
+
+    def release_pipelines(self) -> int:
+        """Let go of the kept pipelines (keep_pipeline): each is destroyed unless a program still
+        holds it. Returns how many were kept."""
+        with self._pin_lock:
+            pins, self._pins = self._pins, {}
+            for pin in pins.values():
+                pin.destroy()
+            if self._pin_tensor is not None:
+                self._pin_tensor.destroy()
+                self._pin_tensor = None
+        return len(pins)
+
     def close(self) -> None:
         if self._mgr is not None:
+            self.release_pipelines()
             self._mgr.destroy()
             self._mgr = None
 
@@ -263,6 +307,7 @@ class Program:
         try:
             self._algo = backend._mgr.algorithm(
                 [b._t for b in self.bindings], spirv, list(self.groups), spec, np.zeros(0, np.uint32))
+            backend.keep_pipeline(spirv, len(self.bindings), spec, self.subgroup)
         finally:
             if size or full:
                 backend._mgr.set_pipeline_subgroup_size(0, False)

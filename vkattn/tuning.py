@@ -79,7 +79,10 @@ CASCADE_MIN_PREFIX = 256   # PagedKVCache.forward on a software device attends a
                         # that two or more sequences of a batch share once for all of them
                         # (vkattn.cascade) from this many shared tokens (VKATTN_CASCADE=1: from one
                         # block, on any device). Lavapipe, 16 sequences, 32/8 heads d128, 64..256 own
-                        # tokens each: 128 shared tokens already 0.92x today's step time, 512 0.70x
+                        # tokens each: 128 shared tokens already 0.92x today's step time, 512 0.70x.
+                        # Re-timed under decode_splits' lane rule of session 28 (fewer splits; perf
+                        # cascade, 2-vCPU Zen 4): 128 shared 1.07x (twice), 192 0.95x, 256 0.90-0.93x,
+                        # 512 0.75x -- the crossover moved above 128, 256 stays
 TILE_MAX_KEYS = 8192    # keys per attn.comp workgroup on a software device (~200 loop iterations per
                         # 64-key tile; measured wrong from ~20000 keys on lavapipe, which ends a loop
                         # after 65535 iterations per invocation). GPUs have no such cap.

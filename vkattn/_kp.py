@@ -80,8 +80,11 @@ _STAGES = 0x800 | 0x1000
 _HOST_READ, _HOST_STAGE = 0x2000, 0x4000
 HOST_MEMORY_MODES = ("auto", "staging", "direct")
 # pipelines a device keeps built after their last program is destroyed (Backend.keep_pipeline):
-# every kernel variant a workload uses, several cache shapes and formats over
+# every kernel variant a workload uses, several cache shapes and formats over. A CPU driver keeps
+# fewer: lavapipe's machine code is about 3.7 MiB a pipeline (25 kept: 92 MiB more RSS, session 29),
+# and a model's caches use a handful
 PIPELINES_KEPT = 64
+PIPELINES_KEPT_SOFTWARE = 16
 
 
 def host_memory_mode(local: bool) -> bool:
@@ -123,7 +126,7 @@ class Backend:
         self._pins: dict = {}
         self._pin_tensor = None
         self._pin_lock = threading.Lock()
-        self.keep_pipelines = PIPELINES_KEPT
+        self.keep_pipelines = PIPELINES_KEPT_SOFTWARE if software else PIPELINES_KEPT
         # a recording submitted without waiting (vkattn.graph): every later run waits for it first
         self.pending = None
 
@@ -168,7 +171,8 @@ class Backend:
         tensor and never dispatched. The patched kp frees a pipeline with its last holder, and a
         new cache or plan of a shape that went would build it again (lavapipe JITs it anew: about
         0.2 s for a KVCache's prefill and decode pipelines). The :attr:`keep_pipelines` (at most)
-        asked for most recently stay; a plain kp shares nothing and keeps nothing. Call with the
+        asked for most recently stay (PIPELINES_KEPT; PIPELINES_KEPT_SOFTWARE on a CPU driver); a plain
+        kp shares nothing and keeps nothing. Call with the
         subgroup settings applied (Program)."""
         if not self.shares_pipelines or self.keep_pipelines <= 0:
             return

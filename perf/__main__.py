@@ -1,4 +1,4 @@
-"""``python -m perf [decode|prefill|append|overhead|batch|cascade|loads|hf|newlen|prefix ...]``: run the perf cases, print a table, write
+"""``python -m perf [decode|prefill|append|overhead|batch|cascade|loads|hf|newlen|prefix|subgroup ...]``: run the perf cases, print a table, write
 perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py).
 ``python -m perf gpu``: the GPU compiler report (perf/gpu.py), without a GPU.
 ``python -m perf nvk``: the attention pipelines on NVK's compiler for NVIDIA chips, without a GPU (perf/nvk.py).
@@ -14,11 +14,12 @@ import sys
 
 import vkattn
 
-from . import append, batch, cascade, decode, hf, loads, newlen, overhead, prefill, prefix
+from . import append, batch, cascade, decode, hf, loads, newlen, overhead, prefill, prefix, subgroup_ops
 from .common import PerfConfigError, Shape, copy_bandwidth, kernels_line, print_table, write_results
 
 SCRIPTS = {"decode": decode, "prefill": prefill, "append": append, "overhead": overhead, "batch": batch,
-           "cascade": cascade, "loads": loads, "hf": hf, "newlen": newlen, "prefix": prefix}
+           "cascade": cascade, "loads": loads, "hf": hf, "newlen": newlen, "prefix": prefix,
+           "subgroup": subgroup_ops}
 
 
 def main(argv=None) -> int:

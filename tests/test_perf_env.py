@@ -2,6 +2,7 @@
 import os
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -131,3 +132,22 @@ def test_perf_gpubench_runs_end_to_end_with_the_kernels_own_time(tmp_path):
         kern = row["extra"]["kernel_ms"]
         assert 0 < kern < row["device_ms"], row
         assert f"{row['case']}: {kern:.3f} of {row['device_ms']:.3f} ms" in r.stdout
+
+
+def test_perf_subgroup_checks_every_operation_against_numpy(device, monkeypatch):
+    """perf subgroup: each operation's per-lane results equal the numpy simulation (the check can
+    fail: one mode's result is not another's), and every mode reports a time."""
+    from perf import subgroup_ops
+    for k in list(os.environ):
+        if k.startswith("VKATTN_PERF_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setattr(subgroup_ops, "ITERS", 64)
+    rows = subgroup_ops.run(Shape.from_env(), device)
+    if device.subgroup_size < 4:
+        assert rows == []
+        return
+    assert [r.case.split(": ")[1].rsplit(" x", 1)[0] for r in rows] == list(subgroup_ops.MODES)
+    assert all(r.verified for r in rows) and all(r.value > 0 for r in rows)
+    wg = device.subgroup_size
+    assert not np.array_equal(subgroup_ops.simulate(1, wg, 64), subgroup_ops.simulate(2, wg, 64))
+    assert not np.array_equal(subgroup_ops.simulate(3, wg, 64), subgroup_ops.simulate(5, wg, 64))

@@ -189,3 +189,41 @@ def test_padding_of_shared_scratch_is_cleared(fresh, rng):
         assert getattr(full._plans[key], "q", None) is getattr(padded._plans[key], "q", None)
     full.close()
     padded.close()
+
+
+def test_a_pin_the_driver_refuses_leaves_the_program_standing(device, rng):
+    """Keeping a pipeline is an optimisation: where the driver refuses the pin (kp raises), the
+    program is built and runs, and nothing is kept for it."""
+    import kp
+    dev = vkattn.Device(device.index)
+    be = dev.backend
+    try:
+        if not be.shares_pipelines:
+            pytest.skip("kp without scripts/kp-0.9.0-features.patch: pipelines are not shared")
+        real = be._mgr
+        if be._pin_tensor is None:
+            be._pin_tensor = real.tensor_t(np.zeros(1, np.uint32), tensor_type=kp.TensorTypes.storage)
+        refused = []
+
+        class Refusing:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def algorithm(self, tensors, *args):
+                if all(t is be._pin_tensor for t in tensors):
+                    refused.append(len(tensors))
+                    raise RuntimeError("vkCreateDescriptorPool: out of pool memory")
+                return real.algorithm(tensors, *args)
+
+        kept = dict(be._pins)
+        be._mgr = Refusing()
+        try:
+            c = vkattn.KVCache(64, 3, 24, dtype="float32", device=dev)
+            got = _prompt(rng, [c], 7)
+            c.close()
+        finally:
+            be._mgr = real
+        assert refused and be._pins == kept
+        assert_close(*got[0], "float32")
+    finally:
+        dev.close()

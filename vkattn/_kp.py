@@ -171,19 +171,25 @@ class Backend:
         tensor and never dispatched. The patched kp frees a pipeline with its last holder, and a
         new cache or plan of a shape that went would build it again (lavapipe JITs it anew: about
         0.2 s for a KVCache's prefill and decode pipelines). The :attr:`keep_pipelines` (at most)
-        asked for most recently stay (PIPELINES_KEPT; PIPELINES_KEPT_SOFTWARE on a CPU driver); a plain
-        kp shares nothing and keeps nothing. Call with the
-        subgroup settings applied (Program)."""
+        asked for most recently stay (PIPELINES_KEPT; PIPELINES_KEPT_SOFTWARE on a CPU driver); a
+        plain kp shares nothing and keeps nothing. A pin the driver refuses to make (out of
+        descriptor pools, say) is logged and skipped: keeping is an optimisation, the program
+        stands. Call with the subgroup settings applied (Program)."""
         if not self.shares_pipelines or self.keep_pipelines <= 0:
             return
         key = (spirv, int(nbind), spec.tobytes(), tuple(subgroup))
         with self._pin_lock:
             pin = self._pins.pop(key, None)
             if pin is None:
-                if self._pin_tensor is None:
-                    self._pin_tensor = self._mgr.tensor_t(np.zeros(1, np.uint32), tensor_type=kp.TensorTypes.storage)
-                pin = self._mgr.algorithm([self._pin_tensor] * int(nbind), spirv, [1, 1, 1], spec,
-                                          np.zeros(0, np.uint32))
+                try:
+                    if self._pin_tensor is None:
+                        self._pin_tensor = self._mgr.tensor_t(np.zeros(1, np.uint32),
+                                                              tensor_type=kp.TensorTypes.storage)
+                    pin = self._mgr.algorithm([self._pin_tensor] * int(nbind), spirv, [1, 1, 1], spec,
+                                              np.zeros(0, np.uint32))
+                except RuntimeError as e:
+                    log.debug("vkattn: a pipeline not kept (%s)", e)
+                    return
             self._pins[key] = pin                   # most recent last
             while len(self._pins) > self.keep_pipelines:
                 self._pins.pop(next(iter(self._pins))).destroy()

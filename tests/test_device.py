@@ -1,4 +1,6 @@
 """Device selection, limits, the shader compiler and the recording hazard checker."""
+import os
+
 import numpy as np
 import pytest
 
@@ -62,6 +64,41 @@ def test_spirv_disk_cache(tmp_path, monkeypatch):
     compiler.compile_shader("append", {"KV_F16": 0})
     compiler.compile_shader("append", {"KV_F16": 1})
     assert len(calls) == 3                                                # defines are in the key
+
+
+def test_a_module_built_is_found_by_its_sources_stamps(tmp_path, monkeypatch):
+    """The package's shaders: a second request neither reads nor hashes a source (compiler._stamp:
+    names, mtimes, sizes), and an edit of the same size with a new mtime is read again and gives
+    the new module. Modelled on a folder of this test's own standing in for the package's."""
+    monkeypatch.setenv("VKATTN_CACHE_DIR", str(tmp_path / "cache"))
+    pkg = tmp_path / "shaders"
+    pkg.mkdir()
+    src = pkg / "probe.comp"
+    body = ("#version 450\nlayout(local_size_x = 1) in;\n"
+            "layout(std430, binding = 0) buffer B { float b[]; };\nvoid main() { b[0] = %s; }\n")
+    src.write_text(body % "1.0")
+    monkeypatch.setattr(compiler, "_package_shaders", lambda: pkg)
+    monkeypatch.setattr(compiler, "shader_dir", lambda: pkg)
+    monkeypatch.setattr(compiler, "_memo", {})
+    monkeypatch.setattr(compiler, "_fast", {})
+    one = compiler.compile_shader("probe")
+    reads = []
+    real_read = type(src).read_bytes
+    monkeypatch.setattr(type(src), "read_bytes", lambda self: reads.append(self.name) or real_read(self))
+    assert compiler.compile_shader("probe") == one and reads == []          # stamps only
+    st = src.stat()
+    src.write_text(body % "2.0")                                            # the same size
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    two = compiler.compile_shader("probe")
+    assert "probe.comp" in reads and two != one
+    # a folder that is not the package's is read and hashed every time
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "probe.comp").write_text(body % "3.0")
+    reads.clear()
+    compiler.compile_shader("probe", src_dir=other)
+    compiler.compile_shader("probe", src_dir=other)
+    assert reads.count("probe.comp") == 2
 
 
 def gather_program(be, src, dst, params, name):

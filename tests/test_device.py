@@ -71,6 +71,7 @@ def test_a_module_built_is_found_by_its_sources_stamps(tmp_path, monkeypatch):
     names, mtimes, sizes), and an edit of the same size with a new mtime is read again and gives
     the new module. Modelled on a folder of this test's own standing in for the package's."""
     monkeypatch.setenv("VKATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("VKATTN_SHADER_LOG", raising=False)     # not the package's modules: not for the audit
     pkg = tmp_path / "shaders"
     pkg.mkdir()
     src = pkg / "probe.comp"

@@ -42,8 +42,11 @@ def run(shape: Shape, device) -> list:
     if not selected(f"prompt length, {layers} layers"):
         return []
     rng = np.random.default_rng(7)
-    caches = [vkattn.KVCache(CAPACITY, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype,
-                             device=device) for _ in range(layers)]
+
+    def new_caches():
+        return [vkattn.KVCache(CAPACITY, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype,
+                               device=device) for _ in range(layers)]
+    caches = new_caches()
 
     def data(s):
         return (rng.standard_normal((shape.heads, s, shape.head_dim), dtype=np.float32),
@@ -75,34 +78,27 @@ def run(shape: Shape, device) -> list:
                 vkattn_ms=base * 1e3, vkattn_min_ms=min(reps) * 1e3, numpy_ms=float("nan"),
                 speedup_vs_numpy=float("nan"), metric="x repeated", value=1.0, verified=True,
                 extra={"layers": layers, "length": WARM_PROMPT, "pipelines": backend.pipeline_count()})]
-    for s in NEW_LENGTHS:
+    def first_call(s, what):
+        """Length s on its first call (checked against the reference), then repeated."""
         dt, out0, (q, k, v) = prompt(s)
-        ref = attention(q, round_to(k, shape.dtype), round_to(v, shape.dtype))
-        ok = check(out0, ref, shape.dtype)
+        ok = check(out0, attention(q, round_to(k, shape.dtype), round_to(v, shape.dtype)), shape.dtype)
         again = float(np.median([prompt(s)[0] for _ in range(3)]))
-        rows.append(Row(case=f"prompt length {s} new, {layers} layers", kernel="newlen", shape=shp,
+        rows.append(Row(case=f"prompt length {s} {what}, {layers} layers", kernel="newlen", shape=shp,
                         vkattn_ms=dt * 1e3, vkattn_min_ms=again * 1e3, numpy_ms=float("nan"),
                         speedup_vs_numpy=float("nan"), metric="x repeated", value=dt / again, verified=ok,
                         device_ms=None, torch_ms=None,
                         extra={"layers": layers, "repeated_ms": base * 1e3, "first_ms": dt * 1e3,
                                "again_ms": again * 1e3, "length": s, "x_warm": dt / base,
                                "pipelines": backend.pipeline_count()}))
+
+    for s in NEW_LENGTHS:
+        first_call(s, "new")
     # a new request with caches of its own: every layer's cache closed, a new one made (the
     # device keeps the pipelines built: Backend.keep_pipeline), the warm-up length on its first call
     for c in caches:
         c.close()
-    caches[:] = [vkattn.KVCache(CAPACITY, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype,
-                                device=device) for _ in range(layers)]
-    dt, out0, (q, k, v) = prompt(WARM_PROMPT)
-    ok = check(out0, attention(q, round_to(k, shape.dtype), round_to(v, shape.dtype)), shape.dtype)
-    again = float(np.median([prompt(WARM_PROMPT)[0] for _ in range(3)]))
-    rows.append(Row(case=f"prompt length {WARM_PROMPT} on new caches, {layers} layers", kernel="newlen", shape=shp,
-                    vkattn_ms=dt * 1e3, vkattn_min_ms=again * 1e3, numpy_ms=float("nan"),
-                    speedup_vs_numpy=float("nan"), metric="x repeated", value=dt / again, verified=ok,
-                    device_ms=None, torch_ms=None,
-                    extra={"layers": layers, "repeated_ms": base * 1e3, "first_ms": dt * 1e3,
-                           "again_ms": again * 1e3, "length": WARM_PROMPT, "x_warm": dt / base,
-                           "pipelines": backend.pipeline_count()}))
+    caches[:] = new_caches()
+    first_call(WARM_PROMPT, "on new caches")
     for c in caches:
         c.close()
     return rows

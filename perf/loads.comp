@@ -6,6 +6,7 @@
 // Contract: buf uint32 [GROUPS * ITERS * WG * 4 * (MODE == 1 ? 1 : 1)], out uint32 [GROUPS * WG]
 //   MODE 0: uvec4 loads (one load instruction brings 4 words per lane)
 //   MODE 1: the same words as 4 separate uint loads (one word per load instruction)
+//   TEXEL:  MODE 0 from a uniform texel buffer (binding 0 a usamplerBuffer, 4 words a texel)
 //   MODE 2: the same words, each uvec4 read by the whole subgroup at one address (known uniform:
 //           from the workgroup id and loop counters only), lane l keeping the l-th of every WG --
 //           what a driver with a uniform-load path (one load, broadcast) would make cheap
@@ -13,7 +14,15 @@
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint MODE = 0u;
 layout(constant_id = 2) const uint ITERS = 1024u;
+#ifdef TEXEL
+// TEXEL: binding 0 is a uniform texel buffer (RGBA32UI) and MODE 0 reads it by texelFetch: what a
+// driver that gathers texel fetches (lavapipe) makes of the same stream
+layout(binding = 0) uniform usamplerBuffer b4t;
+#define B4(i) texelFetch(b4t, int(i))
+#else
 layout(std430, binding = 0) readonly buffer B4 { uvec4 b4[]; };
+#define B4(i) b4[i]
+#endif
 layout(std430, binding = 1) readonly buffer B1 { uint b1[]; };
 layout(std430, binding = 2) writeonly buffer O { uint o[]; };
 
@@ -23,11 +32,11 @@ void main() {
     uvec4 acc = uvec4(0u);
     for (uint it = 0u; it < ITERS; ++it) {
         const uint c = base + it * wg + lane;
-        if (MODE == 0u) acc ^= b4[c];
+        if (MODE == 0u) acc ^= B4(c);
         else if (MODE == 1u) acc ^= uvec4(b1[4u * c], b1[4u * c + 1u], b1[4u * c + 2u], b1[4u * c + 3u]);
         else
             for (uint s = 0u; s < wg; ++s) {
-                const uvec4 v = b4[base + it * wg + s];
+                const uvec4 v = B4(base + it * wg + s);
                 acc ^= s == lane ? v : uvec4(0u);
             }
     }

@@ -1,9 +1,12 @@
-"""Load cost: what one 32-bit word read from a storage buffer costs in a shader on this device,
+"""Load cost: what one 32-bit word read from a storage buffer (or a uniform texel buffer) costs in a
+shader on this device,
 streamed the way the lane kernel streams the K/V cache (``perf/loads.comp``), and the decode time
 that cost alone implies for the perf shape at L=4096. On lavapipe every storage-buffer load is a
 scalar loop over the subgroup's lanes, so this, not memory bandwidth, bounds decode there; the
 third case reads the same words at addresses uniform across the subgroup (Mesa 22.3's lavapipe
-still loops over the lanes for those: no cheaper way to read a word there).
+still loops over the lanes for those). Where the device can bind texel buffers (the patched kp), a
+case reads the same stream by texelFetch from a uniform texel buffer: lavapipe gathers those with
+vector instructions (examples/llama_device reads its weights so).
 
 numpy is the same bytes reduced on the CPU (``np.bitwise_xor.reduce``), the ``x numpy`` column
 the ratio. Checked: the shader's xor of what each lane read equals numpy's.
@@ -37,12 +40,15 @@ def run(shape: Shape, device) -> list:
     up = be.recording().upload(buf).build()
     up.run()
     up.destroy()
-    spv = compile_shader("loads", {}, src_dir=Path(__file__).parent)
     kv_words = 2 * shape.kv_heads * shape.head_dim * 4096 // 2        # float16 K and V at L=4096
-    for mode, what in ((0, "uvec4"), (1, "uint"), (2, "uvec4 at subgroup-uniform addresses")):
+    cases = [(0, "uvec4", {}), (1, "uint", {}), (2, "uvec4 at subgroup-uniform addresses", {})]
+    if device.texel_buffers:            # the patched kp binds a usamplerBuffer as a uniform texel buffer
+        cases.insert(1, (0, "uvec4 from a texel buffer", {"TEXEL": 1}))
+    for mode, what, defines in cases:
         name = f"loads {what} x{wg} lanes, 16 MiB"
         if not selected(name):
             continue
+        spv = compile_shader("loads", defines, src_dir=Path(__file__).parent)
         prog = be.program(spv, [buf, buf, out], (groups, 1, 1), [wg, mode, ITERS], writes=(2,), name="loads")
         rec = be.recording().dispatch(prog).download(out).build(timestamps=True)
         stamps = []

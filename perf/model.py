@@ -57,6 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=30, help="--random: decoder layers (SmolLM2: 30)")
     ap.add_argument("--layout", default="", metavar="WG,LANES,ROWS",
                     help="linear.comp's layout (default: DeviceLlama.LAYOUTS' for the device)")
+    ap.add_argument("--weight-loads", choices=["auto", "texel", "storage"], default="auto",
+                    help="weights read as uniform texel buffers or storage buffers (auto: the example's "
+                         "choice for the device: texel on CPU drivers)")
     args = ap.parse_args(argv)
     try:
         args.layout_kw = dict(zip(("wg", "lanes", "rows"), map(int, args.layout.split(",")))) if args.layout else {}
@@ -64,6 +67,8 @@ def main(argv=None) -> int:
         args.layout_kw = None
     if args.layout_kw is None or (args.layout and len(args.layout_kw) != 3):
         ap.error(f"--layout: expected three integers WG,LANES,ROWS, got {args.layout!r}")
+    if args.weight_loads != "auto":
+        args.layout_kw["texel"] = args.weight_loads == "texel"
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
     if args.random:
         return random_main(args)

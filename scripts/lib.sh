@@ -101,7 +101,9 @@ vkattn_kp() {
     # kp's setup.py garbles -DPYTHON_EXECUTABLE, so CMake looks python3.6 up on PATH first
     # (pybind11's minimum): keep version-manager shims off PATH and the venv's python first.
     # --no-cache-dir: pip's wheel cache ignores these variables and would hand back another build.
-    path="$(dirname "$py"):$(printf '%s' "$PATH" | tr ':' '\n' | grep -v '/shims' | paste -sd: -)"
+    # (absolute: CMake runs in its build folder, where a relative .venv/bin finds nothing and the
+    # system python3 configures the build instead)
+    path="$(cd "$(dirname "$py")" && pwd):$(printf '%s' "$PATH" | tr ':' '\n' | grep -v '/shims' | paste -sd: -)"
     pbdir=""
     if [ "${VKATTN_PYBIND11% *}" = pypi ]; then    # headers + CMake config only, beside the build
       "$py" -m pip install -q --no-deps --target "$tmp/pybind11" "pybind11==${VKATTN_PYBIND11#* }" || { rm -rf "$tmp"; return 1; }

@@ -67,12 +67,17 @@ def _check(got, got_logits, want, want_logits):
     np.testing.assert_allclose(got_logits, want_logits, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("loads", ["default", "storage"])
 @pytest.mark.parametrize("weight_dtype", ["float32", "float16"])
-def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype):
+def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype, loads):
+    """loads: the device's choice (CPU drivers: weights, x and norm gains read as texel buffers,
+    linear.comp W_TEXEL / X_TEXEL), or storage buffers throughout (GPUs' choice)."""
     cfg, sd = small
     eager = eager_model(cfg, sd, round_float16=weight_dtype == "float16")
-    m = DeviceLlama(cfg, sd, weight_dtype=weight_dtype, capacity=64, device=device)
-    assert m._xshare == device.lane_subgroup()          # lavapipe: x pieces shared by shuffles
+    m = DeviceLlama(cfg, sd, weight_dtype=weight_dtype, capacity=64, device=device,
+                    texel=None if loads == "default" else False)
+    assert m._texel == (loads == "default" and device.is_software and device.texel_buffers)
+    assert m._xshare == device.lane_subgroup()          # lavapipe: x pieces shared by shuffles (storage loads)
     # the device's default layout of linear.comp (CPU drivers: one lane per 16 rows; GPUs: 16 lanes a row)
     kind = "cpu" if device.is_software else "gpu"
     assert (m._wg, m._lanes, m._rows) == DeviceLlama.LAYOUTS[kind]
@@ -92,12 +97,14 @@ def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype):
         m.close()
 
 
-def test_q4_1_blocks_equal_eager_on_their_dequantised_weights(device):
+@pytest.mark.parametrize("texel", [None, False])
+def test_q4_1_blocks_equal_eager_on_their_dequantised_weights(device, texel):
     """q4_1: the layers' matrices as Q4_1 blocks, the (tied) embedding as Q8_0, quantised here;
-    eager holds the blocks' dequantised values (reference_state_dict)."""
+    eager holds the blocks' dequantised values (reference_state_dict). texel None: the device's
+    choice (CPU drivers: the blocks' words read from one-word texel views), False: storage."""
     cfg = _config(intermediate_size=224)
     sd = _state_dict(cfg, seed=5)
-    m = DeviceLlama(cfg, sd, weight_dtype="q4_1", capacity=48, device=device)
+    m = DeviceLlama(cfg, sd, weight_dtype="q4_1", capacity=48, device=device, texel=texel)
     try:
         ref = m.reference_state_dict()
         assert set(ref) == set(sd)
@@ -257,8 +264,12 @@ def test_a_new_prompt_builds_no_pipeline(device, small, monkeypatch):
     assert m._prompt_kept == ((), None, None)
 
 
-def test_bad_input_raises_typed_errors(device, small):
+def test_bad_input_raises_typed_errors(device, small, monkeypatch):
     cfg, sd = small
+    with monkeypatch.context() as mp:               # texel loads asked of a kp that cannot bind them
+        mp.setattr(device.backend, "texel_buffers", False)
+        with pytest.raises(ModelInputError, match="texel"):
+            DeviceLlama(cfg, sd, device=device, texel=True)
     with pytest.raises(ModelInputError, match="weight_dtype"):
         DeviceLlama(cfg, sd, weight_dtype="bfloat16", device=device)
     with pytest.raises(ModelInputError, match="missing"):

@@ -17,7 +17,7 @@ from .errors import (CacheClosedError, CacheFileCorruptError, CacheFileError, Ca
                      CacheFullError, DeviceLimitError, ShaderCompileError, SyncHazardError, VerificationError)
 from .persist import file_info as cache_file_info
 from .array import DeviceArray, empty, to_device, zeros
-from .graph import Graph
+from .graph import Graph, algorithm
 from . import measure        # registers the per-device measurements (the self-test, the speed probe)
 from ._version import __version__
 
@@ -25,4 +25,4 @@ __all__ = ["KVCache", "RoPE", "PagedKVCache", "UnknownSequenceError", "Device", 
            "CacheClosedError", "DeviceLimitError", "ShaderCompileError", "SyncHazardError",
            "VerificationError", "VulkanUnavailableError", "merge_states", "__version__",
            "CacheFileError", "CacheFileCorruptError", "CacheFileMismatchError", "cache_file_info",
-           "DeviceArray", "empty", "zeros", "to_device", "Graph"]
+           "DeviceArray", "empty", "zeros", "to_device", "Graph", "algorithm"]

@@ -101,8 +101,13 @@ def host_memory_mode(local: bool) -> bool:
 class Backend:
     """One ``kp.Manager`` on one physical device."""
 
-    def __init__(self, index: int, device_key: str = "", software: bool = False, direct: bool = False):
+    def __init__(self, index: int, device_key: str = "", software: bool = False, direct: bool = False,
+                 max_texels: int = 0):
         self.index = index
+        # uniform texel buffers (the patched kp's set_texel_formats): a binding a shader declares as
+        # a (u)samplerBuffer is bound as one, a view of at most max_texels texels (the device's
+        # maxTexelBufferElements)
+        self.max_texels = int(max_texels)
         self.direct = bool(direct)      # host-visible buffers are kp host tensors (module docstring)
         self.device_key = device_key or f"device {index}"
         self.software = software
@@ -112,6 +117,7 @@ class Backend:
         self.features = frozenset(self._mgr.enabled_features()) if hasattr(self._mgr, "enabled_features") \
             else frozenset()
         self.can_pin = hasattr(self._mgr, "set_pipeline_subgroup_size")
+        self.texel_buffers = hasattr(self._mgr, "set_texel_formats") and self.max_texels > 0
         # the patched kp shares one VkPipeline among all programs of the same SPIR-V, spec
         # constants and layout on this device: a model's layers, caches and plans build each once
         self.shares_pipelines = hasattr(self._mgr, "shared_pipeline_count")
@@ -162,6 +168,45 @@ class Backend:
         buf._holders += 1
         return buf
 
+    def texel_formats(self, spirv: bytes, nbytes: list, name: str, words: dict | None = None) -> list:
+        """The kp texel formats of a program's bindings (``[]``: all storage buffers): a binding the
+        shader declares as a (u|i)samplerBuffer is a uniform texel buffer of four 32-bit components
+        per texel, or one where ``words`` maps its index to 1. ``nbytes``: each bound buffer's size.
+        ValueError where the kp or the device cannot (the patched kp, maxTexelBufferElements) or a
+        buffer holds more texels than the device's limit."""
+        want, texel = _spirv_bindings(spirv)
+        words = dict(words or {})
+        stray = sorted(set(words) - set(texel))
+        if stray:
+            raise ValueError(f"{name}: texel words given for bindings {stray}, which the shader does not read "
+                             f"as texel buffers")
+        if not texel:
+            return []
+        if not self.texel_buffers:
+            raise ValueError(f"{name}: the shader reads bindings {sorted(texel)} as texel buffers, which need kp "
+                             f"built with scripts/kp-0.9.0-features.patch and the device's maxTexelBufferElements")
+        formats = [0] * want
+        for i, fmt in texel.items():
+            per = words.get(i, 4)
+            if per not in (1, 4):
+                raise ValueError(f"{name}: texel words of binding {i}: 1 or 4, got {per!r}")
+            n = nbytes[i] // (4 * per) if i < len(nbytes) else 0
+            if n > self.max_texels:
+                raise ValueError(f"{name}: binding {i} is {n} texels, past the device's maxTexelBufferElements "
+                                 f"{self.max_texels}")
+            formats[i] = fmt - (_TEXEL_ONE_WORD if per == 1 else 0)
+        return formats
+
+    def algorithm(self, tensors: list, spirv: bytes, groups, spec, push, formats: list):
+        """A kp algorithm over ``tensors`` with the texel ``formats`` of :meth:`texel_formats`."""
+        if formats:
+            self._mgr.set_texel_formats(formats)
+        try:
+            return self._mgr.algorithm(tensors, spirv, [int(g) for g in groups], spec, push)
+        finally:
+            if formats:
+                self._mgr.set_texel_formats([])
+
     def recording(self) -> "Recording":
         return Recording(self)
 
@@ -182,8 +227,8 @@ class Backend:
             pin = self._pins.pop(key, None)
             if pin is None:
                 try:
-                    if self._pin_tensor is None:
-                        self._pin_tensor = self._mgr.tensor_t(np.zeros(1, np.uint32),
+                    if self._pin_tensor is None:    # one texel of any format a texel binding uses
+                        self._pin_tensor = self._mgr.tensor_t(np.zeros(4, np.uint32),
                                                               tensor_type=kp.TensorTypes.storage)
                     pin = self._mgr.algorithm([self._pin_tensor] * int(nbind), spirv, [1, 1, 1], spec,
                                               np.zeros(0, np.uint32))
@@ -303,9 +348,10 @@ class Program:
         self.writes = {self.bindings[i] for i in writes}
         self.reads = set(self.bindings) - self.writes
         self.groups = tuple(int(g) for g in groups)
-        want = _spirv_bindings(spirv)
+        want, texel = _spirv_bindings(spirv)
         if want != len(self.bindings):    # kp would bind past the descriptor set and crash
             raise ValueError(f"{name}: the shader declares {want} buffer bindings, {len(self.bindings)} given")
+        formats = backend.texel_formats(spirv, [b.nbytes for b in self.bindings], name)
         spec = np.asarray(spec, dtype=np.uint32)
         if first_build(backend.device_key, spirv, spec, name):
             log.info("vkattn: building the %s pipeline (spec %s) for the first time on %s%s; the driver caches it "
@@ -315,9 +361,15 @@ class Program:
         if size or full:
             backend._mgr.set_pipeline_subgroup_size(size, full)
         try:
-            self._algo = backend._mgr.algorithm(
-                [b._t for b in self.bindings], spirv, list(self.groups), spec, np.zeros(0, np.uint32))
-            backend.keep_pipeline(spirv, len(self.bindings), spec, self.subgroup)
+            self._algo = backend.algorithm([b._t for b in self.bindings], spirv, self.groups, spec,
+                                           np.zeros(0, np.uint32), formats)
+            if formats:
+                backend._mgr.set_texel_formats(formats)
+            try:
+                backend.keep_pipeline(spirv, len(self.bindings), spec, self.subgroup)
+            finally:
+                if formats:
+                    backend._mgr.set_texel_formats([])
         finally:
             if size or full:
                 backend._mgr.set_pipeline_subgroup_size(0, False)
@@ -331,24 +383,50 @@ class Program:
 _BINDINGS: dict = {}
 
 
-def _spirv_bindings(spirv: bytes) -> int:
-    """Number of distinct descriptor bindings a SPIR-V module declares (OpDecorate ... Binding);
-    memoised per module."""
+def _spirv_bindings(spirv: bytes) -> tuple:
+    """(number of distinct descriptor bindings a SPIR-V module declares, its uniform texel buffers:
+    {binding: the VkFormat of four components of the sampled type}); memoised per module."""
     n = _BINDINGS.get(spirv)
     if n is None:
-        n = _BINDINGS[spirv] = _count_bindings(spirv)
+        n = _BINDINGS[spirv] = _reflect_bindings(spirv)
     return n
 
 
-def _count_bindings(spirv: bytes) -> int:
-    words = np.frombuffer(spirv, dtype=np.uint32)
-    found, i = set(), 5                       # 5-word header
+# a (u|i)samplerBuffer's view: four 32-bit components of its sampled type per texel
+# (VK_FORMAT_R32G32B32A32_UINT / _SINT / _SFLOAT), 16 bytes
+_TEXEL_FORMATS = {("int", 0): 107, ("int", 1): 108, ("float", 0): 109}
+_TEXEL_ONE_WORD = 9     # the one-component format of the same type (R32_UINT 98, _SINT 99, _SFLOAT 100)
+
+
+def _reflect_bindings(spirv: bytes) -> tuple:
+    words = np.frombuffer(spirv, dtype=np.uint32).tolist()
+    binding, var_type, pointee, sampled, images, scalars = {}, {}, {}, {}, {}, {}
+    i = 5                                     # 5-word header
     while i < len(words):
-        count, op = int(words[i]) >> 16, int(words[i]) & 0xFFFF
-        if op == 71 and count >= 4 and words[i + 2] == 33:   # OpDecorate <id> Binding <n>
-            found.add(int(words[i + 3]))
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        w = words[i:i + max(count, 1)]
+        if op == 71 and count >= 4 and w[2] == 33:          # OpDecorate <id> Binding <n>
+            binding[w[1]] = w[3]
+        elif op == 59 and count >= 4:                        # OpVariable <type> <id> <class>
+            var_type[w[2]] = w[1]
+        elif op == 32 and count >= 4:                        # OpTypePointer <id> <class> <type>
+            pointee[w[1]] = w[3]
+        elif op == 27 and count >= 3:                        # OpTypeSampledImage <id> <image>
+            sampled[w[1]] = w[2]
+        elif op == 25 and count >= 9:                        # OpTypeImage <id> <sampled> Dim ... Sampled
+            images[w[1]] = (w[2], w[3], w[7])
+        elif op == 21 and count >= 4:                        # OpTypeInt <id> width signedness
+            scalars[w[1]] = ("int", w[3])
+        elif op == 22 and count >= 3:                        # OpTypeFloat <id> width
+            scalars[w[1]] = ("float", 0)
         i += max(count, 1)
-    return len(found)
+    texel = {}
+    for var, b in binding.items():
+        t = pointee.get(var_type.get(var))
+        image = images.get(sampled.get(t, t))
+        if image is not None and image[1] == 5 and image[2] == 1:    # Dim Buffer, sampled: uniform texel buffer
+            texel[b] = _TEXEL_FORMATS[scalars[image[0]]]
+    return len(set(binding.values())), texel
 
 
 class Recording:

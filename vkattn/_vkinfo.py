@@ -447,6 +447,7 @@ class DeviceInfo:
     # the first HOST_VISIBLE | HOST_COHERENT memory type (the one kp's host tensors get) is also
     # DEVICE_LOCAL: lavapipe, integrated GPUs (vkattn._kp: no staging copies there)
     host_memory_local: bool = False
+    max_texel_buffer_elements: int = 0      # texels a uniform texel buffer view may hold
     driver_name: str = ""       # VkPhysicalDeviceDriverProperties (Vulkan 1.2 devices)
     driver_info: str = ""
     # VK_EXT_subgroup_size_control / Vulkan 1.3 (0 / False where the device has neither)
@@ -748,6 +749,7 @@ def _device_info(index: int, raw: _RawProperties) -> DeviceInfo:
         api_version=_format_version(props.apiVersion),
         driver_version=props.driverVersion,
         max_storage_buffer_range=limits.maxStorageBufferRange,
+        max_texel_buffer_elements=limits.maxTexelBufferElements,
         max_memory_allocation_size=raw.maintenance3.maxMemoryAllocationSize,
         max_compute_shared_memory_size=limits.maxComputeSharedMemorySize,
         max_compute_workgroup_invocations=limits.maxComputeWorkGroupInvocations,

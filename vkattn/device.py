@@ -214,7 +214,8 @@ class Device(_Limits):
         self.index = index
         self.key = f"{self.info.name} | {self.info.driver_name} {self.info.driver_info} {self.info.driver_version}"
         self._backend = _kp.Backend(index, self.key, self.info.is_software,
-                                    direct=_kp.host_memory_mode(self.info.host_memory_local))
+                                    direct=_kp.host_memory_mode(self.info.host_memory_local),
+                                    max_texels=self.info.max_texel_buffer_elements)
         self._lane_subgroup = None
         self._tile_cluster = None
 
@@ -348,6 +349,13 @@ class Device(_Limits):
     @property
     def closed(self) -> bool:
         return self._backend is None
+
+    @property
+    def texel_buffers(self) -> bool:
+        """Whether programs on this device may read uniform texel buffers (``usamplerBuffer``):
+        kp built with scripts/kp-0.9.0-features.patch and a maxTexelBufferElements limit
+        (vkattn.algorithm)."""
+        return self.backend.texel_buffers
 
     def close(self) -> None:
         """Free the Kompute manager; caches made on this device become unusable."""

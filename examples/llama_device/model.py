@@ -123,7 +123,12 @@ class DeviceLlama:
     per group of lanes (None: :data:`LAYOUTS`' for the device, CPU drivers or GPUs);
     ``prompt_rows`` and ``prompt_tile`` the rows and tokens per group of lanes in the prompt's
     matmuls (None: :data:`PROMPT_LAYOUTS`' for the device and weight_dtype); ``xshare`` x shared
-    by subgroup shuffles where the device allows (Device.lane_subgroup(): lavapipe).
+    by subgroup shuffles where the device allows (Device.lane_subgroup(): lavapipe) and loads are
+    storage loads. ``texel``: the weights, x and the norm gains read as uniform texel buffers
+    (vkattn.algorithm; linear.comp W_TEXEL / X_TEXEL); None: on CPU drivers where the device can
+    (lavapipe gathers a texel fetch with vector instructions and loops over the lanes for a storage
+    load: SmolLM2's float32 decode went from 0.62x to 1.03x eager's tokens per second), storage
+    buffers on GPUs (not timed there).
     Errors: ModelInputError (a ValueError) for a config, weight set, setting or prompt it cannot run.
     """
 
@@ -147,7 +152,7 @@ class DeviceLlama:
     def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",
                  capacity: int = 512, device=None, wg: int | None = None, lanes: int | None = None,
                  rows: int | None = None, prompt_tile: int | None = None, blocks: dict | None = None,
-                 xshare: bool = True, prompt_rows: int | None = None):
+                 xshare: bool = True, prompt_rows: int | None = None, texel: bool | None = None):
         device = device or vkattn.default_device()
         kind = "cpu" if device.is_software else "gpu"
         lay = self.LAYOUTS[kind]
@@ -177,6 +182,12 @@ class DeviceLlama:
         # subgroup divides the workgroup and 8 (the smallest piece), one lane per row
         sg = self.device.lane_subgroup() if xshare else 0      # probed: one subgroup, working shuffles
         self._xshare = sg if (sg and lanes == 1 and wg % sg == 0 and 8 % sg == 0) else 0
+        # the weights read as uniform texel buffers (weights.glsl W_TEXEL): on CPU drivers, where
+        # a texel fetch is a vector gather and a storage load a per-lane loop (None: there, where
+        # the device can; GPUs keep storage buffers, not timed there)
+        self._texel = bool(device.is_software and device.texel_buffers) if texel is None else bool(texel)
+        if self._texel and not device.texel_buffers:
+            raise ModelInputError("texel: this device or kp cannot bind texel buffers (Device.texel_buffers)")
         self._blocks = dict(blocks or {})
         self._ref = {}
         self._spv = {}
@@ -304,24 +315,27 @@ class DeviceLlama:
     def _spirv(self, name, fmt=None, **defines):
         if fmt in self._FORMAT_DEFINE:
             defines[self._FORMAT_DEFINE[fmt]] = 1
+        if fmt is not None and self._texel:
+            defines["W_TEXEL"] = 1
         key = (name, tuple(sorted(defines.items())))
         if key not in self._spv:
             self._spv[key] = compile_shader(name, defines, src_dir=SHADERS)
         return self._spv[key]
 
-
-
     def _algo(self, spirv, arrays, groups, spec, push=()):
-        return arrays[0].manager.algorithm(
-            [a.tensor for a in arrays], spirv, [int(g) for g in groups] + [1] * (3 - len(groups)),
-            np.asarray(spec, dtype=np.uint32), np.asarray(push, dtype=np.uint32))
+        # a weight (binding 0 of linear / embed) read as a texel buffer (W_TEXEL): the block
+        # formats' view is one word a texel
+        words = {0: 1} if self._texel and self._fmt_of.get(arrays[0]) in quant.WORDS else None
+        return vkattn.algorithm(arrays, spirv, groups, spec, push, texel_words=words)
 
     def _linear(self, w, x, y, *, n, k, t, tx=None, t0=0, in_hd=None, out_hd=None, norm=None,
                 acc=False, glu=False, qkv=None):
         """An algorithm of linear.comp (its header says what it computes)."""
         tile, rpl = (1, self._rows) if t == 1 else (self._tile, self._prompt_rows)
         defines = dict(WG=self._wg, LANES=self._lanes, RPL=rpl, TT=tile)
-        if self._xshare:
+        if self._texel:
+            defines["X_TEXEL"] = 1
+        elif self._xshare:
             defines["XSHARE"] = self._xshare
         arrays = [w, x, y]
         if norm is not None:

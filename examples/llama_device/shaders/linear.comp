@@ -10,6 +10,8 @@
 //   GLU   W holds 2N rows, gate then up: y = silu(W[:N] @ x) * (W[N:] @ x)
 //   QKV   rows [0, NQ) go to y (q), [NQ, NQ+NKV) to yk (binding 4), the rest to yv (binding 5)
 //   W_F16 / W_Q4_1 / W_Q8_0: W's storage (weights.glsl), float32 without one
+//   W_TEXEL / X_TEXEL: W (weights.glsl) / x and g read from uniform texel buffers (CPU drivers:
+//         vector gathers instead of a per-lane loop per storage word; X_TEXEL replaces XSHARE)
 // Contract: W row-major (rows, K), K a multiple of UNIT (8; 32 for the block formats); x and y
 // float32, head dims multiples of 4.
 // T, T0, TX: push constants. Activations are (T, K) rows (IN_HD = K) or vkattn's head-major (K / IN_HD, TX, IN_HD) layout
@@ -57,10 +59,25 @@ layout(push_constant) uniform Tokens {
 #else
 #define ALL_LANES false
 #endif
+#ifdef X_TEXEL
+// x and g as uniform texel buffers of vec4s (vkattn.algorithm binds a samplerBuffer so): every lane
+// of a group reads the same x piece, which a CPU driver fetches by one vector gather per vec4
+// instead of a per-lane loop per word (the alternative to XSHARE there)
+layout(binding = 1) uniform samplerBuffer xt;
+#define X4(i) texelFetch(xt, int((i) / 4u))
+#else
 layout(std430, binding = 1) readonly buffer Xb { float x[]; };
+#define X4(i) vec4(x[i], x[(i) + 1], x[(i) + 2], x[(i) + 3])
+#endif
 layout(std430, binding = 2) buffer Yb { float y[]; };
 #ifdef NORM
+#ifdef X_TEXEL
+layout(binding = 3) uniform samplerBuffer gt;
+#define G4(k) texelFetch(gt, int((k) / 4u))
+#else
 layout(std430, binding = 3) readonly buffer Gb { float g[]; };
+#define G4(k) vec4(g[k], g[(k) + 1], g[(k) + 2], g[(k) + 3])
+#endif
 #endif
 #ifdef QKV
 layout(std430, binding = 4) writeonly buffer YKb { float yk[]; };
@@ -171,11 +188,10 @@ void main() {
                 }
 #else
                 [[unroll]] for (uint i = 0; i < V4; i++) {
-                    const uint i0 = xi(t, k + 4 * i);
-                    xv[j][i] = vec4(x[i0], x[i0 + 1], x[i0 + 2], x[i0 + 3]);
+                    xv[j][i] = X4(xi(t, k + 4 * i));
 #ifdef NORM
                     ss[j] += dot(xv[j][i], xv[j][i]);
-                    xv[j][i] *= vec4(g[k + 4 * i], g[k + 4 * i + 1], g[k + 4 * i + 2], g[k + 4 * i + 3]);
+                    xv[j][i] *= G4(k + 4 * i);
 #endif
                 }
 #endif

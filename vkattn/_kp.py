@@ -197,21 +197,29 @@ class Backend:
             formats[i] = fmt - (_TEXEL_ONE_WORD if per == 1 else 0)
         return formats
 
-    def algorithm(self, tensors: list, spirv: bytes, groups, spec, push, formats: list):
-        """A kp algorithm over ``tensors`` with the texel ``formats`` of :meth:`texel_formats`."""
+    def algorithm(self, tensors: list, spirv: bytes, groups, spec, push, formats=(), subgroup=(0, False)):
+        """A kp algorithm over ``tensors`` with the texel ``formats`` of :meth:`texel_formats` and
+        the pipeline's (required subgroup size, full subgroups): the one place that applies the
+        patched kp's per-pipeline manager settings, and resets them after."""
+        size, full = subgroup
+        if size or full:
+            self._mgr.set_pipeline_subgroup_size(size, full)
         if formats:
-            self._mgr.set_texel_formats(formats)
+            self._mgr.set_texel_formats(list(formats))
         try:
             return self._mgr.algorithm(tensors, spirv, [int(g) for g in groups], spec, push)
         finally:
             if formats:
                 self._mgr.set_texel_formats([])
+            if size or full:
+                self._mgr.set_pipeline_subgroup_size(0, False)
 
     def recording(self) -> "Recording":
         return Recording(self)
 
-    def keep_pipeline(self, spirv: bytes, nbind: int, spec: np.ndarray, subgroup: tuple) -> None:
-        """Keep the pipeline of (spirv, binding count, spec constants, subgroup settings) built
+    def keep_pipeline(self, spirv: bytes, nbind: int, spec: np.ndarray, subgroup: tuple, formats=()) -> None:
+        """Keep the pipeline of (spirv, binding count, spec constants, subgroup settings, texel
+        formats) built
         after its last program is destroyed: a pin algorithm that shares it, bound to a 1-word
         tensor and never dispatched. The patched kp frees a pipeline with its last holder, and a
         new cache or plan of a shape that went would build it again (lavapipe JITs it anew: about
@@ -219,10 +227,10 @@ class Backend:
         asked for most recently stay (PIPELINES_KEPT; PIPELINES_KEPT_SOFTWARE on a CPU driver); a
         plain kp shares nothing and keeps nothing. A pin the driver refuses to make (out of
         descriptor pools, say) is logged and skipped: keeping is an optimisation, the program
-        stands. Call with the subgroup settings applied (Program)."""
+        stands."""
         if not self.shares_pipelines or self.keep_pipelines <= 0:
             return
-        key = (spirv, int(nbind), spec.tobytes(), tuple(subgroup))
+        key = (spirv, int(nbind), spec.tobytes(), tuple(subgroup), tuple(formats))
         with self._pin_lock:
             pin = self._pins.pop(key, None)
             if pin is None:
@@ -230,8 +238,8 @@ class Backend:
                     if self._pin_tensor is None:    # one texel of any format a texel binding uses
                         self._pin_tensor = self._mgr.tensor_t(np.zeros(4, np.uint32),
                                                               tensor_type=kp.TensorTypes.storage)
-                    pin = self._mgr.algorithm([self._pin_tensor] * int(nbind), spirv, [1, 1, 1], spec,
-                                              np.zeros(0, np.uint32))
+                    pin = self.algorithm([self._pin_tensor] * int(nbind), spirv, (1, 1, 1), spec,
+                                         np.zeros(0, np.uint32), formats, subgroup)
                 except RuntimeError as e:
                     log.debug("vkattn: a pipeline not kept (%s)", e)
                     return
@@ -348,7 +356,7 @@ class Program:
         self.writes = {self.bindings[i] for i in writes}
         self.reads = set(self.bindings) - self.writes
         self.groups = tuple(int(g) for g in groups)
-        want, texel = _spirv_bindings(spirv)
+        want = _spirv_bindings(spirv)[0]
         if want != len(self.bindings):    # kp would bind past the descriptor set and crash
             raise ValueError(f"{name}: the shader declares {want} buffer bindings, {len(self.bindings)} given")
         formats = backend.texel_formats(spirv, [b.nbytes for b in self.bindings], name)
@@ -358,21 +366,9 @@ class Program:
                      "afterwards", name, ",".join(map(str, spec.tolist())), backend.device_key.split(" | ")[0],
                      ": lavapipe compiles it to machine code on its first dispatch, which can take seconds"
                      if backend.software else "")
-        if size or full:
-            backend._mgr.set_pipeline_subgroup_size(size, full)
-        try:
-            self._algo = backend.algorithm([b._t for b in self.bindings], spirv, self.groups, spec,
-                                           np.zeros(0, np.uint32), formats)
-            if formats:
-                backend._mgr.set_texel_formats(formats)
-            try:
-                backend.keep_pipeline(spirv, len(self.bindings), spec, self.subgroup)
-            finally:
-                if formats:
-                    backend._mgr.set_texel_formats([])
-        finally:
-            if size or full:
-                backend._mgr.set_pipeline_subgroup_size(0, False)
+        self._algo = backend.algorithm([b._t for b in self.bindings], spirv, self.groups, spec,
+                                       np.zeros(0, np.uint32), formats, self.subgroup)
+        backend.keep_pipeline(spirv, len(self.bindings), spec, self.subgroup, formats)
 
     def destroy(self) -> None:
         if self._algo is not None:

@@ -40,8 +40,20 @@ layout(constant_id = 6) const uint SPLIT = 0u;   // 1: the keys are split over t
 layout(constant_id = 7) const uint FLAGS = 0u;
 layout(constant_id = 8) const uint ROPE_DIM = 8u;
 
+#ifndef KV_TEXEL
+#define KV_TEXEL 0
+#endif
+#if KV_TEXEL
+// KV_TEXEL: K and V are read from uniform texel buffers (vkattn binds a usamplerBuffer so: four
+// words a texel, q4 one), which a CPU driver loads by vector gathers where a storage load is a
+// per-lane loop (lavapipe: 0.125 against 0.416 ns a word, python -m perf loads). Read-only: the
+// variant has no fused append (its plans carry no new rows, nn = 0: the rows were appended first)
+layout(binding = 0) uniform usamplerBuffer kt;
+layout(binding = 1) uniform usamplerBuffer vt;
+#else
 layout(std430, binding = 0) buffer KC { uvec4 kc[]; };
 layout(std430, binding = 1) buffer VC { uvec4 vc[]; };
+#endif
 layout(std430, binding = 2) readonly buffer NK { vec4 nk[]; };
 layout(std430, binding = 3) readonly buffer NV { vec4 nv[]; };
 layout(std430, binding = 4) readonly buffer QB { vec4 qbuf[]; };
@@ -66,10 +78,12 @@ const uint NQ = G * BQ;                  // query vectors of this workgroup, qv 
 #if KV_Q4
 #define LCH 4u
 const uint LK4 = DK4 * 2u, LV4 = DV4 * 2u;     // chunks per K, V row
+#if !KV_TEXEL
 layout(std430, binding = 0) buffer KC2 { uvec2 kc2[]; };   // the same buffers by 8 and 4 bytes
 layout(std430, binding = 1) buffer VC2 { uvec2 vc2[]; };
 layout(std430, binding = 0) buffer KC1 { uint kc1[]; };
 layout(std430, binding = 1) buffer VC1 { uint vc1[]; };
+#endif
 #else
 #define LCH CH
 const uint LK4 = DK4, LV4 = DV4;
@@ -129,7 +143,7 @@ float new_row_scale(bool is_k, uint h, uint nr) {
 #endif
 }
 
-#if KV_Q4
+#if KV_Q4 && !KV_TEXEL
 // q4: chunk c (block c) of new row nr with its parameter word; the last chunk also zeroes the
 // row's unused parameter slots
 void store_q4(bool is_k, uint row, uint h, uint nr, uint c) {
@@ -173,14 +187,25 @@ void load_chunk(bool is_k, uint row, uint i, out vec4 t[LCH], out float bs, out 
 #if KV_Q4
     // a block: its 16 nibbles, its scale and zero point
     const uint base = row * Q4_ROW(is_k ? DK4 : DV4);
+#if KV_TEXEL
+    const uint wi = (base * 2u + c) * 2u, pi = (base + (is_k ? DK4 : DV4)) * 4u + c;
+    const uvec2 w = is_k ? uvec2(texelFetch(kt, int(wi)).x, texelFetch(kt, int(wi + 1u)).x)
+                         : uvec2(texelFetch(vt, int(wi)).x, texelFetch(vt, int(wi + 1u)).x);
+    const uint p = is_k ? texelFetch(kt, int(pi)).x : texelFetch(vt, int(pi)).x;
+#else
     const uvec2 w = is_k ? kc2[base * 2u + c] : vc2[base * 2u + c];
     const uint p = is_k ? kc1[(base + DK4) * 4u + c] : vc1[(base + DV4) * 4u + c];
+#endif
     unpack_q4x8(w.x, t[0], t[1]);
     unpack_q4x8(w.y, t[2], t[3]);
     bs = q4_scale(p);
     bz = q4_zero(p);
 #else
+#if KV_TEXEL
+    unpack_chunk(is_k ? texelFetch(kt, int(row * DK4 + c)) : texelFetch(vt, int(row * DV4 + c)), t);
+#else
     unpack_chunk(is_k ? kc[row * DK4 + c] : vc[row * DV4 + c], t);
+#endif
     bs = 1.0;
     bz = 0.0;
 #endif
@@ -361,6 +386,7 @@ void main() {
     const float qscale = uintBitsToFloat(aux[2]);
     const uint T = sq.past + sq.n_new, R = aux[10];
 
+#if !KV_TEXEL
     if (sq.n_new > 0u) {
         // fused append: every workgroup of the sequence stores all its new rows (identical values
         // from each), lane l the chunks l, l+WG, .. -- the very chunks it reads back as keys
@@ -394,6 +420,7 @@ void main() {
 #endif
         } while (++r < sq.n_new);
     }
+#endif
 
     uint kend = 0u;   // one past the last key any row of this workgroup sees
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {

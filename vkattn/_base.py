@@ -9,14 +9,15 @@ import numpy as np
 
 from . import reference
 from .array import DeviceArray, check_device_array
-from ._attn import Pipeline, RoPE, destroy, grid_groups, put_rows, set_storage, token_bytes, unpack_rows
+from ._attn import Pipeline, RoPE, destroy, grid_groups, kv_texel_words, put_rows, set_storage, token_bytes, unpack_rows
 from .checks import check_array, check_bool, check_int, check_scale, plainly_finite
 from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, DeviceLimitError, VerificationError
 from .formats import DTYPES, dtype_list
 from .reference import check_fp8_scale
-from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, coopmat_takes, row_bucket
+from .tuning import FUSED_APPEND_MAX_ROWS, TEXEL_APPEND_MIN_WORDS, WORKGROUP, coopmat_takes, kernel_for, row_bucket, \
+    texel_kv
 
 MAX_PLANS = 8
 READ_ROWS = 4096        # positions per read() submission
@@ -313,10 +314,18 @@ class CacheBase:
             raise ValueError(f"num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {hq}")
         return hq
 
-    def _appends_first(self, most_new_rows: int, rows: int | None = None) -> bool:
-        """appends_first for this cache's device and storage (``rows``: default as many)."""
-        return appends_first(self.device, most_new_rows, most_new_rows if rows is None else rows, self._ch,
-                             self._matrices)
+    def _appends_first(self, most_new_rows: int, rows: int | None = None, key_bound: int = 0) -> bool:
+        """appends_first for this cache's device and storage (``rows``: default as many); and where
+        the attention would read ``key_bound`` keys of every kv head, enough K/V words
+        (TEXEL_APPEND_MIN_WORDS) that reading them from texel views (attn_lane.comp KV_TEXEL,
+        which takes no fused append) pays for the append's own submission."""
+        if appends_first(self.device, most_new_rows, most_new_rows if rows is None else rows, self._ch,
+                         self._matrices):
+            return True
+        if most_new_rows < 1 or key_bound * self.num_kv_heads * 4 * (self._rk4 + self._rv4) < TEXEL_APPEND_MIN_WORDS:
+            return False
+        return kernel_for(self.device) == "lane" and texel_kv(self.device, "lane", 0, self._k.nbytes,
+                                                               kv_texel_words(self._defines))
 
     def _append_plan(self, n: int) -> "_SlotWritePlan":
         """append.comp for ``n`` rows: the plan of n's row bucket (tuning.row_bucket)."""

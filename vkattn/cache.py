@@ -234,7 +234,7 @@ class KVCache(CacheBase):
             hit = memo.get((hq, s, n, bound, vflags), 0)
             if hit == 0:
                 hit = None
-                if not self._appends_first(n, s):
+                if not self._appends_first(n, s, bound if s == 1 else 0):
                     flags = vflags | (self.rope.flags(False) if self.rope is not None else 0)   # K rotated, not q
                     plan = self._attn_plan(hq, s, n, flags, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0), total)
                     if not plan._check_width:
@@ -379,7 +379,7 @@ class KVCache(CacheBase):
     def _forward_plans(self, hq, s, n_new, flags, words, total) -> tuple:
         """(append plan or None, attention plan) for a call with ``n_new`` new rows and ``total``
         keys: fused into the attention dispatch, or appended first (CacheBase._appends_first)."""
-        if self._appends_first(n_new, s):
+        if self._appends_first(n_new, s, decode_key_bound(total, self.capacity) if s == 1 else 0):
             return self._append_plan(n_new), self._attn_plan(hq, s, 0, flags, words, total)
         return None, self._attn_plan(hq, s, n_new, flags, words, total)
 

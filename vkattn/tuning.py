@@ -261,6 +261,30 @@ def kernel_for(device) -> str:
     return "tile"
 
 
+TEXEL_APPEND_MIN_WORDS = 1 << 20   # a decode with new rows appends them first (a second submission)
+                        # where its attention then reads at least this many K/V words from texel
+                        # views instead of storage (texel_kv): the 0.29 ns a word saved must pay the
+                        # round trip. Lavapipe, 2-vCPU Zen 4, 32/8 heads d128 (scratch, alternated,
+                        # ms a decode step fused / appended first): float16 512 keys (0.5 M words)
+                        # 0.51 / 0.52, 1024 keys 0.87 / 0.75, 4096 keys 3.0 / 2.1; q4 (0.28 K words
+                        # a key) 1024 keys 0.58 / 0.72
+
+
+def texel_kv(device, kernel: str, nn: int, kv_bytes: int, words: int) -> bool:
+    """Whether an attention dispatch reads K and V from uniform texel buffers (attn_lane.comp
+    KV_TEXEL): the lane kernel, no fused append (``nn`` 0: a texel view is read-only and need not
+    see stores of its own dispatch), a device that binds texel buffers (the patched kp) and K/V
+    buffers of ``kv_bytes`` each within its maxTexelBufferElements at ``words`` words a texel.
+    Lavapipe gathers a texel fetch with vector instructions and runs a storage load as a per-lane
+    loop (0.125 against 0.416 ns a word, python -m perf loads). VKATTN_TEXEL_KV=0 turns it off
+    (the storage path, as with a plain kp)."""
+    if kernel != "lane" or nn or os.environ.get("VKATTN_TEXEL_KV", "1").strip() == "0":
+        return False
+    if not getattr(device, "texel_buffers", False):
+        return False
+    return kv_bytes // (4 * words) <= device.info.max_texel_buffer_elements
+
+
 def coopmat_wanted(device) -> bool:
     """Whether prefill and chunks (more than one query row) go to attn_coopmat.comp.
 

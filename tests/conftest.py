@@ -68,6 +68,19 @@ def skip_without_lane(dev) -> None:
                     f"{dev.subgroup_size}")
 
 
+def require_texel(dev) -> None:
+    """Skip where a known driver fault keeps vkattn off texel buffers (_driverfix.texel_fault:
+    Mesa 26's llvmpipe at 128 bits), fail where they are missing otherwise (the patched kp binds
+    them on every Vulkan device with a maxTexelBufferElements limit)."""
+    if dev.texel_buffers:
+        return
+    from vkattn import _driverfix
+    if _driverfix.texel_fault(dev.info.name, dev.info.driver_name, dev.info.driver_info):
+        pytest.skip(f"{dev.name}, {dev.info.driver_info}: texel buffers crash this driver "
+                    f"(_driverfix.texel_fault), so vkattn binds none")
+    pytest.fail(f"{dev.name}: no texel buffers (kp built without scripts/kp-0.9.0-features.patch?)")
+
+
 def skip_or_fail_coopmat(problem: str) -> None:
     """A coopmat test where attn_coopmat.comp cannot run: a skip naming why -- or, with
     VKATTN_REQUIRE_COOPMAT=1 (CI on Mesa 26, whose lavapipe has cooperative matrices), a failure:

@@ -46,3 +46,17 @@ def test_probe_result_is_remembered(monkeypatch, tmp_path):
     monkeypatch.setattr(_driverfix, "_lavapipe_libraries", lambda: ["/x/libvulkan_lvp.so:1:3"])   # upgraded
     monkeypatch.setattr(_driverfix, "_probe", lambda: [("llvmpipe", "Mesa 26.1.6 (LLVM 19.1.7)")])
     assert _driverfix.apply() == {} and "GALLIUM_OVERRIDE_CPU_CAPS" not in os.environ
+
+
+@pytest.mark.parametrize("name, driver, info, hit", [
+    ("llvmpipe (LLVM 19.1.7, 128 bits)", "llvmpipe", "Mesa 26.1.6-1~bpo13+1 (LLVM 19.1.7)", True),    # measured crash
+    ("llvmpipe (LLVM 19.1.7, 128 bits)", "llvmpipe", "Mesa 25.0.7-2+deb13u1 (LLVM 19.1.7)", True),    # not measured
+    ("llvmpipe (LLVM 19.1.7, 256 bits)", "llvmpipe", "Mesa 26.1.6-1~bpo13+1 (LLVM 19.1.7)", False),   # runs them
+    ("llvmpipe (LLVM 15.0.6, 128 bits)", "llvmpipe", "Mesa 22.3.6 (LLVM 15.0.6)", False),             # runs them
+    ("llvmpipe (LLVM 15.0.6, 256 bits)", "llvmpipe", "Mesa 22.3.6 (LLVM 15.0.6)", False),
+    ("AMD Radeon RX 7900 XTX (RADV NAVI31)", "radv", "Mesa 26.1.6", False),
+    ("NVIDIA H100 80GB HBM3", "NVIDIA", "580.159.04", False),
+])
+def test_texel_fault(name, driver, info, hit):
+    """Which drivers vkattn keeps off texel buffers (a segmentation fault, not a wrong result)."""
+    assert _driverfix.texel_fault(name, driver, info) is hit

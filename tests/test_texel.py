@@ -9,6 +9,8 @@ import vkattn
 from vkattn import _kp
 from vkattn.compiler import compile_shader
 
+from conftest import require_texel
+
 # out[i] = (word i of a, seen through a's view) ^ word i of b (b's view: one word a texel)
 _READ = """#version 450
 layout(local_size_x = 8) in;
@@ -55,9 +57,7 @@ def _spv(tmp_path, name, src):
 
 @pytest.fixture
 def texel_device(device):
-    if not device.texel_buffers:
-        pytest.fail("the patched kp (scripts/kp-0.9.0-features.patch) binds texel buffers on every Vulkan "
-                    "device with a maxTexelBufferElements limit: this one cannot")
+    require_texel(device)
     return device
 
 

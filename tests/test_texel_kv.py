@@ -9,7 +9,7 @@ import pytest
 import vkattn
 from vkattn import _base
 
-from conftest import Mirror, assert_close, rand_kv, rand_q
+from conftest import Mirror, assert_close, rand_kv, rand_q, require_texel
 
 FORMATS = ["float32", "float16", "bfloat16", "int8", "fp8_e4m3", "q4"]
 
@@ -18,8 +18,7 @@ FORMATS = ["float32", "float16", "bfloat16", "int8", "fp8_e4m3", "q4"]
 def lane_texel(device):
     if not (device.is_software and device.lane_subgroup()):
         pytest.skip("the lane kernel runs on CPU drivers")
-    if not device.texel_buffers:
-        pytest.fail("the patched kp binds texel buffers on every Vulkan device: this one cannot")
+    require_texel(device)
     return device
 
 

@@ -1,4 +1,5 @@
-"""Settings for a known driver fault, applied before this process loads any Vulkan driver.
+"""Settings for a known driver fault, applied before this process loads any Vulkan driver (and
+:func:`texel_fault`, a fault vkattn avoids by not using what triggers it).
 
 **llvmpipe (lavapipe) of Mesa 25 on a CPU with AVX-512.** Mesa 25.0.7's llvmpipe (Debian 13,
 LLVM 19) aborts the whole process while compiling some tile-kernel pipelines (``attn_tile``):
@@ -35,6 +36,20 @@ def affected(driver_name: str, driver_info: str) -> bool:
     """True for the llvmpipe versions that crash: Mesa 25.x (measured: 25.0.7, LLVM 19)."""
     m = re.match(r"Mesa (\d+)\.", driver_info or "")
     return driver_name == "llvmpipe" and m is not None and int(m.group(1)) == 25
+
+
+def texel_fault(name: str, driver_name: str, driver_info: str) -> bool:
+    """True where uniform texel buffers must not be bound (vkattn._kp.Backend.texel_buffers):
+    llvmpipe on vectors narrower than 256 bits (its device name says "128 bits": a CPU without
+    AVX, an ARM host, or LP_NATIVE_VECTOR_WIDTH=128) of a Mesa newer than 22. Measured: Mesa
+    26.1.6 (trixie-backports, LLVM 19) at 128 bits kills the process with a segmentation fault on
+    the first dispatch of any shader that fetches from a texel buffer (tests/test_texel.py's
+    four-line ones too), at 256 bits it runs them all; Mesa 22.3 at 128 bits runs them (session
+    30). The versions between are not measured, so they are treated as Mesa 26."""
+    m = re.match(r"Mesa (\d+)\.", driver_info or "")
+    w = re.search(r"(\d+) bits\)", name or "")
+    return driver_name == "llvmpipe" and m is not None and int(m.group(1)) > 22 and w is not None \
+        and int(w.group(1)) < 256
 
 
 def _avx512() -> bool:

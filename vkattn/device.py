@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from . import _kp
+from . import _driverfix, _kp
 from ._vkinfo import DeviceInfo, VulkanUnavailableError, query_devices
 from . import compiler
 from .errors import CacheClosedError
@@ -215,7 +215,9 @@ class Device(_Limits):
         self.key = f"{self.info.name} | {self.info.driver_name} {self.info.driver_info} {self.info.driver_version}"
         self._backend = _kp.Backend(index, self.key, self.info.is_software,
                                     direct=_kp.host_memory_mode(self.info.host_memory_local),
-                                    max_texels=self.info.max_texel_buffer_elements)
+                                    max_texels=0 if _driverfix.texel_fault(self.info.name, self.info.driver_name,
+                                                                          self.info.driver_info)
+                                    else self.info.max_texel_buffer_elements)
         self._lane_subgroup = None
         self._tile_cluster = None
 
@@ -353,8 +355,8 @@ class Device(_Limits):
     @property
     def texel_buffers(self) -> bool:
         """Whether programs on this device may read uniform texel buffers (``usamplerBuffer``):
-        kp built with scripts/kp-0.9.0-features.patch and a maxTexelBufferElements limit
-        (vkattn.algorithm)."""
+        kp built with scripts/kp-0.9.0-features.patch, a maxTexelBufferElements limit
+        (vkattn.algorithm) and no known driver fault with them (_driverfix.texel_fault)."""
         return self.backend.texel_buffers
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from .errors import DeviceLimitError
 from .formats import FORMATS
 from .reference import bfloat16_to_float32, fp8_to_float32, q4_words_to_float32
 from .tuning import MIN_CHUNK, WORKGROUP, attention_config, coopmat_fixed_trips, coopmat_stage_batch, \
-    texel_kv, tile_merge_batch, tile_v_early
+    kv_texel_words, texel_kv, tile_merge_batch, tile_v_early
 
 _LOG2E = 1.4426950408889634
 HEADER = 32
@@ -177,11 +177,6 @@ class Pipeline:
 ATTN_BINDINGS = 13      # kc vc nk nv q aux out part ml lse rope ks vs (attn.comp, attn_lane.comp, attn_coopmat.comp)
 
 
-def kv_texel_words(defines: dict) -> int:
-    """Words a texel of the K/V texel views (attn_lane.comp KV_TEXEL): q4 reads single words,
-    the other formats uvec4 chunks."""
-    return 1 if defines.get("KV_Q4") else 4
-
 
 def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, key_bound: int,
                   decode: bool, rope_dim: int = 0, splits: int | None = None):
@@ -204,7 +199,7 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
     spec = cfg.spec(group, fmt._dk4, fmt._dv4, fmt.v_head_dim, flags, rope_dim)
     if cfg.kernel == "lane":
         shader, defines = "attn_lane", dict(fmt._defines)
-        if texel_kv(dev, cfg.kernel, nn, fmt._k.nbytes if hasattr(fmt, "_k") else 0, kv_texel_words(defines)):
+        if texel_kv(dev, cfg.kernel, nn, fmt):
             defines["KV_TEXEL"] = 1
     elif cfg.kernel == "coopmat":
         shader, defines = "attn_coopmat", dict(fmt._defines, COOPMAT_UNROLL=int(cfg.unroll),

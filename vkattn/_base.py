@@ -9,7 +9,7 @@ import numpy as np
 
 from . import reference
 from .array import DeviceArray, check_device_array
-from ._attn import Pipeline, RoPE, destroy, grid_groups, kv_texel_words, put_rows, set_storage, token_bytes, unpack_rows
+from ._attn import Pipeline, RoPE, destroy, grid_groups, put_rows, set_storage, token_bytes, unpack_rows
 from .checks import check_array, check_bool, check_int, check_scale, plainly_finite
 from .compiler import compile_shader
 from .device import Device, default_device
@@ -324,8 +324,7 @@ class CacheBase:
             return True
         if most_new_rows < 1 or key_bound * self.num_kv_heads * 4 * (self._rk4 + self._rv4) < TEXEL_APPEND_MIN_WORDS:
             return False
-        return kernel_for(self.device) == "lane" and texel_kv(self.device, "lane", 0, self._k.nbytes,
-                                                               kv_texel_words(self._defines))
+        return texel_kv(self.device, kernel_for(self.device), 0, self)
 
     def _append_plan(self, n: int) -> "_SlotWritePlan":
         """append.comp for ``n`` rows: the plan of n's row bucket (tuning.row_bucket)."""

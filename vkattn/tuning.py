@@ -270,19 +270,26 @@ TEXEL_APPEND_MIN_WORDS = 1 << 20   # a decode with new rows appends them first (
                         # a key) 1024 keys 0.58 / 0.72
 
 
-def texel_kv(device, kernel: str, nn: int, kv_bytes: int, words: int) -> bool:
+def kv_texel_words(defines: dict) -> int:
+    """Words a texel of the K/V texel views (attn_lane.comp KV_TEXEL) of a storage format's
+    ``defines``: q4 reads single words, the other formats uvec4 chunks."""
+    return 1 if defines.get("KV_Q4") else 4
+
+
+def texel_kv(device, kernel: str, nn: int, store) -> bool:
     """Whether an attention dispatch reads K and V from uniform texel buffers (attn_lane.comp
     KV_TEXEL): the lane kernel, no fused append (``nn`` 0: a texel view is read-only and need not
-    see stores of its own dispatch), a device that binds texel buffers (the patched kp) and K/V
-    buffers of ``kv_bytes`` each within its maxTexelBufferElements at ``words`` words a texel.
+    see stores of its own dispatch), a device that binds texel buffers (the patched kp, no known
+    driver fault) and the cache ``store``'s K/V buffers within its maxTexelBufferElements.
     Lavapipe gathers a texel fetch with vector instructions and runs a storage load as a per-lane
     loop (0.125 against 0.416 ns a word, python -m perf loads). VKATTN_TEXEL_KV=0 turns it off
     (the storage path, as with a plain kp)."""
     if kernel != "lane" or nn or os.environ.get("VKATTN_TEXEL_KV", "1").strip() == "0":
         return False
-    if not getattr(device, "texel_buffers", False):
+    if not getattr(device, "texel_buffers", False):          # a planning device: never
         return False
-    return kv_bytes // (4 * words) <= device.info.max_texel_buffer_elements
+    texels = store._k.nbytes // (4 * kv_texel_words(store._defines))
+    return texels <= device.info.max_texel_buffer_elements
 
 
 def coopmat_wanted(device) -> bool:

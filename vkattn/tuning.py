@@ -288,8 +288,8 @@ def texel_kv(device, kernel: str, nn: int, store) -> bool:
         return False
     if not getattr(device, "texel_buffers", False):          # a planning device: never
         return False
-    texels = store._k.nbytes // (4 * kv_texel_words(store._defines))
-    return texels <= device.info.max_texel_buffer_elements
+    k = getattr(store, "_k", None)      # None: a format planned without buffers (perf's traffic models)
+    return k is None or k.nbytes // (4 * kv_texel_words(store._defines)) <= device.info.max_texel_buffer_elements
 
 
 def coopmat_wanted(device) -> bool:

@@ -263,8 +263,9 @@ def test_pool_larger_than_the_device_allows_is_refused(device):
 @pytest.mark.parametrize("dtype,style", [("float16", "neox"), ("int8", "gptj")])
 def test_long_prefill_is_appended_first(device, rng, monkeypatch, kernel, dtype, style):
     """A batch where a sequence brings more than FUSED_APPEND_MAX_ROWS tokens appends every new
-    token at its slot in a submission of its own, then attends from the pool: the rows stored
-    equal those of the same tokens sent in fused chunks, and the outputs match the reference."""
+    token at its slot in a dispatch of its own, then attends from the pool (one submission, a
+    barrier between): the rows stored equal those of the same tokens sent in fused chunks, and the
+    outputs match the reference."""
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     n0 = vkattn.tuning.FUSED_APPEND_MAX_ROWS
     cfg = vkattn.RoPE(style=style)
@@ -283,6 +284,10 @@ def test_long_prefill_is_appended_first(device, rng, monkeypatch, kernel, dtype,
         k = rng.standard_normal((hkv, total, d)).astype(np.float32)
         v = rng.standard_normal((hkv, total, d)).astype(np.float32)
         out, lse = split.forward(sids, q, k, v, n_new=counts, return_lse=True, rope_q=True)
+        ops = split._last_rec.ops
+        if max(counts) > n0 and vkattn._kp.HAS_BARRIER:     # the append, a barrier, the attention
+            i = ops.index("append")
+            assert ops[i + 1].startswith("barrier") and ops[i + 2] in ("attn", "attn_lane"), ops
         a = 0
         for sid, p, n in zip(sids, past, counts):
             for c0 in range(a, a + n, n0):                          # the same tokens, fused chunks

@@ -59,8 +59,8 @@ def test_attend_and_prefill_from_texel_views_equal_the_storage_path(lane_texel, 
 @pytest.mark.parametrize("dtype", ["float16", "q4"])
 def test_a_long_decode_appends_first_and_reads_texels(lane_texel, rng, monkeypatch, dtype):
     """With the word threshold lowered to this cache's size, a decode forward appends its row
-    first and attends from texel views (numpy path and a graph's replay: one submission with a
-    barrier between the append and the attention); below it the append stays fused. Results
+    first and attends from texel views (numpy path and a graph's replay: each one submission with
+    a barrier between the append and the attention); below it the append stays fused. Results
     equal the fused path's bit for bit."""
     cache = vkattn.KVCache(300, 2, 64, dtype=dtype, device=lane_texel)
     mirror = Mirror(cache)
@@ -73,6 +73,12 @@ def test_a_long_decode_appends_first_and_reads_texels(lane_texel, rng, monkeypat
         q1, k1, v1 = rand_q(rng, cache, 3, 1), *rand_kv(rng, cache, 1)
         got = cache.forward(q1, k1, v1)
         assert any(_texel_plans(cache))
+        # the numpy path: the append and the attention in one recording, a barrier between
+        ops = cache._last_rec.ops
+        assert ops[-1].startswith(("download", "host barrier")), ops   # (direct host memory: no upload op)
+        dispatches = [op for op in ops if not op.startswith(("upload", "download", "host barrier", "barrier"))]
+        assert len(dispatches) == 2 and dispatches[0].startswith("append"), ops
+        assert any(op.startswith("barrier") for op in ops[ops.index(dispatches[0]):ops.index(dispatches[1])]), ops
         mirror.append(k1, v1)
         assert_close(got, mirror.ref(q1), dtype)
         # the same call fused (the threshold out of reach): the same bits
@@ -102,3 +108,76 @@ def test_a_long_decode_appends_first_and_reads_texels(lane_texel, rng, monkeypat
                 a.close()
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "q4"])
+def test_a_paged_batch_over_many_keys_appends_first_and_reads_texels(lane_texel, rng, monkeypatch, dtype):
+    """PagedKVCache: a batch decode whose sequences hold at least TEXEL_APPEND_MIN_WORDS K/V words
+    in all appends its rows first and attends from texel views, the append and the attention one
+    submission; the outputs and the stored rows equal the fused path's bit for bit. A graph step
+    captured below the threshold decides again at each submission: replayed above it, it appends
+    first too, and its results equal the numpy path's."""
+    lens = [37, 5, 61]
+    hkv, hq = 2, 6
+    d = 64 if dtype == "q4" else 40     # a device array's rows are read unpadded: q4's blocks of 32
+
+    def pool():
+        c = vkattn.PagedKVCache(40, 8, hkv, d, dtype=dtype, device=lane_texel)
+        sids = [c.add_sequence() for _ in lens]
+        r = np.random.default_rng(3)
+        for s, n in zip(sids, lens):
+            k = r.standard_normal((hkv, n, d)).astype(np.float32)
+            c.append([s], k, -k, n_new=[n])
+        return c, sids
+
+    q = rng.standard_normal((hq, 3, d)).astype(np.float32)
+    k1 = rng.standard_normal((hkv, 3, d)).astype(np.float32)
+    v1 = rng.standard_normal((hkv, 3, d)).astype(np.float32)
+    first, fused = pool(), pool()
+    try:
+        per_key = hkv * 4 * (first[0]._rk4 + first[0]._rv4)
+        keys = sum(lens) + 3
+        results = {}
+        for name, (c, sids), words in (("first", first, keys * per_key), ("fused", fused, 1 << 62)):
+            monkeypatch.setattr(_base, "TEXEL_APPEND_MIN_WORDS", words)
+            results[name] = c.forward(sids, q, k1, v1)
+            dispatches = [op for op in c._last_rec.ops if op.startswith(("append", "attn"))]
+            assert dispatches == (["append", "attn_lane"] if name == "first" else ["attn_lane"]), c._last_rec.ops
+            assert any(_texel_plans(c)) == (name == "first")
+        assert np.array_equal(results["first"].view(np.uint32), results["fused"].view(np.uint32))
+        for s1, s2 in zip(first[1], fused[1]):
+            for a, b in zip(first[0].read(s1), fused[0].read(s2)):
+                assert np.array_equal(a, b)
+        # the reference on what is stored
+        for i, s in enumerate(first[1]):
+            ks, vs = first[0].read(s)
+            ref = vkattn.reference.attention(q[:, i:i + 1], ks, vs, causal=True)
+            assert_close(results["first"][:, i:i + 1], ref, dtype)
+
+        # a graph captured with the threshold out of reach, replayed with it reached
+        c, sids = first
+        for s in sids:
+            c.truncate(s, c.length(s) - 1)
+        monkeypatch.setattr(_base, "TEXEL_APPEND_MIN_WORDS", 1 << 62)
+        dq, dk, dv = (vkattn.to_device(x, lane_texel) for x in (q, k1, v1))
+        do = vkattn.empty(q.shape, lane_texel)
+        g = vkattn.Graph(lane_texel)
+        try:
+            with g.capture():
+                c.forward(sids, dq, dk, dv, out=do)
+            g.run()
+            assert not any(op.startswith("append") for op in g.ops), g.ops
+            assert np.array_equal(do.numpy().view(np.uint32), results["fused"].view(np.uint32))
+            for s in sids:
+                c.truncate(s, c.length(s) - 1)
+            monkeypatch.setattr(_base, "TEXEL_APPEND_MIN_WORDS", keys * per_key)
+            g.run()
+            assert any(op.startswith("append") for op in g.ops) and any(op.startswith("barrier") for op in g.ops), g.ops
+            assert np.array_equal(do.numpy().view(np.uint32), results["first"].view(np.uint32))
+        finally:
+            g.close()
+            for a in (dq, dk, dv, do):
+                a.close()
+    finally:
+        first[0].close()
+        fused[0].close()

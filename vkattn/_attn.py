@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import reference
+from ._kp import HAS_BARRIER
 from .array import DeviceArray
 from .checks import check_int
 from .compiler import compile_shader
@@ -287,6 +288,7 @@ class AttnPlan:
         self._tiles = {}
         self._dst = {}                  # _put_input's views: (input, shape) -> view of its host copy
         self._binds = OrderedDict()     # device arrays in place of the plan's own buffers: see bound()
+        self._chains = OrderedDict()    # an append's program -> this plan's recording after it: see _chained()
 
     def warm(self) -> None:
         """Run the recorded sequence once with no tiles (every workgroup returns at once), so the
@@ -341,16 +343,38 @@ class AttnPlan:
             self._drop_bind(next(iter(self._binds)))
         return hit
 
+    def _chained(self, prog, uploads):
+        """This plan's own recording (numpy in, out and lse copied back) with the dispatch of
+        ``prog`` and its ``uploads`` ahead of it, a barrier between (the patched kp): an append
+        and its attention in one submission. Kept per program, the last two (an append plan's
+        own program, or one bound to device arrays)."""
+        hit = self._chains.get(prog)
+        if hit is not None and prog._algo is not None:
+            self._chains.move_to_end(prog)
+            return hit
+        if hit is not None:
+            destroy(self._chains.pop(prog))
+        c = self.c
+        rec = c.device.backend.recording().upload(*uploads, *self.inputs).dispatch(prog) \
+            .dispatch(self.attn, barriers=True).download(self.out, self.lse).build(c.timestamps)
+        self._chains[prog] = rec
+        while len(self._chains) > 2:
+            destroy(self._chains.pop(next(iter(self._chains))))
+        return rec
+
     def _drop_bind(self, key) -> None:
         prog, rec, _ = self._binds.pop(key)
         destroy(rec, prog)
 
     def run(self, q, k, v, seqs: list, causal: bool, scale: float, variant: Variant, rope: RoPE | None = None,
-            out=None, lse=None):
+            out=None, lse=None, first=None):
         """q (hq, rows, head_dim) packed; k/v (num_kv_heads, n, d) packed new rows or None: numpy
         arrays, or vkattn.DeviceArray (read in place). ``out`` / ``lse``: DeviceArrays to write
-        into (None: the plan's own, copied to the host). Returns out (hq, rows,
-        v_head_dim) and lse (hq, rows) float32 numpy arrays, None for those written to buffers."""
+        into (None: the plan's own, copied to the host). ``first``: an append staged to run
+        before the attention (vkattn._base._SlotWritePlan.stage's triple): recorded ahead of it
+        in the same submission, a barrier between, where the kp has barriers and the call is a
+        numpy one; else run alone first. Returns out (hq, rows, v_head_dim) and lse (hq, rows)
+        float32 numpy arrays, None for those written to buffers."""
         devq = q.buffer if isinstance(q, DeviceArray) else None
         devk = k.buffer if isinstance(k, DeviceArray) else None
         devv = v.buffer if isinstance(v, DeviceArray) else None
@@ -358,9 +382,11 @@ class AttnPlan:
         lse = lse.buffer if isinstance(lse, DeviceArray) else lse
         rows = self.fill(q, k, v, seqs, causal, scale, variant, rope)
         if devq is None and devk is None and devv is None and out is None and lse is None:
-            rec = self.rec
+            rec = self.rec if first is None or not HAS_BARRIER else self._chained(first[0], first[1])
         else:
             rec = self.bound(devq, devk, devv, out, lse)[1]
+            if first is not None:
+                first[2].run()
         rec.run()
         self.c._last_rec = rec
         if rec is not self.rec:
@@ -383,7 +409,7 @@ class AttnPlan:
                                              f"of {self.cfg.sg} with subgroups of {width}")
                 self.destroy()
                 self.__init__(*self._args)
-                return self.run(q, k, v, seqs, causal, scale, variant, rope)
+                return self.run(q, k, v, seqs, causal, scale, variant, rope)   # the append ran: not again
         width = self.narrow_subgroup(rows)
         if width:
             # the pipeline's real subgroup size is narrower than the cluster: its shuffles read
@@ -603,6 +629,8 @@ class AttnPlan:
             self._drop_bind(key)
         self._simple, self._batch_head = None, None
         self._dst = {}                  # no view of a freed buffer kept
+        destroy(*self._chains.values())
+        self._chains.clear()
         destroy(self.rec, self._rec_out, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,
                 self.ml, self.rope)
 

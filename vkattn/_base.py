@@ -25,11 +25,11 @@ READ_ROWS = 4096        # positions per read() submission
 
 def appends_first(device, most_new_rows: int, rows: int, ch: int, matrices: bool = True) -> bool:
     """Whether a forward whose largest sequence brings ``most_new_rows`` new rows (and ``rows``
-    query rows) appends them in a submission of its own and then attends from the cache, instead
+    query rows) appends them in a dispatch of its own and then attends from the cache, instead
     of fusing the append into the attention dispatch: more than FUSED_APPEND_MAX_ROWS, or a call
-    attn_coopmat.comp takes (it reads every key from the cache; tuning.coopmat_takes). Two
-    submissions because kp records no barrier between two dispatches, so the attention cannot read
-    rows an earlier dispatch of the same submission wrote."""
+    attn_coopmat.comp takes (it reads every key from the cache; tuning.coopmat_takes). One
+    submission with a barrier between the two dispatches (AttnPlan.run's ``first``); two with a
+    plain kp, which records no barrier."""
     if most_new_rows > FUSED_APPEND_MAX_ROWS:
         return True
     return most_new_rows > 0 and coopmat_takes(device, rows, ch, matrices)
@@ -318,7 +318,7 @@ class CacheBase:
         """appends_first for this cache's device and storage (``rows``: default as many); and where
         the attention would read ``key_bound`` keys of every kv head, enough K/V words
         (TEXEL_APPEND_MIN_WORDS) that reading them from texel views (attn_lane.comp KV_TEXEL,
-        which takes no fused append) pays for the append's own submission."""
+        which takes no fused append) pays for the append's own dispatch and barrier."""
         if appends_first(self.device, most_new_rows, most_new_rows if rows is None else rows, self._ch,
                          self._matrices):
             return True
@@ -434,7 +434,7 @@ class _SlotWritePlan:
         self._pipe, self._spirv = pipe, compile_shader(pipe.shader, pipe.defines)
         self.prog = be.program(self._spirv, [c._k, c._v, self.nk, self.nv, self.dst, self.rope, c._ks, c._vs],
                                pipe.groups, pipe.spec, writes=(0, 1, 6, 7), name=pipe.name)
-        inputs = [self.nk, self.nv, self.dst] + ([self.rope] if c.rope else [])
+        inputs = self._inputs = [self.nk, self.nv, self.dst] + ([self.rope] if c.rope else [])
         self.rec = be.recording().upload(*inputs).dispatch(self.prog).build(c.timestamps)
         self._binds = OrderedDict()
 
@@ -461,16 +461,25 @@ class _SlotWritePlan:
         """k (num_kv_heads, n, head_dim), v (num_kv_heads, n, v_head_dim); new row r goes to
         ``slots[r]`` (distinct, checked by the caller) and is rotated at ``positions[r]``
         (default: the slots, which are the positions of a KVCache)."""
-        c = self.c
-        hkv, n = c.num_kv_heads, k.shape[1]
-        device = isinstance(k, DeviceArray)
-        if not device:
-            put_rows(self.nk, k, c._dk4 * c._ch * 4)
-            put_rows(self.nv, v, c._dv4 * c._ch * 4)
-        self.fill_rows(n, slots, positions)
-        rec = self.bound(k.buffer, v.buffer)[1] if device else self.rec
+        rec = self.stage(k, v, slots, positions)[2]
         rec.run()
-        c._last_rec = rec
+        self.c._last_rec = rec
+
+    def stage(self, k, v, slots: np.ndarray, positions: np.ndarray | None = None) -> tuple:
+        """What :meth:`run` does short of submitting: the rows, slots and rotary table written
+        to the host side of their buffers. Returns (program, uploads, recording): the dispatch
+        and what it uploads, which a later plan may record ahead of its own in one submission
+        (AttnPlan.run's ``first``), and the recording that runs it alone."""
+        c = self.c
+        n = k.shape[1]
+        if isinstance(k, DeviceArray):
+            self.fill_rows(n, slots, positions)
+            prog, rec, up = self.bound(k.buffer, v.buffer)
+            return prog, up, rec
+        put_rows(self.nk, k, c._dk4 * c._ch * 4)
+        put_rows(self.nv, v, c._dv4 * c._ch * 4)
+        self.fill_rows(n, slots, positions)
+        return self.prog, self._inputs, self.rec
 
     def fill_rows(self, n: int, slots: np.ndarray, positions: np.ndarray | None = None) -> None:
         """The row list and rotary table of a call of ``n`` rows (what run uploads besides K/V)."""

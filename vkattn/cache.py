@@ -403,15 +403,18 @@ class KVCache(CacheBase):
         s, n = q.shape[1], 0 if k is None else k.shape[1]
         total = self._length + n
         append, plan = self._call_plans(q, n, call)    # both built before either runs
-        if append is not None:                  # the new rows go in first, in their own submission
-            append.run(k, v, np.arange(self._length, total))
+        first = None
+        if append is not None:                  # the new rows go in first (one submission with a barrier)
+            first = append.stage(k, v, np.arange(self._length, total))
             k = v = None
         seq = self._seq_call(s, 0 if k is None else n, total, call["mask"])
         out, lse = plan.run(q, k, v, [seq], call["causal"], call["scale"], call["variant"],
-                            rope=self.rope, out=call["out"], lse=call["lse"])
+                            rope=self.rope, out=call["out"], lse=call["lse"], first=first)
         self._length += n
         out = call["out"] if out is None else out
         lse = call["lse"] if lse is None else lse
         if self.verify:
+            last = self._last_rec                       # last_timings: the call's, not the read's
             self._verify_rows(*self._host(out, lse, q), *self.read(), self._length - s, call)
+            self._last_rec = last
         return (out, lse) if call["return_lse"] else out

@@ -207,7 +207,9 @@ class PagedKVCache(CacheBase):
             self._check_open()
             plan, k, v = self._check_new(seq_ids, n_new, k, v, token_ids)
             plan.evict_cached()
-            self._write_new(plan, k, v)
+            rec = self._stage_new(plan, k, v)[2]
+            rec.run()
+            self._last_rec = rec
             plan.commit()
 
     # ------------------------------------------------------------------ attention
@@ -228,7 +230,8 @@ class PagedKVCache(CacheBase):
         :meth:`KVCache.attend`; ``mask`` is a list with one (n_new_i, length_i + n_new_i) or
         (num_qo_heads, n_new_i, length_i + n_new_i) array per sequence. When a sequence brings
         more than ``vkattn.tuning.FUSED_APPEND_MAX_ROWS`` tokens, every new token is appended in a
-        submission of its own first and attended from the cache (as :meth:`KVCache.forward`);
+        dispatch of its own first and attended from the cache (as :meth:`KVCache.forward`; one
+        submission, a barrier between, with the patched kp);
         otherwise the append is fused into the attention dispatch. Every check -- including
         that all new tokens fit in free blocks -- runs before anything is written: on any error
         no sequence changes. With the cache's ``rope``, new keys are rotated at their positions
@@ -269,13 +272,13 @@ class PagedKVCache(CacheBase):
                         variant=variant, rope_q=self._check_rope_q(rope_q))
             return_lse = check_bool("return_lse", return_lse)
             masks = self._check_masks(mask, hq, plan)
-            split = self._appends_first(max(counts))   # append all new rows first, attend from the pool
+            split = self._split(plan)               # append all new rows first, attend from the pool
             seqs = _seq_calls(plan, masks, split)
             flags = F_PAGED | variant.flags(masks is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
             if self.device._graph is not None:
                 if token_ids is not None:
                     raise ValueError("token_ids: a call captured into a graph does not record token ids")
-                return self._capture(plan.seq_ids, list(counts), q, k, v, masks, flags, split, call,
+                return self._capture(plan.seq_ids, list(counts), q, k, v, masks, flags, call,
                                      out, lse, return_lse)
             # a prefix of full blocks several sequences share: attended once for all (vkattn.cascade)
             groups = None if on_device else cascade.plan_groups(self, plan, hq, variant, masks is not None,
@@ -286,24 +289,29 @@ class PagedKVCache(CacheBase):
             else:
                 attn = self._batch_plan(plan, hq, flags, masks, split)
             plan.evict_cached()                     # before the device writes any block it takes
+            first = None
             if split:                               # both plans are built before either runs
-                self._write_new(plan, k, v)
+                first = self._stage_new(plan, k, v)
                 k = v = None
             if groups:
+                if first is not None:               # the cascade's own submission follows
+                    first[2].run()
                 out, lse = attn.run(q, k, v, seqs, plan, groups, call["causal"], call["scale"], variant,
                                     rope=self.rope)
             else:
                 host_out, host_lse = attn.run(q, k, v, seqs, call["causal"], call["scale"], variant,
-                                              rope=self.rope, out=out, lse=lse)
+                                              rope=self.rope, out=out, lse=lse, first=first)
                 out = out if host_out is None else host_out
                 lse = lse if host_lse is None else host_lse
             plan.commit()
             if self.verify:
                 vout, vlse, vq = self._host(out, lse, q)
+                last = self._last_rec                   # last_timings: the call's, not the reads'
                 for sid, s in zip(plan.seq_ids, seqs):
                     rows = slice(s.q_start, s.q_start + s.q_len)
                     self._verify_rows(vout[:, rows], vlse[:, rows], vq[:, rows], *self.read(sid),
                                       s.past + s.n_new - s.q_len, dict(call, mask=s.mask))
+                self._last_rec = last
             return (out, lse) if return_lse else out
 
     def _fast_forward(self, seq_ids, q, k, v, n_new, scale=None, out=None, window=None, n_sink=0, softcap=None,
@@ -334,7 +342,7 @@ class PagedKVCache(CacheBase):
             plan, step = self._step_plan(seq_ids, n_new, hq, flags, token_ids)  # ids, counts, token ids checked
             counts = plan.n_new
             most = max(counts)
-            if sum(counts) != total or most > FUSED_APPEND_MAX_ROWS or self._appends_first(most) \
+            if sum(counts) != total or most > FUSED_APPEND_MAX_ROWS or self._split(plan) \
                     or (out is None and cascade.may_share(self, plan)):
                 return None
             attn = self._step_attn(plan, step)
@@ -357,27 +365,33 @@ class PagedKVCache(CacheBase):
             dv = self.v_head_dim
             return attn.out.view()[:hq * total * dv].reshape(hq, total, dv).copy()
 
-    def _capture(self, seq_ids, counts, q, k, v, masks, flags, split, call, out, lse, return_lse):
+    def _capture(self, seq_ids, counts, q, k, v, masks, flags, call, out, lse, return_lse):
         """The batch call as a graph step (vkattn.graph): the pool's blocks are planned, its plan
         looked up and its host words filled when the graph is submitted, for the sequences'
         lengths then; blocks are taken (and cached ones they reuse evicted) at the submission."""
         call = dict(call, out=out, lse=lse, return_lse=return_lse)
         self._check_graph_call(q, k, v, call)
         hq, variant, cache = q.shape[0], call["variant"], self
-        # the common call's words come from fill_batch (no SeqCall records), the rest from fill
-        plain = masks is None and not split and call["causal"] and variant.alibi is None
+        # the common call's words come from fill_batch (no SeqCall records), the rest from fill;
+        # whether the rows are appended first is decided again at each submission (_split: the
+        # batch's keys then), as a KVCache step's plans are
+        common = masks is None and call["causal"] and variant.alibi is None
 
         class Step:
             plan = step = None
 
             def prepare(self):
                 cache._check_open()
-                if plain:                   # the family's last step where it applies (a model's layers)
+                if common:                  # the family's last step where it applies (a model's layers)
                     plan, self.step = cache._step_plan(seq_ids, counts, hq, flags)
-                    attn = cache._step_attn(plan, self.step)
-                    self.plan = plan
                 else:
-                    plan = self.plan = cache._plan_new(seq_ids, counts)
+                    plan = cache._plan_new(seq_ids, counts)
+                self.plan = plan
+                split = cache._split(plan)
+                plain = common and not split
+                if plain:
+                    attn = cache._step_attn(plan, self.step)
+                else:
                     attn = cache._batch_plan(plan, hq, flags, masks, split)
                 work, kk, vv = [], k, v
                 if split:
@@ -427,7 +441,7 @@ class PagedKVCache(CacheBase):
             hq = self._check_qo_heads(num_qo_heads)
             rope_q = self._check_rope_q(rope_q)
             flags = F_PAGED | (self.rope.flags(rope_q) if self.rope else 0)
-            split = self._appends_first(max(plan.n_new))
+            split = self._split(plan)
             if split:
                 self._append_plan(sum(plan.n_new)).warm()
             groups = cascade.plan_groups(self, plan, hq, check_variant(hq), False, rope_q)
@@ -580,11 +594,21 @@ class PagedKVCache(CacheBase):
         return (("attn", hq, rows, nn, nseq, flags, bucket, bound, splits),
                 (hq, rows, nn, nseq, flags, bucket, bound, decode, self._rope_dim, splits))
 
-    def _write_new(self, plan, k, v) -> None:
-        """append.comp: every new row of ``plan`` at its slot, rotated at its position (one
-        submission). The caller commits the plan."""
+    def _split(self, plan) -> bool:
+        """Whether a batch appends its new rows first and attends from the pool (CacheBase.
+        _appends_first): a sequence brings many rows, or the attention reads enough K/V words --
+        every key of the batch, its sequences' lengths after the append -- that reading them from
+        texel views pays for the append's dispatch (lavapipe, 32/8 heads d128 float16, decode
+        of 16 sequences of 100 .. 4000 keys, 33.6 M words: 29.5 -> 23.3 ms a step; 4 of 100 ..
+        300 keys, 0.8 M words: 1.20 -> 0.90 ms; q4 of the 16: 20.7 / 21.0 ms, no change)."""
+        return self._appends_first(max(plan.n_new), key_bound=sum(plan.past) + sum(plan.n_new))
+
+    def _stage_new(self, plan, k, v) -> tuple:
+        """append.comp for every new row of ``plan`` at its slot, rotated at its position, staged
+        (_SlotWritePlan.stage: run by the attention's submission, or alone). The caller commits
+        the plan."""
         slots, positions = _new_rows(plan, self.block_size)
-        self._append_plan(sum(plan.n_new)).run(k, v, slots, positions)
+        return self._append_plan(sum(plan.n_new)).stage(k, v, slots, positions)
 
     def _check_masks(self, mask, hq, plan):
         if mask is None:

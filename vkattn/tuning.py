@@ -69,8 +69,8 @@ LANE_STATE_VEC4_LONG = 256   # this many: twice the query vectors per K/V load a
                         # fastest of 10: 320 -> 272 ms, from empty 53 -> 47 ms), paid with a longer
                         # first compile (6.4 s against 2.4 s) only by calls that long
 FUSED_APPEND_MAX_ROWS = 32   # KVCache.forward with more new rows (PagedKVCache.forward: a sequence
-                        # with more) appends them in a submission of its own, then attends from the
-                        # cache: in the fused kernel every workgroup of a sequence stores all of its
+                        # with more) appends them in a dispatch of its own, then attends from the
+                        # cache (one submission, a barrier between): in the fused kernel every workgroup of a sequence stores all of its
                         # new rows (attn_lane.comp: no barrier needed), so the stores grow with
                         # rows x query tiles, which soon costs more than one more round trip
                         # (before that design, prefill S=512 from empty on lavapipe: KVCache 98 ->
@@ -261,13 +261,16 @@ def kernel_for(device) -> str:
     return "tile"
 
 
-TEXEL_APPEND_MIN_WORDS = 1 << 20   # a decode with new rows appends them first (a second submission)
-                        # where its attention then reads at least this many K/V words from texel
-                        # views instead of storage (texel_kv): the 0.29 ns a word saved must pay the
-                        # round trip. Lavapipe, 2-vCPU Zen 4, 32/8 heads d128 (scratch, alternated,
-                        # ms a decode step fused / appended first): float16 512 keys (0.5 M words)
-                        # 0.51 / 0.52, 1024 keys 0.87 / 0.75, 4096 keys 3.0 / 2.1; q4 (0.28 K words
-                        # a key) 1024 keys 0.58 / 0.72
+TEXEL_APPEND_MIN_WORDS = 1 << 20   # a decode with new rows appends them first (a dispatch and a
+                        # barrier more) where its attention then reads at least this many K/V words
+                        # from texel views instead of storage (texel_kv): the 0.29 ns a word saved
+                        # must pay them. Lavapipe, 2-vCPU Zen 4, 32/8 heads d128, ms a decode step
+                        # fused / appended first (scratch, alternated, medians). Two submissions
+                        # (session 30): float16 512 keys (0.5 M words) 0.51 / 0.52, 1024 keys 0.87 /
+                        # 0.75, 4096 keys 3.0 / 2.1; q4 (0.38 K words a key) 1024 keys 0.58 / 0.72.
+                        # One submission (session 31): float16 256 keys 0.34 / 0.49, 512 0.51 /
+                        # 0.50, 1024 0.88 / 0.72; q4 1024 0.58 / 0.66, 2048 (0.79 M words) 1.03 /
+                        # 1.03: the break-even moved to 0.5-0.8 M words, where both tie
 
 
 def kv_texel_words(defines: dict) -> int:

@@ -75,6 +75,11 @@ test-subgroup4: setup
 		tests/test_device_path.py tests/test_cascade.py tests/test_fast_path.py
 	LP_NATIVE_VECTOR_WIDTH=128 VKATTN_HOST_MEMORY=staging $(PY) -m pytest -q -n auto --dist worksteal $(FORMATS) \
 		-k "append_forward_decode and lane and not e5m2"
+	# texel views at 128 bits: Mesa's shader cache off, as _driverfix.texel_fault requires at a width
+	# other than the CPU's own (the cache would hand 256-bit texel code to this process), and so this
+	# run leaves no 128-bit texel code in it for the 256-bit runs either
+	MESA_SHADER_CACHE_DISABLE=true LP_NATIVE_VECTOR_WIDTH=128 VKATTN_HOST_MEMORY=staging $(PY) -m pytest -q -n auto \
+		--dist worksteal tests/test_texel.py tests/test_texel_kv.py
 
 # attn_coopmat.comp (cooperative matrices): its parity tests under the Khronos layer's
 # synchronization validation (less the tests that rerun the self-test with a wrong reference and

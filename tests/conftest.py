@@ -70,14 +70,16 @@ def skip_without_lane(dev) -> None:
 
 def require_texel(dev) -> None:
     """Skip where a known driver fault keeps vkattn off texel buffers (_driverfix.texel_fault:
-    Mesa 26's llvmpipe at 128 bits), fail where they are missing otherwise (the patched kp binds
-    them on every Vulkan device with a maxTexelBufferElements limit)."""
+    llvmpipe of Mesa 25+ at a width other than its CPU's own, Mesa's shader cache on), fail where
+    they are missing otherwise (the patched kp binds them on every Vulkan device with a
+    maxTexelBufferElements limit)."""
     if dev.texel_buffers:
         return
     from vkattn import _driverfix
     if _driverfix.texel_fault(dev.info.name, dev.info.driver_name, dev.info.driver_info):
-        pytest.skip(f"{dev.name}, {dev.info.driver_info}: texel buffers crash this driver "
-                    f"(_driverfix.texel_fault), so vkattn binds none")
+        pytest.skip(f"{dev.name}, {dev.info.driver_info}: not this CPU's own llvmpipe width, with Mesa's "
+                    f"shader cache on, which mixes the widths' texel pipelines (_driverfix.texel_fault), so "
+                    f"vkattn binds no texel buffer (MESA_SHADER_CACHE_DISABLE=true runs them)")
     pytest.fail(f"{dev.name}: no texel buffers (kp built without scripts/kp-0.9.0-features.patch?)")
 
 

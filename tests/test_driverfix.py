@@ -48,15 +48,46 @@ def test_probe_result_is_remembered(monkeypatch, tmp_path):
     assert _driverfix.apply() == {} and "GALLIUM_OVERRIDE_CPU_CAPS" not in os.environ
 
 
-@pytest.mark.parametrize("name, driver, info, hit", [
-    ("llvmpipe (LLVM 19.1.7, 128 bits)", "llvmpipe", "Mesa 26.1.6-1~bpo13+1 (LLVM 19.1.7)", True),    # measured crash
-    ("llvmpipe (LLVM 19.1.7, 128 bits)", "llvmpipe", "Mesa 25.0.7-2+deb13u1 (LLVM 19.1.7)", True),    # not measured
-    ("llvmpipe (LLVM 19.1.7, 256 bits)", "llvmpipe", "Mesa 26.1.6-1~bpo13+1 (LLVM 19.1.7)", False),   # runs them
-    ("llvmpipe (LLVM 15.0.6, 128 bits)", "llvmpipe", "Mesa 22.3.6 (LLVM 15.0.6)", False),             # runs them
-    ("llvmpipe (LLVM 15.0.6, 256 bits)", "llvmpipe", "Mesa 22.3.6 (LLVM 15.0.6)", False),
-    ("AMD Radeon RX 7900 XTX (RADV NAVI31)", "radv", "Mesa 26.1.6", False),
-    ("NVIDIA H100 80GB HBM3", "NVIDIA", "580.159.04", False),
+M26 = "Mesa 26.1.6-1~bpo13+1 (LLVM 19.1.7)"
+M25 = "Mesa 25.0.7-2+deb13u1 (LLVM 19.1.7)"
+M22 = "Mesa 22.3.6 (LLVM 15.0.6)"
+
+
+@pytest.mark.parametrize("name, driver, info, cpu, env, hit", [
+    # a width other than the CPU's own, the shader cache on: measured crash (256-bit code at 128)
+    ("llvmpipe (LLVM 19.1.7, 128 bits)", "llvmpipe", M26, "avx2", {}, True),
+    ("llvmpipe (LLVM 19.1.7, 128 bits)", "llvmpipe", M25, "avx", {}, True),
+    ("llvmpipe (LLVM 19.1.7, 256 bits)", "llvmpipe", M26, "sse4_1", {}, True),
+    # the CPU's own width, or the cache off: measured to run every texel test
+    ("llvmpipe (LLVM 19.1.7, 256 bits)", "llvmpipe", M26, "avx2", {}, False),
+    ("llvmpipe (LLVM 19.1.7, 128 bits)", "llvmpipe", M26, "sse4_1", {}, False),
+    ("llvmpipe (LLVM 19.1.7, 128 bits)", "llvmpipe", M26, "avx2", {"MESA_SHADER_CACHE_DISABLE": "true"}, False),
+    ("llvmpipe (LLVM 19.1.7, 128 bits)", "llvmpipe", M25, "avx", {"MESA_SHADER_CACHE_DISABLE": "1"}, False),
+    ("llvmpipe (LLVM 19.1.7, 128 bits)", "llvmpipe", M26, "avx2", {"MESA_SHADER_CACHE_DISABLE": "false"}, True),
+    # Mesa 22.3 caches no machine code; GPUs
+    ("llvmpipe (LLVM 15.0.6, 128 bits)", "llvmpipe", M22, "avx2", {}, False),
+    ("llvmpipe (LLVM 15.0.6, 256 bits)", "llvmpipe", M22, "avx2", {}, False),
+    ("AMD Radeon RX 7900 XTX (RADV NAVI31)", "radv", "Mesa 26.1.6", "avx2", {}, False),
+    ("NVIDIA H100 80GB HBM3", "NVIDIA", "580.159.04", "avx2", {}, False),
 ])
-def test_texel_fault(name, driver, info, hit):
-    """Which drivers vkattn keeps off texel buffers (a segmentation fault, not a wrong result)."""
+def test_texel_fault(monkeypatch, name, driver, info, cpu, env, hit):
+    """Which drivers vkattn keeps off texel buffers: llvmpipe of Mesa 25+ at a vector width other
+    than its CPU's own with Mesa's shader cache on (a segmentation fault or garbage: the cache
+    does not tell the widths apart)."""
+    flags = {"avx2": {"sse4_1", "avx", "avx2", "fma"}, "avx": {"sse4_1", "avx"}, "sse4_1": {"sse2", "sse4_1"}}[cpu]
+    monkeypatch.setattr(_driverfix, "_cpu_flags", lambda: set(flags))
+    monkeypatch.delenv("MESA_SHADER_CACHE_DISABLE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     assert _driverfix.texel_fault(name, driver, info) is hit
+
+
+def test_cpu_flags_read_here():
+    """The flags come from /proc/cpuinfo on Linux (x86 "flags", ARM "Features"); the natural
+    width follows AVX."""
+    flags = _driverfix._cpu_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo")
+    assert flags, "no flags line"
+    assert _driverfix._natural_width() == (256 if "avx" in flags else 128)
+    assert _driverfix._avx512() == ("avx512f" in flags)

@@ -1,5 +1,6 @@
 """Settings for a known driver fault, applied before this process loads any Vulkan driver (and
-:func:`texel_fault`, a fault vkattn avoids by not using what triggers it).
+:func:`texel_fault`, a fault vkattn avoids by not using what triggers it: Mesa's shader cache
+mixing llvmpipe's vector widths for texel-fetching pipelines).
 
 **llvmpipe (lavapipe) of Mesa 25 on a CPU with AVX-512.** Mesa 25.0.7's llvmpipe (Debian 13,
 LLVM 19) aborts the whole process while compiling some tile-kernel pipelines (``attn_tile``):
@@ -40,27 +41,54 @@ def affected(driver_name: str, driver_info: str) -> bool:
 
 def texel_fault(name: str, driver_name: str, driver_info: str) -> bool:
     """True where uniform texel buffers must not be bound (vkattn._kp.Backend.texel_buffers):
-    llvmpipe on vectors narrower than 256 bits (its device name says "128 bits": a CPU without
-    AVX, an ARM host, or LP_NATIVE_VECTOR_WIDTH=128) of a Mesa newer than 22. Measured: Mesa
-    26.1.6 (trixie-backports, LLVM 19) at 128 bits kills the process with a segmentation fault on
-    the first dispatch of any shader that fetches from a texel buffer (tests/test_texel.py's
-    four-line ones too), at 256 bits it runs them all; Mesa 22.3 at 128 bits runs them (session
-    30). The versions between are not measured, so they are treated as Mesa 26."""
+    llvmpipe of a Mesa newer than 22 running at a vector width other than its CPU's own (the
+    width in its device name, against 256 bits where the CPU has AVX and 128 otherwise: set so by
+    LP_NATIVE_VECTOR_WIDTH or GALLIUM_OVERRIDE_CPU_CAPS), with Mesa's shader cache on.
+
+    Measured (session 31, Debian 13, Mesa 25.0.7 and 26.1.6, LLVM 19, on an AVX-512 CPU): these
+    Mesas keep a texel-fetching pipeline's compiled code in the shader cache under a key that
+    does not tell the vector widths apart. A pipeline compiled at 256 bits and loaded by a
+    process at 128 kills it with a segmentation fault on its first dispatch (the four-line
+    shaders of tests/test_texel.py too); one compiled at 128 and loaded at 256 read garbage (NaN
+    in a test_texel_kv result, once). With the cache off (MESA_SHADER_CACHE_DISABLE=true) both
+    Mesas ran every texel test at 128 bits and at 256, and with one width only a cache never
+    mixes them. Session 30 took the crash for a fault of 128-bit llvmpipe (its CI runs the
+    128-bit tests after 256-bit ones on a shared cache). So a process at its CPU's own width
+    binds texel buffers (every process on the machine then compiles them at that width: an ARM
+    host at 128, not measured); one at another width does not, and its pipelines -- none of
+    them fetching from a texel buffer -- are safe to share the cache. Mesa 22.3 caches no
+    machine code (it ran them at 128 bits after 256)."""
     m = re.match(r"Mesa (\d+)\.", driver_info or "")
     w = re.search(r"(\d+) bits\)", name or "")
-    return driver_name == "llvmpipe" and m is not None and int(m.group(1)) > 22 and w is not None \
-        and int(w.group(1)) < 256
+    if driver_name != "llvmpipe" or m is None or int(m.group(1)) <= 22 or w is None:
+        return False
+    if os.environ.get("MESA_SHADER_CACHE_DISABLE", "").strip().lower() in ("1", "true", "yes", "y", "t"):
+        return False
+    return int(w.group(1)) != _natural_width()
 
 
-def _avx512() -> bool:
+def _cpu_flags() -> set | None:
+    """The CPU's feature flags (Linux /proc/cpuinfo: x86 "flags", ARM "Features"), None where
+    unreadable."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return " avx512f" in line
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        pass
-    return False
+        return None
+    return set()
+
+
+def _natural_width() -> int:
+    """The vector width llvmpipe picks by itself on this CPU: 256 bits with AVX, else 128 (and
+    256 where the flags cannot be read: a narrower width is then taken as set by hand)."""
+    flags = _cpu_flags()
+    return 256 if flags is None or "avx" in flags else 128
+
+
+def _avx512() -> bool:
+    return "avx512f" in (_cpu_flags() or ())
 
 
 def _icd_files():

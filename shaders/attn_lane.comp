@@ -45,7 +45,7 @@ layout(constant_id = 8) const uint ROPE_DIM = 8u;
 #endif
 #if KV_TEXEL
 // KV_TEXEL: K and V are read from uniform texel buffers (vkattn binds a usamplerBuffer so: four
-// words a texel, q4 one), which a CPU driver loads by vector gathers where a storage load is a
+// words a texel), which a CPU driver loads by vector gathers where a storage load is a
 // per-lane loop (lavapipe: 0.125 against 0.416 ns a word, python -m perf loads). Read-only: the
 // variant has no fused append (its plans carry no new rows, nn = 0: the rows were appended first)
 layout(binding = 0) uniform usamplerBuffer kt;
@@ -188,10 +188,14 @@ void load_chunk(bool is_k, uint row, uint i, out vec4 t[LCH], out float bs, out 
     // a block: its 16 nibbles, its scale and zero point
     const uint base = row * Q4_ROW(is_k ? DK4 : DV4);
 #if KV_TEXEL
-    const uint wi = (base * 2u + c) * 2u, pi = (base + (is_k ? DK4 : DV4)) * 4u + c;
-    const uvec2 w = is_k ? uvec2(texelFetch(kt, int(wi)).x, texelFetch(kt, int(wi + 1u)).x)
-                         : uvec2(texelFetch(vt, int(wi)).x, texelFetch(vt, int(wi + 1u)).x);
-    const uint p = is_k ? texelFetch(kt, int(pi)).x : texelFetch(vt, int(pi)).x;
+    // the block's two data words are half of texel base + c/2, its parameter component c%4 of
+    // texel base + D4 + c/4: two fetches of four words (three of one word each took 6% longer,
+    // decode L=4096 32/8 d128 on lavapipe: 1.65 against 1.56 ms, alternated, session 31)
+    const uint pt = base + (is_k ? DK4 : DV4) + c / 4u;
+    const uvec4 wq = is_k ? texelFetch(kt, int(base + c / 2u)) : texelFetch(vt, int(base + c / 2u));
+    const uvec4 pq = is_k ? texelFetch(kt, int(pt)) : texelFetch(vt, int(pt));
+    const uvec2 w = (c & 1u) != 0u ? wq.zw : wq.xy;
+    const uint p = pq[c & 3u];
 #else
     const uvec2 w = is_k ? kc2[base * 2u + c] : vc2[base * 2u + c];
     const uint p = is_k ? kc1[(base + DK4) * 4u + c] : vc1[(base + DV4) * 4u + c];

@@ -26,7 +26,7 @@ from .errors import DeviceLimitError
 from .formats import FORMATS
 from .reference import bfloat16_to_float32, fp8_to_float32, q4_words_to_float32
 from .tuning import MIN_CHUNK, WORKGROUP, attention_config, coopmat_fixed_trips, coopmat_stage_batch, \
-    kv_texel_words, texel_kv, tile_merge_batch, tile_v_early
+    texel_kv, tile_merge_batch, tile_v_early
 
 _LOG2E = 1.4426950408889634
 HEADER = 32
@@ -275,13 +275,10 @@ class AttnPlan:
         self._check_width = bool(shuffles) and cfg.kernel in ("tile", "coopmat") and (
             not pin[0] or cfg.kernel == "coopmat")
         self._pipe, self._spirv = pipe, compile_shader(pipe.shader, pipe.defines)
-        # K and V read as texel views (KV_TEXEL), at the format's words a texel
-        w = kv_texel_words(pipe.defines)
-        self._texel_words = {0: w, 1: w} if pipe.defines.get("KV_TEXEL") else None
         # the pools (and int8 scales) are written only by a fused append
         self._writes = (0, 1, 5, 6, 7, 8, 9, 11, 12) if nn else (5, 6, 7, 8, 9)
         self.attn = be.program(self._spirv, bindings, pipe.groups, pipe.spec, writes=self._writes,
-                               name=pipe.shader, subgroup=pin, texel_words=self._texel_words)
+                               name=pipe.shader, subgroup=pin)
         self.rec = be.recording().upload(*inputs).dispatch(self.attn).download(self.out, self.lse).build(c.timestamps)
         self._rec_out = None            # the same without lse's download (out_only)
         self._header = np.zeros(HEADER, np.uint32)
@@ -330,7 +327,7 @@ class AttnPlan:
         bindings = [c._k, c._v, nk or self.nk, nv or self.nv, q or self.q, self.aux, out or self.out,
                     self.part, self.ml, lse or self.lse, self.rope, c._ks, c._vs]
         prog = be.program(self._spirv, bindings, self._pipe.groups, self._pipe.spec, writes=self._writes,
-                          name=self._pipe.shader, subgroup=self.subgroup, texel_words=self._texel_words)
+                          name=self._pipe.shader, subgroup=self.subgroup)
         up = [b for b in self.inputs if b not in (self.q, self.nk, self.nv)] + \
              [own for own, user in ((self.q, q), (self.nk, nk), (self.nv, nv)) if own in self.inputs and user is None]
         down = [b for b in ((self.out if out is None else None), (self.lse if lse is None else lse if self._check_width

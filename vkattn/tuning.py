@@ -273,17 +273,12 @@ TEXEL_APPEND_MIN_WORDS = 1 << 20   # a decode with new rows appends them first (
                         # 1.03: the break-even moved to 0.5-0.8 M words, where both tie
 
 
-def kv_texel_words(defines: dict) -> int:
-    """Words a texel of the K/V texel views (attn_lane.comp KV_TEXEL) of a storage format's
-    ``defines``: q4 reads single words, the other formats uvec4 chunks."""
-    return 1 if defines.get("KV_Q4") else 4
-
-
 def texel_kv(device, kernel: str, nn: int, store) -> bool:
     """Whether an attention dispatch reads K and V from uniform texel buffers (attn_lane.comp
     KV_TEXEL): the lane kernel, no fused append (``nn`` 0: a texel view is read-only and need not
     see stores of its own dispatch), a device that binds texel buffers (the patched kp, no known
-    driver fault) and the cache ``store``'s K/V buffers within its maxTexelBufferElements.
+    driver fault) and the cache ``store``'s K/V buffers within its maxTexelBufferElements (four
+    words a texel, every format).
     Lavapipe gathers a texel fetch with vector instructions and runs a storage load as a per-lane
     loop (0.125 against 0.416 ns a word, python -m perf loads). VKATTN_TEXEL_KV=0 turns it off
     (the storage path, as with a plain kp)."""
@@ -292,7 +287,7 @@ def texel_kv(device, kernel: str, nn: int, store) -> bool:
     if not getattr(device, "texel_buffers", False):          # a planning device: never
         return False
     k = getattr(store, "_k", None)      # None: a format planned without buffers (perf's traffic models)
-    return k is None or k.nbytes // (4 * kv_texel_words(store._defines)) <= device.info.max_texel_buffer_elements
+    return k is None or k.nbytes // 16 <= device.info.max_texel_buffer_elements
 
 
 def coopmat_wanted(device) -> bool:

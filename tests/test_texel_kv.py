@@ -181,3 +181,112 @@ def test_a_paged_batch_over_many_keys_appends_first_and_reads_texels(lane_texel,
     finally:
         first[0].close()
         fused[0].close()
+
+
+@pytest.mark.parametrize("dtype,rope", [("float16", None), ("q4", vkattn.RoPE(base=500.0)), ("int8", None)])
+def test_the_fast_path_appends_first_too(lane_texel, rng, monkeypatch, dtype, rope):
+    """KVCache.forward's fast path takes a decode that appends first (the texel threshold reached):
+    the append and the texel attention in one submission, the aux words patched rather than
+    rebuilt after the first call, bit for bit the general path's results and stored rows; with
+    device arrays and ``out=`` too."""
+    from vkattn import _attn
+    fast, general = (vkattn.KVCache(160, 2, 64, dtype=dtype, device=lane_texel, rope=rope) for _ in range(2))
+    general._fast_forward = lambda *a, **kw: None          # the twin always takes the general path
+    try:
+        k, v = rand_kv(rng, fast, 100)
+        for c in (fast, general):
+            c.append(k, v)
+        per_key = fast.num_kv_heads * 4 * (fast._rk4 + fast._rv4)
+        monkeypatch.setattr(_base, "TEXEL_APPEND_MIN_WORDS", 128 * per_key)    # a key bound of 128
+        fills = []
+        real = _attn.AttnPlan.fill
+        monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))
+        calls = 6
+        for i in range(calls):
+            q1, k1, v1 = rand_q(rng, fast, 3, 1), *rand_kv(rng, fast, 1)
+            lse = i == 2
+            got = fast.forward(q1, k1, v1, return_lse=lse)
+            if i == 0:
+                fills_general = len(fills)
+            want = general.forward(q1, k1, v1, return_lse=lse)
+            if lse:
+                assert np.array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
+                got, want = got[0], want[0]
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), i
+            ops = fast._last_rec.ops
+            assert [op for op in ops if op.startswith(("append", "attn"))] == ["append", "attn_lane"], ops
+        assert any(_texel_plans(fast))
+        assert len(fills) <= fills_general + calls + 1     # the general twin fills each call, the fast path once
+        # device arrays, out=: the same bits as the numpy twin
+        q1, k1, v1 = rand_q(rng, fast, 3, 1), *rand_kv(rng, fast, 1)
+        arrays = [vkattn.to_device(x, lane_texel) for x in (q1, k1, v1)]
+        out = vkattn.empty(q1.shape, lane_texel)
+        try:
+            assert fast.forward(*arrays, out=out) is out
+            assert np.array_equal(out.numpy().view(np.uint32), general.forward(q1, k1, v1).view(np.uint32))
+        finally:
+            for a in arrays + [out]:
+                a.close()
+        assert fast.length == general.length == 100 + calls + 1
+        for a, b in zip(fast.read(), general.read()):
+            assert np.array_equal(a, b)
+    finally:
+        fast.close()
+        general.close()
+
+
+@pytest.mark.parametrize("dtype,rope", [("float16", vkattn.RoPE(base=500.0)), ("q4", None)])
+def test_the_paged_fast_path_appends_first_too(lane_texel, rng, monkeypatch, dtype, rope):
+    """PagedKVCache.forward's fast path takes a batch that appends first (the texel threshold
+    reached): no SeqCall fill (AttnPlan.fill_batch), the append and the texel attention in one
+    submission, bit for bit the general path's outputs and stored rows, decode steps and a
+    prefill chunk; with device arrays and ``out=`` too."""
+    from vkattn import _attn
+    lens, hkv, d, hq = [37, 5, 61], 2, 64, 6
+
+    def pool():
+        c = vkattn.PagedKVCache(48, 8, hkv, d, dtype=dtype, device=lane_texel, rope=rope)
+        sids = [c.add_sequence() for _ in lens]
+        r = np.random.default_rng(3)
+        for s, n in zip(sids, lens):
+            k = r.standard_normal((hkv, n, d)).astype(np.float32)
+            c.append([s], k, -k, n_new=[n])
+        return c, sids
+
+    (fast, sids), (general, gsids) = pool(), pool()
+    general._fast_forward = lambda *a, **kw: None          # the twin always takes the general path
+    try:
+        per_key = hkv * 4 * (fast._rk4 + fast._rv4)
+        monkeypatch.setattr(_base, "TEXEL_APPEND_MIN_WORDS", sum(lens) * per_key)
+        fills = []
+        real = _attn.AttnPlan.fill
+        monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(self) or real(self, *a, **kw))
+        for counts in ([1, 1, 1], [1, 1, 1], [4, 1, 2], [1, 1, 1]):
+            t = sum(counts)
+            q = rng.standard_normal((hq, t, d)).astype(np.float32)
+            k = rng.standard_normal((hkv, t, d)).astype(np.float32)
+            v = rng.standard_normal((hkv, t, d)).astype(np.float32)
+            n_fill = len(fills)
+            got = fast.forward(sids, q, k, v, n_new=counts)
+            assert len(fills) == n_fill, "the fast path filled SeqCall records"
+            ops = fast._last_rec.ops
+            assert [op for op in ops if op.startswith(("append", "attn"))] == ["append", "attn_lane"], ops
+            want = general.forward(gsids, q, k, v, n_new=counts)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), counts
+        assert any(_texel_plans(fast))
+        q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((hq, 3, d), (hkv, 3, d), (hkv, 3, d)))
+        arrays = [vkattn.to_device(x, lane_texel) for x in (q, k, v)]
+        out = vkattn.empty(q.shape, lane_texel)
+        try:
+            assert fast.forward(sids, *arrays, out=out) is out
+            assert np.array_equal(out.numpy().view(np.uint32), general.forward(gsids, q, k, v).view(np.uint32))
+        finally:
+            for a in arrays + [out]:
+                a.close()
+        for s1, s2 in zip(sids, gsids):
+            assert fast.length(s1) == general.length(s2)
+            for a, b in zip(fast.read(s1), general.read(s2)):
+                assert np.array_equal(a, b)
+    finally:
+        fast.close()
+        general.close()

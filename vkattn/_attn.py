@@ -450,12 +450,13 @@ class AttnPlan:
     def fill_simple(self, q, k, v, past: int, scale: float, rope: RoPE | None = None,
                     variant: Variant = _PLAIN) -> None:
         """fill() of the most common call -- one sequence of ``past`` cached keys, q (hq, s, d)
-        and new rows k, v as C-contiguous float32 numpy arrays, causal, no variant or mask,
+        and new rows k, v as C-contiguous float32 numpy arrays (or None: no new rows in the
+        dispatch, those appended first counted in ``past``), causal, no variant or mask,
         rotated by the cache's ``rope`` or not: the aux block of the last such call of the same
         counts is kept, and only the four words that follow the length are written, and the
         rotary table's rows of the new positions (vkattn.cache's fast path; a graph's replay,
         whose q, k, v are DeviceArrays)."""
-        s, n = q.shape[1], k.shape[1]
+        s, n = q.shape[1], 0 if k is None else k.shape[1]
         rows = max(s, n)
         if self._simple != (s, n, scale, rope, variant):
             seq = SeqCall(past=past, n_new=n, q_start=0, q_len=s, rope_pos=past + n - rows)
@@ -513,11 +514,12 @@ class AttnPlan:
     def fill_batch(self, q, k, v, past: list, counts: list, tables: list, scale: float,
                    rope: RoPE | None = None, variant: Variant = _PLAIN, words=None) -> int:
         """fill() of a paged batch's common call, the same words in fewer steps: sequence i has
-        ``past[i]`` cached keys and brings ``counts[i]`` new rows (fused: the dispatch stores them)
-        and as many query rows, packed after sequence i-1's; its block table ``tables[i]`` (a list
-        of ints); causal, no ALiBi, mask or shared prefix (a window, sinks and softcap are fine),
-        the keys rotated by the cache's ``rope``. No SeqCall objects, one record list, one rotary
-        table for all rows.
+        ``past[i]`` cached keys and brings ``counts[i]`` new rows (fused: the dispatch stores them;
+        or, with k and v None, appended first: the dispatch finds them in the cache) and as many
+        query rows, packed after sequence i-1's; its block table ``tables[i]`` (a list of ints);
+        causal, no ALiBi, mask or shared prefix (a window, sinks and softcap are fine), the keys
+        rotated by the cache's ``rope``. No SeqCall objects, one record list, one rotary table for
+        all rows.
 
         The per-sequence words it writes (records, block tables, rotary rows) are kept in
         ``batch_words``; ``words``: another plan's ``batch_words`` from a call with the same
@@ -534,9 +536,9 @@ class AttnPlan:
             aux[:HEADER] = self._header
             self._batch_head = key, (seq_off, tile_off, free)
         splits, window = self.cfg.splits, variant.window
-        layout = (free, splits, window, self.rope_dim, rope if self.rope_dim else None)
+        layout = (free, splits, window, self.rope_dim, rope if self.rope_dim else None, nn == 0)
         if words is None or words[0] != layout:
-            words = (layout,) + self._batch_words(past, counts, tables, splits, window, free, rope)
+            words = (layout,) + self._batch_words(past, counts, tables, splits, window, free, rope, nn == 0)
         _, recs, tabs, rtab = words
         aux[seq_off:tile_off] = recs
         aux[free:free + tabs.size] = tabs
@@ -545,9 +547,10 @@ class AttnPlan:
         self.batch_words = words
         return rows
 
-    def _batch_words(self, past, counts, tables, splits, window, free, rope) -> tuple:
+    def _batch_words(self, past, counts, tables, splits, window, free, rope, first: bool = False) -> tuple:
         """fill_batch's per-sequence words: (records, block tables) as uint32 arrays and the
-        rotary rows (float32, flattened; None without rotation)."""
+        rotary rows (float32, flattened; None without rotation). ``first``: the new rows were
+        appended first (each record's past counts them, its n_new is 0)."""
         recs, start, bt, least = array("I"), 0, free, MIN_CHUNK
         put = recs.extend
         for p, n, t in zip(past, counts, tables):
@@ -558,7 +561,8 @@ class AttnPlan:
                     chunk = least if span > least else span
             else:
                 kstart, chunk = split_keys(p + n, n, window, splits)
-            put((p, n, start, n, chunk, bt, kstart, 0, start, start, p, 0))
+            put((p + n, 0, start, n, chunk, bt, kstart, 0, start, start, p, 0) if first else
+                (p, n, start, n, chunk, bt, kstart, 0, start, start, p, 0))
             start += n
             bt += len(t)
         rtab = None

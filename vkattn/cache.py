@@ -8,6 +8,7 @@ from ._base import CacheBase
 from .device import Device
 from . import persist
 from .errors import CacheFullError
+from ._kp import HAS_BARRIER
 from .tuning import FUSED_APPEND_MAX_ROWS, decode_key_bound, row_bucket
 from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
 from .array import DeviceArray
@@ -202,9 +203,11 @@ class KVCache(CacheBase):
     def _fast_forward(self, q, k, v, scale=None, out=None, window=None, n_sink=0, softcap=None, return_lse=False):
         """forward() of the common call -- numpy float32 q, k, v (any strides) (or DeviceArrays of
         this device with ``out`` one too), causal, no ALiBi or mask (a window, sinks and softcap
-        are fine), K rotated by the cache's RoPE or not (q not: ``rope_q`` False), a fused append
-        (at most FUSED_APPEND_MAX_ROWS new rows), nothing asked but the output (and lse, for numpy
-        calls) -- with the same checks in fewer steps: shapes compared as tuples, numpy values by
+        are fine), K rotated by the cache's RoPE or not (q not: ``rope_q`` False), at most
+        FUSED_APPEND_MAX_ROWS new rows (fused into the attention, or appended first where
+        _forward_plans says so: the append staged and recorded ahead of the attention in one
+        submission), nothing asked but the output (and lse, for numpy calls) -- with the same
+        checks in fewer steps: shapes compared as tuples, numpy values by
         one dot product each (checks.plainly_finite), the plan's aux words patched
         (AttnPlan.fill_simple). None where any of that does not hold: the caller takes the general
         path, whose checks raise the precise error."""
@@ -223,9 +226,10 @@ class KVCache(CacheBase):
                     or total > self.capacity:
                 return None
             variant = check_variant(hq, window, n_sink, softcap)
-            # the plan of (hq, s, n) at this key bound (_attn_plan's), memoised with what decides
-            # the path: its plan key (touched in the LRU), or None (appended first, or the output
-            # width checked after the run: the general path)
+            # the plans of (hq, s, n) at this key bound (_forward_plans'), memoised with what
+            # decides the path: [attention plan key, plan, out's host view once used, append
+            # plan key, append plan (both None: fused)], the keys touched in the LRU; or None (the
+            # output width checked after the run: the general path)
             bound = self.capacity if s != 1 else decode_key_bound(total, self.capacity)
             memo = self._fast_plans
             if memo is None:
@@ -233,23 +237,35 @@ class KVCache(CacheBase):
             vflags = variant.flags(False)
             hit = memo.get((hq, s, n, bound, vflags), 0)
             if hit == 0:
+                flags = vflags | (self.rope.flags(False) if self.rope is not None else 0)   # K rotated, not q
+                append, plan = self._forward_plans(hq, s, n, flags, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0),
+                                                   total)
                 hit = None
-                if not self._appends_first(n, s, bound if s == 1 else 0):
-                    flags = vflags | (self.rope.flags(False) if self.rope is not None else 0)   # K rotated, not q
-                    plan = self._attn_plan(hq, s, n, flags, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0), total)
-                    if not plan._check_width:
-                        hit = [self._plan_key(plan), plan, None]     # None: out's host view, once used
+                if not plan._check_width:
+                    hit = [self._plan_key(plan), plan, None, None, None]
+                    if append is not None:
+                        hit[3:] = self._plan_key(append), append
                 memo = self._fast_plans = self._fast_plans or {}     # a plan built may have evicted some
                 memo[(hq, s, n, bound, vflags)] = hit
             if hit is None:
                 return None
-            key, plan, result = hit
+            key, plan, result, akey, append = hit
             self._plans.move_to_end(key)
-            plan.fill_simple(q, k, v, self._length, scale, self.rope, variant)
-            if out is not None:
-                rec = plan.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
-            else:
-                rec = plan.rec if return_lse else plan.out_only()
+            if append is None:
+                plan.fill_simple(q, k, v, self._length, scale, self.rope, variant)
+                if out is not None:
+                    rec = plan.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
+                else:
+                    rec = plan.rec if return_lse else plan.out_only()
+            else:                       # appended first: one submission with the patched kp
+                self._plans.move_to_end(akey)
+                first = append.stage(k, v, np.arange(self._length, total))
+                plan.fill_simple(q, None, None, total, scale, self.rope, variant)
+                if out is None and HAS_BARRIER:
+                    rec = plan._chained(first[0], first[1])
+                else:
+                    first[2].run()
+                    rec = plan.rec if out is None else plan.bound(q._buf, None, None, out._buf, None)[1]
             rec.run()
             self._last_rec = rec
             self._length = total
@@ -318,8 +334,9 @@ class KVCache(CacheBase):
                     work.append((prog, up))
                     kk = vv = None
                 fused = 0 if kk is None else n
-                if simple and fused:
-                    plan.fill_simple(q, kk, vv, cache._length, call["scale"], cache.rope, call["variant"])
+                if simple:                  # the rows appended first (or none) counted in the length
+                    plan.fill_simple(q, kk, vv, cache._length if fused else total, call["scale"], cache.rope,
+                                     call["variant"])
                 else:
                     plan.fill(q, kk, vv, [cache._seq_call(s, fused, total, call["mask"])], call["causal"],
                               call["scale"], call["variant"], cache.rope)

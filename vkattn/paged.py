@@ -10,6 +10,7 @@ import numpy as np
 from . import cascade
 from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
+from ._kp import HAS_BARRIER
 from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
 from . import persist
@@ -319,7 +320,8 @@ class PagedKVCache(CacheBase):
         """forward() of the common batch call -- numpy float32 q, k, v (any strides) (or
         DeviceArrays of this device with ``out`` one too), causal, no ALiBi or mask (a window,
         sinks, softcap and token ids are fine), K rotated by the cache's RoPE or not (q not), every
-        sequence's new rows fused into the attention dispatch, no shared prefix to attend by
+        sequence's new rows (at most FUSED_APPEND_MAX_ROWS) fused into the attention dispatch or,
+        where _split says so, appended first in the same submission, no shared prefix to attend by
         cascade, nothing asked but the output (and lse, for numpy calls) -- with the same checks
         in fewer steps (as KVCache's: shapes compared as tuples, numpy values by one dot product
         each) and the aux block written by AttnPlan.fill_batch. Bad sequence ids, counts or
@@ -342,19 +344,31 @@ class PagedKVCache(CacheBase):
             plan, step = self._step_plan(seq_ids, n_new, hq, flags, token_ids)  # ids, counts, token ids checked
             counts = plan.n_new
             most = max(counts)
-            if sum(counts) != total or most > FUSED_APPEND_MAX_ROWS or self._split(plan) \
+            if sum(counts) != total or most > FUSED_APPEND_MAX_ROWS \
                     or (out is None and cascade.may_share(self, plan)):
                 return None
-            attn = self._step_attn(plan, step)
+            split = self._split(plan)
+            # appended first: the batch's own plan (the step memo is the fused call's, a model's
+            # layers sharing it), its words computed
+            attn = self._batch_plan(plan, hq, flags, None, True) if split else self._step_attn(plan, step)
             if attn._check_width:
                 return None
             plan.evict_cached()                     # before the device writes any block it takes
-            attn.fill_batch(q, k, v, plan.past, counts, plan.tables, scale, self.rope, variant, step.words)
-            self._keep_step(step, attn)
-            if out is not None:
-                rec = attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
-            else:
-                rec = attn.rec if return_lse else attn.out_only()
+            if not split:
+                attn.fill_batch(q, k, v, plan.past, counts, plan.tables, scale, self.rope, variant, step.words)
+                self._keep_step(step, attn)
+                if out is not None:
+                    rec = attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
+                else:
+                    rec = attn.rec if return_lse else attn.out_only()
+            else:                                   # one submission with the patched kp
+                first = self._stage_new(plan, k, v)
+                attn.fill_batch(q, None, None, plan.past, counts, plan.tables, scale, self.rope, variant)
+                if out is None and HAS_BARRIER:
+                    rec = attn._chained(first[0], first[1])
+                else:
+                    first[2].run()
+                    rec = attn.rec if out is None else attn.bound(q._buf, None, None, out._buf, None)[1]
             rec.run()
             self._last_rec = rec
             plan.commit()
@@ -405,6 +419,9 @@ class PagedKVCache(CacheBase):
                     attn.fill_batch(q, kk, vv, plan.past, counts, plan.tables, call["scale"], cache.rope, variant,
                                     self.step.words)
                     cache._keep_step(self.step, attn)
+                elif common:                # appended first: no SeqCall records either
+                    attn.fill_batch(q, None, None, plan.past, counts, plan.tables, call["scale"], cache.rope,
+                                    variant)
                 else:
                     attn.fill(q, kk, vv, _seq_calls(plan, masks, split), call["causal"], call["scale"], variant,
                               cache.rope)

@@ -45,17 +45,20 @@ test-validation: setup
 # self-test and test_exact check each format's decode, prefill and stored bits on each driver).
 PLATFORM := tests/test_attention.py tests/test_exact.py tests/test_coopmat.py tests/test_coopmat_rounding.py \
 	tests/test_check.py tests/test_gpu_compile.py tests/test_gpu_report.py tests/test_spirv.py \
-	tests/test_device_path.py tests/test_reference.py tests/test_errors.py tests/test_device.py tests/test_driverfix.py
+	tests/test_device_path.py tests/test_reference.py tests/test_errors.py tests/test_device.py tests/test_driverfix.py \
+	tests/test_texel.py tests/test_texel_kv.py
 test-platform: setup
 	$(PY) -m pytest -q -n auto --dist worksteal $(PLATFORM) \
 		-k "not test_check_quick_passes_here and not test_check_fails_on_a_wrong_result"
 
 # Debian 13's stock Mesa 25 (its own lavapipe build, the one a Debian 13 user gets): what its driver
 # decides -- the AVX-512 workaround, the self-test over every kernel path and format
-# (test_check), bit-exact storage of every format, device limits and errors -- and the set-up
-# commands on Python 3.13 (make install into another venv, make demo)
+# (test_check), bit-exact storage of every format, device limits and errors, the texel views its
+# llvmpipe reads K/V through (on there since session 30, at the CPU's own width; their pipelines
+# compile cold each run, Mesa 25 caching little of them: about 1.5 min on 2 cores) -- and the set-up commands on Python
+# 3.13 (make install into another venv, make demo)
 PLATFORM_CORE := tests/test_check.py tests/test_exact.py tests/test_driverfix.py tests/test_device.py \
-	tests/test_errors.py tests/test_install.py tests/test_demo.py
+	tests/test_errors.py tests/test_install.py tests/test_demo.py tests/test_texel.py tests/test_texel_kv.py
 test-platform-core: setup
 	$(PY) -m pytest -q -n auto --dist worksteal $(PLATFORM_CORE)
 

@@ -202,6 +202,8 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
         shader, defines = "attn_lane", dict(fmt._defines)
         if texel_kv(dev, cfg.kernel, nn, fmt):
             defines["KV_TEXEL"] = 1
+        if defines.get("KV_F16") and dev.half_native():       # the device's exact half conversion
+            defines["HALF_NATIVE"] = 1
     elif cfg.kernel == "coopmat":
         shader, defines = "attn_coopmat", dict(fmt._defines, COOPMAT_UNROLL=int(cfg.unroll),
                                                COOPMAT_FIXED_TRIPS=int(coopmat_fixed_trips()),

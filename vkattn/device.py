@@ -220,6 +220,7 @@ class Device(_Limits):
                                     else self.info.max_texel_buffer_elements)
         self._lane_subgroup = None
         self._tile_cluster = None
+        self._half_native = None
 
     def _pin_features(self) -> frozenset:
         return self.backend.features
@@ -304,6 +305,45 @@ class Device(_Limits):
             self._lane_subgroup = sg if ok and self._probe(sg, sg, need_one_subgroup=True) else 0
         return self._lane_subgroup
 
+    def half_native(self) -> bool:
+        """Whether this device's ``unpackHalf2x16`` gives every finite half exactly the float32
+        numpy gives (``h.view(float16).astype(float32)``): subnormal halves included, which a
+        driver that flushes float16 denormals turns into zeros. A probe dispatch
+        (numerics_probe.comp MODE 1 with HALF_NATIVE, all 63488 finite halves) answers it, once per
+        device. Where it holds, attn_lane.comp decodes float16 K/V with it (HALF_NATIVE) instead of
+        the integer construction that is exact everywhere (common.glsl halves_to_float): the same
+        bits, cheaper (lavapipe with F16C: decode L=4096 32/8 heads d128 about 2.05 -> 1.65 ms,
+        session 31). ``VKATTN_HALF_NATIVE=0`` keeps the integer form."""
+        if os.environ.get("VKATTN_HALF_NATIVE", "").strip() == "0":
+            return False
+        if self._half_native is None:
+            self._half_native = self._probe_halves()
+        return self._half_native
+
+    def _probe_halves(self) -> bool:
+        h = np.arange(0x10000, dtype=np.uint32)
+        h = h[(h & 0x7c00) != 0x7c00].astype(np.uint16)        # the finite halves
+        words = h.view(np.uint32)
+        n = words.size // 4                                     # items of 8 halves
+        be = self.backend
+        params = be.buffer(1, np.uint32, name="probe_params")
+        inv = be.buffer(words.size, np.uint32, name="probe_halves")
+        out = be.buffer(2 * words.size, np.uint32, name="probe_floats")
+        unused = be.buffer(1, np.uint32, name="probe_unused")
+        params.view()[0] = n
+        inv.view()[:] = words
+        prog = be.program(compiler.compile_shader("numerics_probe", {"MODE": 1, "KV_F16": 1, "HALF_NATIVE": 1}),
+                          [params, inv, out, unused], (-(-n // 64), 1, 1), [64, 1], writes=(2, 3),
+                          name="half_probe")
+        rec = be.recording().upload(params, inv).dispatch(prog).download(out).build()
+        try:
+            rec.run()
+            got = out.view()[:2 * words.size].copy()
+        finally:
+            for o in (rec, prog, params, inv, out, unused):
+                o.destroy()
+        return bool(np.array_equal(got, h.view(np.float16).astype(np.float32).view(np.uint32)))
+
     def tile_cluster(self) -> int:
         """How many adjacent invocations of an attn.comp workgroup may share a key row summing with
         xor shuffles: the largest of min(TILE_CLUSTER, subgroup size), then its halves (32, 16, 8,
@@ -381,6 +421,9 @@ class PlanningDevice(_Limits):
 
     def lane_subgroup(self) -> int:
         return 0
+
+    def half_native(self) -> bool:
+        return False
 
     def tile_cluster(self) -> int:
         return self._forced_cluster(self._cluster_wanted())

@@ -36,7 +36,7 @@ def planned_variants() -> list:
     """(shader, defines) of every pipeline the runtime builds: per storage format the append,
     attn.comp (with and without its subgroup shuffles), attn_lane.comp (storage and texel K/V) and, for the formats its
     matrices hold (float16, int8, fp8), attn_coopmat.comp (loops rolled or unrolled, COOPMAT_FIXED_TRIPS and COOPMAT_STAGE_BATCH either way); the paged and persistence copies; the split
-    merge; the subgroup probe."""
+    merge; the subgroup probe and the half-conversion probe."""
     out = []
     for fmt, d in FORMATS.items():
         out.append(("append", dict(d)))
@@ -45,12 +45,15 @@ def planned_variants() -> list:
         out.append(("attn", dict(d, TILE_SHUFFLE=1, TILE_V_EARLY=1)))         # VKATTN_TILE_V_EARLY=1
         out.append(("attn_lane", dict(d)))
         out.append(("attn_lane", dict(d, KV_TEXEL=1)))       # K/V from texel views (tuning.texel_kv)
+        if d.get("KV_F16"):                                  # the device's exact half conversion (Device.half_native)
+            out += [("attn_lane", dict(d, HALF_NATIVE=1)), ("attn_lane", dict(d, KV_TEXEL=1, HALF_NATIVE=1))]
         if fmt in COOPMAT_FORMATS:
             out += [("attn_coopmat", dict(d, COOPMAT_UNROLL=u, COOPMAT_FIXED_TRIPS=t, COOPMAT_STAGE_BATCH=b))
                     for u in (0, 1) for t in (0, 1) for b in (0, 1)]
     for i8 in (0, 1):
         out += [("gather_slots", {"KV_I8": i8}), ("scatter_slots", {"KV_I8": i8})]
-    out += [("copy_rows", {}), ("merge_lse", {}), ("subgroup_probe", {})]
+    out += [("copy_rows", {}), ("merge_lse", {}), ("subgroup_probe", {}),
+            ("numerics_probe", {"MODE": 1, "KV_F16": 1, "HALF_NATIVE": 1})]      # Device.half_native
     return out
 
 

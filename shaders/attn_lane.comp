@@ -206,21 +206,33 @@ void load_chunk(bool is_k, uint row, uint i, out vec4 t[LCH], out float bs, out 
     bz = q4_zero(p);
 #else
 #if KV_TEXEL
-    unpack_chunk(is_k ? texelFetch(kt, int(row * DK4 + c)) : texelFetch(vt, int(row * DV4 + c)), t);
+    const uvec4 w = is_k ? texelFetch(kt, int(row * DK4 + c)) : texelFetch(vt, int(row * DV4 + c));
 #else
-    unpack_chunk(is_k ? kc[row * DK4 + c] : vc[row * DV4 + c], t);
+    const uvec4 w = is_k ? kc[row * DK4 + c] : vc[row * DV4 + c];
+#endif
+#if KV_FP8 && HALF_NATIVE
+    // through the device's exact half conversion (vkattn Device.half_native): the values times
+    // 1 / FP8_RESTORE, which row_scale restores (a power of two: the same products and sums)
+    [[unroll]] for (uint e = 0u; e < CH; ++e) t[e] = fp8x4_native(w[e]);
+#else
+    unpack_chunk(w, t);
 #endif
     bs = 1.0;
     bz = 0.0;
 #endif
 }
 
-// KV_I8: the scale of a cache row's K or V; KV_FP8: of its kv head (1 otherwise)
+#if KV_FP8
+float head_ks, head_vs;   // the kv head's K and V scales times FP8_RESTORE, loaded once (main)
+#endif
+
+// KV_I8: the scale of a cache row's K or V; KV_FP8: of its kv head (1 otherwise; FP8_RESTORE:
+// what a HALF_NATIVE fp8 decode leaves out)
 float row_scale(bool is_k, uint row) {
 #if KV_I8
     return is_k ? kscale[row] : vscale[row];
 #elif KV_FP8
-    return is_k ? kscale[hh] : vscale[hh];
+    return is_k ? head_ks : head_vs;
 #else
     return 1.0;
 #endif
@@ -426,6 +438,11 @@ void main() {
     }
 #endif
 
+#if KV_FP8
+    // once, not per key: a load at a subgroup-uniform address is llvmpipe's slowest (perf loads)
+    head_ks = FP8_RESTORE * kscale[h];
+    head_vs = FP8_RESTORE * vscale[h];
+#endif
     uint kend = 0u;   // one past the last key any row of this workgroup sees
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
         const uint g = qv / BQ, r = qt * BQ + qv % BQ;

@@ -1,7 +1,9 @@
-"""Device.half_native: attn_lane.comp decodes float16 K/V with the device's own half conversion
-(unpackHalf2x16, HALF_NATIVE) where a probe shows it gives every finite half exactly -- and the
-integer construction (common.glsl halves_to_float) elsewhere. Either way the same bits: these
-tests compare the two on K/V full of half subnormals, and check the verdict against the probe."""
+"""Device.half_native: attn_lane.comp decodes float16 and fp8 K/V with the device's own half
+conversion (unpackHalf2x16, HALF_NATIVE; fp8 through its half bit patterns, e4m3's times 2^-8
+restored with the kv head's scale) where a probe shows it gives every finite half exactly -- and
+the integer constructions (common.glsl halves_to_float, fp8x4_to_float) elsewhere. Either way
+the same bits: these tests compare the two on K/V full of subnormals, and check the verdict
+against the probe."""
 import numpy as np
 import pytest
 
@@ -16,9 +18,14 @@ def _lane_defines(cache):
             if getattr(getattr(p, "_pipe", None), "shader", "") == "attn_lane"]
 
 
-def _tiny_kv(rng, hkv, n, d):
-    """K/V whose float16 values are mostly subnormal halves (|x| < 2^-14), some normal, some zero."""
-    scale = np.float32(2.0 ** -16)
+# a scale that makes most stored values subnormal in the format (float16 < 2^-14, e4m3 < 2^-6,
+# e5m2 < 2^-14), the rows scaled by 4096 normal
+TINY = {"float16": 2.0 ** -16, "fp8_e4m3": 2.0 ** -8, "fp8_e5m2": 2.0 ** -16}
+
+
+def _tiny_kv(rng, hkv, n, d, dtype="float16"):
+    """K/V whose stored values are mostly subnormal in ``dtype``, some normal, some zero."""
+    scale = np.float32(TINY[dtype])
     k = (rng.standard_normal((hkv, n, d)) * scale).astype(np.float32)
     v = (rng.standard_normal((hkv, n, d)) * scale).astype(np.float32)
     k[:, ::5] *= 4096          # some normal rows among them
@@ -40,14 +47,15 @@ def test_the_verdict_is_the_probe(device, monkeypatch):
     assert planning.half_native() is False
 
 
-@pytest.mark.parametrize("kind", ["decode", "prefill", "forward"])
-def test_native_and_integer_half_decodes_give_the_same_bits(device, rng, monkeypatch, kind):
-    """float16 K/V of mostly subnormal halves through the lane kernel: with the device's verdict
-    (HALF_NATIVE where it holds) and with the integer decode forced, bit for bit the same, and
-    the reference's values on the stored K/V."""
+@pytest.mark.parametrize("dtype,kind", [("float16", "decode"), ("float16", "prefill"), ("float16", "forward"),
+                                        ("fp8_e4m3", "decode"), ("fp8_e4m3", "forward"), ("fp8_e5m2", "prefill")])
+def test_native_and_integer_half_decodes_give_the_same_bits(device, rng, monkeypatch, dtype, kind):
+    """float16 / fp8 K/V of mostly subnormal values through the lane kernel: with the device's
+    verdict (HALF_NATIVE where it holds) and with the integer decode forced, bit for bit the
+    same, and the reference's values on the stored K/V."""
     skip_without_lane(device)
     hkv, group, d, n = 3, 3, 40, 45
-    k, v = _tiny_kv(rng, hkv, n, d)
+    k, v = _tiny_kv(rng, hkv, n, d, dtype)
     q = (rng.standard_normal((hkv * group, 1 if kind == "decode" else 13, d)) * 300).astype(np.float32)
     results, natives = {}, {}
     verdict = device.half_native()
@@ -56,7 +64,7 @@ def test_native_and_integer_half_decodes_give_the_same_bits(device, rng, monkeyp
             monkeypatch.setenv("VKATTN_HALF_NATIVE", mode)
         else:
             monkeypatch.delenv("VKATTN_HALF_NATIVE", raising=False)
-        cache = vkattn.KVCache(64, hkv, d, dtype="float16", device=device)
+        cache = vkattn.KVCache(64, hkv, d, dtype=dtype, device=device)
         try:
             if kind == "forward":
                 cache.append(k[:, :40], v[:, :40])
@@ -68,8 +76,8 @@ def test_native_and_integer_half_decodes_give_the_same_bits(device, rng, monkeyp
                 out = cache.attend(q)
                 sk, sv = cache.read()
                 ref = reference.attention(q, sk, sv, causal=True)
-            assert np.array_equal(sk, reference.round_to(k, "float16"))
-            assert_close(out, ref, "float16")
+            assert np.array_equal(sk, reference.round_to(k, dtype))
+            assert_close(out, ref, dtype)
             natives[mode] = {df.get("HALF_NATIVE", 0) for df in _lane_defines(cache)}
             results[mode] = out
         finally:

@@ -202,7 +202,7 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
         shader, defines = "attn_lane", dict(fmt._defines)
         if texel_kv(dev, cfg.kernel, nn, fmt):
             defines["KV_TEXEL"] = 1
-        if defines.get("KV_F16") and dev.half_native():       # the device's exact half conversion
+        if (defines.get("KV_F16") or defines.get("KV_FP8")) and dev.half_native():   # its exact half conversion
             defines["HALF_NATIVE"] = 1
     elif cfg.kernel == "coopmat":
         shader, defines = "attn_coopmat", dict(fmt._defines, COOPMAT_UNROLL=int(cfg.unroll),

@@ -45,7 +45,7 @@ def planned_variants() -> list:
         out.append(("attn", dict(d, TILE_SHUFFLE=1, TILE_V_EARLY=1)))         # VKATTN_TILE_V_EARLY=1
         out.append(("attn_lane", dict(d)))
         out.append(("attn_lane", dict(d, KV_TEXEL=1)))       # K/V from texel views (tuning.texel_kv)
-        if d.get("KV_F16"):                                  # the device's exact half conversion (Device.half_native)
+        if d.get("KV_F16") or d.get("KV_FP8"):               # the device's exact half conversion (Device.half_native)
             out += [("attn_lane", dict(d, HALF_NATIVE=1)), ("attn_lane", dict(d, KV_TEXEL=1, HALF_NATIVE=1))]
         if fmt in COOPMAT_FORMATS:
             out += [("attn_coopmat", dict(d, COOPMAT_UNROLL=u, COOPMAT_FIXED_TRIPS=t, COOPMAT_STAGE_BATCH=b))

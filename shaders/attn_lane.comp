@@ -212,7 +212,7 @@ void load_chunk(bool is_k, uint row, uint i, out vec4 t[LCH], out float bs, out 
 #endif
 #if KV_FP8 && HALF_NATIVE
     // through the device's exact half conversion (vkattn Device.half_native): the values times
-    // 1 / FP8_RESTORE, which row_scale restores (a power of two: the same products and sums)
+    // 1 / FP8_RESTORE, which key_scale restores (a power of two: the same products and sums)
     [[unroll]] for (uint e = 0u; e < CH; ++e) t[e] = fp8x4_native(w[e]);
 #else
     unpack_chunk(w, t);
@@ -226,9 +226,11 @@ void load_chunk(bool is_k, uint row, uint i, out vec4 t[LCH], out float bs, out 
 float head_ks, head_vs;   // the kv head's K and V scales times FP8_RESTORE, loaded once (main)
 #endif
 
-// KV_I8: the scale of a cache row's K or V; KV_FP8: of its kv head (1 otherwise; FP8_RESTORE:
-// what a HALF_NATIVE fp8 decode leaves out)
-float row_scale(bool is_k, uint row) {
+// the factors a lane's key's raw score and softmax weight take: KV_I8 the scales of its cache
+// row ``row`` (each lane loads its own key's: distinct addresses, one load a block, where a load
+// per key at an address every lane shares is llvmpipe's slowest), KV_FP8 its kv head's (times
+// FP8_RESTORE: what a HALF_NATIVE fp8 decode leaves out), 1 otherwise
+float key_scale(bool is_k, uint row) {
 #if KV_I8
     return is_k ? kscale[row] : vscale[row];
 #elif KV_FP8
@@ -259,7 +261,6 @@ void consume_block(uint j0, uint k1) {
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
         const uint j = min(j0 + b, kl);
         const uint row = key_row(j, b, row_l);
-        const float ksc = row_scale(true, row);
         vec4 kx[KPL * LCH];
         float kbs[KPL], kbz[KPL];
         [[unroll]] for (uint i = 0u; i < KPL; ++i) {
@@ -288,10 +289,13 @@ void consume_block(uint j0, uint k1) {
                 s = fma(qq.x, kx[x].x, fma(qq.y, kx[x].y, fma(qq.z, kx[x].z, fma(qq.w, kx[x].w, s))));
             }
 #endif
-            d[qv][b] = KV_I8 != 0 || KV_FP8 != 0 ? s * ksc : s;
+            d[qv][b] = s;
         }
     }
     const uint jl = j0 + lane;          // the key whose scores this lane ends up with
+    // its row's scales (int8; fp8: the head's), applied to its scores and weights
+    const uint row_own = KV_I8 == 0 ? 0u : (HAS(F_PAGED) ? row_l : cache_row(sq.bt, hh, min(jl, kl)));
+    const float ks_own = key_scale(true, row_own), vs_own = key_scale(false, row_own);
     float pl[NQ], alpha[NQ];
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
         if (WG > 8u) scatter_step(d[qv], 8u);
@@ -300,7 +304,7 @@ void consume_block(uint j0, uint k1) {
         if (WG > 1u) scatter_step(d[qv], 1u);
         bool vis = jl < k1 && jl < vis_end[qv];
         if (HAS(F_WINDOW)) vis = vis && key_visible(jl, qpos[qv], false);
-        float s = shape_score(d[qv][0], slope[qv], jl, qpos[qv]);
+        float s = shape_score(KV_I8 != 0 || KV_FP8 != 0 ? d[qv][0] * ks_own : d[qv][0], slope[qv], jl, qpos[qv]);
         if (HAS(F_MASK)) s += mask_at(sq, hh * G + qv / BQ, qrow[qv], min(jl, kl));
         const float sc = vis ? s : NEG_INF;
         const float mn = max(m[qv], lanes_max(sc));
@@ -316,11 +320,10 @@ void consume_block(uint j0, uint k1) {
     // goes through memory (llvmpipe splits fma into a multiply and an add, and a sum kept in
     // memory adds a load and a store to each)
     vec4 vx[WG * VPL * LCH];
-    float vsc[WG], vbs[WG * VPL], vbz[WG * VPL];   // row (int8) or kv head (fp8) scales; q4 block scales, zero points
+    float vbs[WG * VPL], vbz[WG * VPL];   // q4 block scales, zero points
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
         const uint j = min(j0 + b, kl);
         const uint row = key_row(j, b, row_l);
-        vsc[b] = row_scale(false, row);
         [[unroll]] for (uint i = 0u; i < VPL; ++i) {
             vec4 t[LCH];
             load_chunk(false, row, i, t, vbs[b * VPL + i], vbz[b * VPL + i]);
@@ -329,7 +332,8 @@ void consume_block(uint j0, uint k1) {
     }
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
         float p[WG];
-        [[unroll]] for (uint b = 0u; b < WG; ++b) p[b] = subgroupShuffle(pl[qv], b) * vsc[b];
+        const float pv = KV_I8 != 0 || KV_FP8 != 0 ? pl[qv] * vs_own : pl[qv];   // the weight, V's scale in it
+        [[unroll]] for (uint b = 0u; b < WG; ++b) p[b] = subgroupShuffle(pv, b);
         [[unroll]] for (uint y = 0u; y < VPL * LCH; ++y) {
             vec4 sum = vec4(0.0);
 #if KV_Q4

@@ -110,6 +110,18 @@ def test_a_long_decode_appends_first_and_reads_texels(lane_texel, rng, monkeypat
         cache.close()
 
 
+def _pool(device, dtype, lens, hkv, d, blocks, rope=None):
+    """(a PagedKVCache of ``blocks`` blocks of 8, its sequences' ids): one sequence per length in
+    ``lens``, filled with the same random rows (V = -K) whatever the rng of the test."""
+    c = vkattn.PagedKVCache(blocks, 8, hkv, d, dtype=dtype, device=device, rope=rope)
+    sids = [c.add_sequence() for _ in lens]
+    r = np.random.default_rng(3)
+    for s, n in zip(sids, lens):
+        k = r.standard_normal((hkv, n, d)).astype(np.float32)
+        c.append([s], k, -k, n_new=[n])
+    return c, sids
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "q4"])
 def test_a_paged_batch_over_many_keys_appends_first_and_reads_texels(lane_texel, rng, monkeypatch, dtype):
     """PagedKVCache: a batch decode whose sequences hold at least TEXEL_APPEND_MIN_WORDS K/V words
@@ -122,13 +134,7 @@ def test_a_paged_batch_over_many_keys_appends_first_and_reads_texels(lane_texel,
     d = 64 if dtype == "q4" else 40     # a device array's rows are read unpadded: q4's blocks of 32
 
     def pool():
-        c = vkattn.PagedKVCache(40, 8, hkv, d, dtype=dtype, device=lane_texel)
-        sids = [c.add_sequence() for _ in lens]
-        r = np.random.default_rng(3)
-        for s, n in zip(sids, lens):
-            k = r.standard_normal((hkv, n, d)).astype(np.float32)
-            c.append([s], k, -k, n_new=[n])
-        return c, sids
+        return _pool(lane_texel, dtype, lens, hkv, d, 40)
 
     q = rng.standard_normal((hq, 3, d)).astype(np.float32)
     k1 = rng.standard_normal((hkv, 3, d)).astype(np.float32)
@@ -245,13 +251,7 @@ def test_the_paged_fast_path_appends_first_too(lane_texel, rng, monkeypatch, dty
     lens, hkv, d, hq = [37, 5, 61], 2, 64, 6
 
     def pool():
-        c = vkattn.PagedKVCache(48, 8, hkv, d, dtype=dtype, device=lane_texel, rope=rope)
-        sids = [c.add_sequence() for _ in lens]
-        r = np.random.default_rng(3)
-        for s, n in zip(sids, lens):
-            k = r.standard_normal((hkv, n, d)).astype(np.float32)
-            c.append([s], k, -k, n_new=[n])
-        return c, sids
+        return _pool(lane_texel, dtype, lens, hkv, d, 48, rope)
 
     (fast, sids), (general, gsids) = pool(), pool()
     general._fast_forward = lambda *a, **kw: None          # the twin always takes the general path

@@ -261,9 +261,22 @@ uvec2 fp8x4_halves(uint w) {
 // it). Exact for normals and zeros, fp8 subnormals (half subnormals here) as the driver's float16
 // denormal mode says, as float16's HALF_NATIVE decode
 #define FP8_RESTORE FP8_HALF_SCALE
+// Bytes 0 and 2, and 1 and 3, go into two pairs of halves (one mask, or a shift and a mask, where
+// fp8x4_halves' in-order pairs take four operations each), converted and put back in order.
+// e4m3: the sign carried from bit 7 to 8 by adding it once more, the magnitude under the half's
+// exponent by << 7; a NaN byte (magnitude 0x7f, flagged for all four bytes at once) sets bit 7
+// first, which becomes the exponent's top bit: all ones. e5m2: each byte is a half's top byte
 vec4 fp8x4_native(uint w) {
-    const uvec2 h = fp8x4_halves(w);
-    return vec4(unpackHalf2x16(h.x), unpackHalf2x16(h.y));
+    const uint ev = w & 0x00ff00ffu, od = (w >> 8u) & 0x00ff00ffu;
+#if KV_FP8 == 1
+    const uint nan = ((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+    const uint he = ((ev + (ev & 0x00800080u)) | (nan & 0x00800080u)) << 7u;
+    const uint ho = ((od + (od & 0x00800080u)) | ((nan >> 8u) & 0x00800080u)) << 7u;
+#else
+    const uint he = ev << 8u, ho = od << 8u;
+#endif
+    const vec2 e = unpackHalf2x16(he), o = unpackHalf2x16(ho);
+    return vec4(e.x, o.x, e.y, o.y);
 }
 #else
 #define FP8_RESTORE 1.0

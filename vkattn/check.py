@@ -486,6 +486,8 @@ def device_facts(dev) -> dict:
     info["is_software"] = dev.is_software
     info["tile_cluster"] = dev.tile_cluster()
     info["lane_subgroup"] = dev.lane_subgroup()
+    info["texel_buffers"] = dev.texel_buffers                      # attn_lane.comp reads K/V as texel views
+    info["half_native"] = dev.half_native()                        # its float16 / fp8 decode: the device's conversion
     info["kp_enabled_features"] = sorted(dev.backend.features)      # empty: kp unpatched or none offered
     info["coopmat_shape"] = dev.coopmat_shape()
     info["coopmat_problem"] = dev.coopmat_problem()                # "": attn_coopmat.comp runs here
@@ -562,6 +564,11 @@ def main(argv=None) -> int:
           f"storage range {i.max_storage_buffer_range} B, workgroup {dev.max_workgroup_size}")
     print(f"kernels  : tile cluster {dev.tile_cluster()}, lane subgroup {dev.lane_subgroup() or 'unusable'}; "
           f"device features enabled: {', '.join(sorted(dev.backend.features)) or 'none'}")
+    if dev.lane_subgroup():
+        loads = "texel views" if dev.texel_buffers else "storage buffers"
+        halves = "the device's half conversion (probed exact)" if dev.half_native() else "integer operations"
+        print(f"lane     : K/V from {loads} where nothing is appended in the dispatch; float16 / fp8 decoded "
+              f"by {halves}")
     if args.remeasure:
         measure.remeasure(dev)
     problem = dev.coopmat_problem()

@@ -367,3 +367,33 @@ def test_batch_decode_with_mostly_empty_splits(device, rng, monkeypatch, kernel,
     step(rng, cache, model, sids[::-1], [1, 1, 1, 1], 3, softcap=5.0)
     model.check_stored()
     cache.close()
+
+
+def test_appended_first_without_barriers_runs_the_append_alone(device, rng, monkeypatch):
+    """With a kp that records no barrier (plain kp 0.9), a forward of more than
+    FUSED_APPEND_MAX_ROWS rows runs the append as a submission of its own before the attention,
+    never skipped: KVCache and PagedKVCache store the rows and match the reference."""
+    from vkattn import _attn
+    monkeypatch.setattr(_attn, "HAS_BARRIER", False)
+    n = vkattn.tuning.FUSED_APPEND_MAX_ROWS + 5
+    hkv, d = 2, 32
+    q = rng.standard_normal((2 * hkv, n, d)).astype(np.float32)
+    k = rng.standard_normal((hkv, n, d)).astype(np.float32)
+    v = rng.standard_normal((hkv, n, d)).astype(np.float32)
+    kv = vkattn.KVCache(64, hkv, d, device=device)
+    pool = vkattn.PagedKVCache(16, 8, hkv, d, device=device)
+    try:
+        out = kv.forward(q, k, v)
+        assert "append" not in kv._last_rec.ops                 # the attention's own recording
+        sk, sv = kv.read()
+        assert np.array_equal(sk, round_to(k, kv.dtype)) and np.array_equal(sv, round_to(v, kv.dtype))
+        assert_close(out, attention(q, sk, sv), kv.dtype)
+        sid = pool.add_sequence()
+        out = pool.forward([sid], q, k, v, n_new=[n])
+        assert "append" not in pool._last_rec.ops
+        sk, sv = pool.read(sid)
+        assert np.array_equal(sk, round_to(k, pool.dtype)) and np.array_equal(sv, round_to(v, pool.dtype))
+        assert_close(out, attention(q, sk, sv), pool.dtype)
+    finally:
+        kv.close()
+        pool.close()

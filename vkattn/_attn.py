@@ -178,7 +178,6 @@ class Pipeline:
 ATTN_BINDINGS = 13      # kc vc nk nv q aux out part ml lse rope ks vs (attn.comp, attn_lane.comp, attn_coopmat.comp)
 
 
-
 def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, key_bound: int,
                   decode: bool, rope_dim: int = 0, splits: int | None = None):
     """(AttnConfig, Pipeline) of the attention dispatch for ``hq`` heads, ``rows`` packed query
@@ -342,6 +341,17 @@ class AttnPlan:
             self._drop_bind(next(iter(self._binds)))
         return hit
 
+    def after(self, first, rec):
+        """The recording to run for ``rec`` (one of this plan's) behind ``first``, an append
+        staged by vkattn._base._SlotWritePlan.stage (program, uploads, its own recording): the
+        plan's own recording with the append recorded ahead of it, a barrier between, in one
+        submission (:meth:`_chained`), where ``rec`` is that recording and the kp has barriers;
+        else the append runs alone now and ``rec`` is returned."""
+        if rec is self.rec and HAS_BARRIER:
+            return self._chained(first[0], first[1])
+        first[2].run()
+        return rec
+
     def _chained(self, prog, uploads):
         """This plan's own recording (numpy in, out and lse copied back) with the dispatch of
         ``prog`` and its ``uploads`` ahead of it, a barrier between (the patched kp): an append
@@ -370,25 +380,22 @@ class AttnPlan:
         """q (hq, rows, head_dim) packed; k/v (num_kv_heads, n, d) packed new rows or None: numpy
         arrays, or vkattn.DeviceArray (read in place). ``out`` / ``lse``: DeviceArrays to write
         into (None: the plan's own, copied to the host). ``first``: an append staged to run
-        before the attention (vkattn._base._SlotWritePlan.stage's triple): recorded ahead of it
-        in the same submission, a barrier between, where the kp has barriers and the call is a
-        numpy one; else run alone first. Returns out (hq, rows, v_head_dim) and lse (hq, rows)
-        float32 numpy arrays, None for those written to buffers."""
+        before the attention (vkattn._base._SlotWritePlan.stage's triple; :meth:`after`).
+        Returns out (hq, rows, v_head_dim) and lse (hq, rows) float32 numpy arrays, None for
+        those written to buffers."""
         devq = q.buffer if isinstance(q, DeviceArray) else None
         devk = k.buffer if isinstance(k, DeviceArray) else None
         devv = v.buffer if isinstance(v, DeviceArray) else None
         out = out.buffer if isinstance(out, DeviceArray) else out
         lse = lse.buffer if isinstance(lse, DeviceArray) else lse
         rows = self.fill(q, k, v, seqs, causal, scale, variant, rope)
-        if devq is None and devk is None and devv is None and out is None and lse is None:
-            rec = self.rec if first is None or not HAS_BARRIER else self._chained(first[0], first[1])
-        else:
-            rec = self.bound(devq, devk, devv, out, lse)[1]
-            if first is not None:
-                first[2].run()
+        own = devq is None and devk is None and devv is None and out is None and lse is None
+        rec = self.rec if own else self.bound(devq, devk, devv, out, lse)[1]
+        if first is not None:
+            rec = self.after(first, rec)
         rec.run()
         self.c._last_rec = rec
-        if rec is not self.rec:
+        if not own:
             width = self.narrow_subgroup(rows, lse)
             if width or (self._check_width and self.cfg.kernel == "coopmat" and self._ran_width(rows, lse) != self.cfg.sg):
                 raise RuntimeError(f"the {self.cfg.kernel} pipeline ran with subgroups of "

@@ -149,12 +149,12 @@ class Backend:
         return Buffer(self, size, dtype, host_visible, name)
 
     def program(self, spirv: bytes, bindings, groups, spec, writes=(), name: str = "",
-                subgroup: tuple = (0, False), texel_words: dict | None = None) -> "Program":
+                subgroup: tuple = (0, False)) -> "Program":
         """``subgroup``: (required subgroup size, full subgroups) of the pipeline, (0, False) for the
         driver's choice; a size needs a patched kp and the device's subgroupSizeControl, full
-        subgroups its computeFullSubgroups (ValueError otherwise, nothing built). ``texel_words``:
-        words a texel of the texel bindings (:meth:`texel_formats`; default four)."""
-        return Program(self, spirv, bindings, groups, spec, writes, name, subgroup, texel_words)
+        subgroups its computeFullSubgroups (ValueError otherwise, nothing built). A binding the
+        shader reads as a texel buffer is bound as one of four words a texel (:meth:`texel_formats`)."""
+        return Program(self, spirv, bindings, groups, spec, writes, name, subgroup)
 
     def shared_buffer(self, size: int, dtype=np.float32, host_visible: bool = True, name: str = "") -> "Buffer":
         """The device's buffer for (name, size, dtype, host_visible), made on first request and
@@ -343,8 +343,7 @@ class Buffer:
 class Program:
     """A compute pipeline: SPIR-V + bound buffers + fixed grid + uint32 spec constants."""
 
-    def __init__(self, backend, spirv, bindings, groups, spec, writes, name, subgroup=(0, False),
-                 texel_words=None):
+    def __init__(self, backend, spirv, bindings, groups, spec, writes, name, subgroup=(0, False)):
         self.name = name
         size, full = int(subgroup[0]), bool(subgroup[1])
         if size and not (backend.can_pin and "subgroupSizeControl" in backend.features):
@@ -361,7 +360,7 @@ class Program:
         want = _spirv_bindings(spirv)[0]
         if want != len(self.bindings):    # kp would bind past the descriptor set and crash
             raise ValueError(f"{name}: the shader declares {want} buffer bindings, {len(self.bindings)} given")
-        formats = backend.texel_formats(spirv, [b.nbytes for b in self.bindings], name, texel_words)
+        formats = backend.texel_formats(spirv, [b.nbytes for b in self.bindings], name)
         spec = np.asarray(spec, dtype=np.uint32)
         if first_build(backend.device_key, spirv, spec, name):
             log.info("vkattn: building the %s pipeline (spec %s) for the first time on %s%s; the driver caches it "

@@ -8,7 +8,6 @@ from ._base import CacheBase
 from .device import Device
 from . import persist
 from .errors import CacheFullError
-from ._kp import HAS_BARRIER
 from .tuning import FUSED_APPEND_MAX_ROWS, decode_key_bound, row_bucket
 from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
 from .array import DeviceArray
@@ -261,11 +260,7 @@ class KVCache(CacheBase):
                 self._plans.move_to_end(akey)
                 first = append.stage(k, v, np.arange(self._length, total))
                 plan.fill_simple(q, None, None, total, scale, self.rope, variant)
-                if out is None and HAS_BARRIER:
-                    rec = plan._chained(first[0], first[1])
-                else:
-                    first[2].run()
-                    rec = plan.rec if out is None else plan.bound(q._buf, None, None, out._buf, None)[1]
+                rec = plan.after(first, plan.rec if out is None else plan.bound(q._buf, None, None, out._buf, None)[1])
             rec.run()
             self._last_rec = rec
             self._length = total
@@ -329,8 +324,7 @@ class KVCache(CacheBase):
                 append, plan = cache._step_plans(self, q, n, call, total)
                 work, kk, vv = [], k, v
                 if append is not None:
-                    append.fill_rows(n, np.arange(cache._length, total))
-                    prog, _, up = append.bound(k.buffer, v.buffer)
+                    prog, up, _ = append.stage(k, v, np.arange(cache._length, total))
                     work.append((prog, up))
                     kk = vv = None
                 fused = 0 if kk is None else n

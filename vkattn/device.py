@@ -311,8 +311,8 @@ class Device(_Limits):
         driver that flushes float16 denormals turns into zeros. A probe dispatch
         (numerics_probe.comp MODE 1 with HALF_NATIVE, all 63488 finite halves) answers it, once per
         device. Where it holds, attn_lane.comp decodes float16 K/V with it (HALF_NATIVE) instead of
-        the integer construction that is exact everywhere (common.glsl halves_to_float): the same
-        bits, cheaper (lavapipe with F16C: decode L=4096 32/8 heads d128 about 2.05 -> 1.65 ms,
+        the integer construction that is exact everywhere (common.glsl halves_to_float), and fp8
+        through its half bit patterns (fp8x4_native): the same bits, cheaper (lavapipe with F16C: decode L=4096 32/8 heads d128 about 2.05 -> 1.65 ms,
         session 31). ``VKATTN_HALF_NATIVE=0`` keeps the integer form."""
         if os.environ.get("VKATTN_HALF_NATIVE", "").strip() == "0":
             return False

@@ -10,7 +10,6 @@ import numpy as np
 from . import cascade
 from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
 from ._base import CacheBase
-from ._kp import HAS_BARRIER
 from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
 from . import persist
@@ -208,9 +207,7 @@ class PagedKVCache(CacheBase):
             self._check_open()
             plan, k, v = self._check_new(seq_ids, n_new, k, v, token_ids)
             plan.evict_cached()
-            rec = self._stage_new(plan, k, v)[2]
-            rec.run()
-            self._last_rec = rec
+            self._append_plan(sum(plan.n_new)).run(k, v, *_new_rows(plan, self.block_size))
             plan.commit()
 
     # ------------------------------------------------------------------ attention
@@ -364,11 +361,7 @@ class PagedKVCache(CacheBase):
             else:                                   # one submission with the patched kp
                 first = self._stage_new(plan, k, v)
                 attn.fill_batch(q, None, None, plan.past, counts, plan.tables, scale, self.rope, variant)
-                if out is None and HAS_BARRIER:
-                    rec = attn._chained(first[0], first[1])
-                else:
-                    first[2].run()
-                    rec = attn.rec if out is None else attn.bound(q._buf, None, None, out._buf, None)[1]
+                rec = attn.after(first, attn.rec if out is None else attn.bound(q._buf, None, None, out._buf, None)[1])
             rec.run()
             self._last_rec = rec
             plan.commit()
@@ -409,10 +402,7 @@ class PagedKVCache(CacheBase):
                     attn = cache._batch_plan(plan, hq, flags, masks, split)
                 work, kk, vv = [], k, v
                 if split:
-                    append = cache._append_plan(sum(counts))
-                    slots, positions = _new_rows(plan, cache.block_size)
-                    append.fill_rows(sum(counts), slots, positions)
-                    prog, _, up = append.bound(k.buffer, v.buffer)
+                    prog, up, _ = cache._stage_new(plan, k, v)
                     work.append((prog, up))
                     kk = vv = None
                 if plain:

@@ -70,9 +70,10 @@ LANE_STATE_VEC4_LONG = 256   # this many: twice the query vectors per K/V load a
                         # first compile (6.4 s against 2.4 s) only by calls that long
 FUSED_APPEND_MAX_ROWS = 32   # KVCache.forward with more new rows (PagedKVCache.forward: a sequence
                         # with more) appends them in a dispatch of its own, then attends from the
-                        # cache (one submission, a barrier between): in the fused kernel every workgroup of a sequence stores all of its
-                        # new rows (attn_lane.comp: no barrier needed), so the stores grow with
-                        # rows x query tiles, which soon costs more than one more round trip
+                        # cache (one submission, a barrier between): in the fused kernel every
+                        # workgroup of a sequence stores all of its new rows (attn_lane.comp: no
+                        # barrier needed), so the stores grow with rows x query tiles, which soon
+                        # costs more than one more round trip
                         # (before that design, prefill S=512 from empty on lavapipe: KVCache 98 ->
                         # 67.5 ms per call, PagedKVCache 94-95 -> 58-60 ms)
 CASCADE_MIN_PREFIX = 256   # PagedKVCache.forward on a software device attends a prefix of full blocks

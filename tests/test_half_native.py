@@ -13,6 +13,14 @@ from vkattn import reference
 from conftest import assert_close, rand_q, skip_without_lane
 
 
+@pytest.fixture
+def lane(device, monkeypatch):
+    """The device, with the lane kernel picked (whatever VKATTN_KERNEL the run forces)."""
+    skip_without_lane(device)
+    monkeypatch.setenv("VKATTN_KERNEL", "lane")
+    return device
+
+
 def _lane_defines(cache):
     return [p._pipe.defines for p in cache._plans.values()
             if getattr(getattr(p, "_pipe", None), "shader", "") == "attn_lane"]
@@ -49,11 +57,11 @@ def test_the_verdict_is_the_probe(device, monkeypatch):
 
 @pytest.mark.parametrize("dtype,kind", [("float16", "decode"), ("float16", "prefill"), ("float16", "forward"),
                                         ("fp8_e4m3", "decode"), ("fp8_e4m3", "forward"), ("fp8_e5m2", "prefill")])
-def test_native_and_integer_half_decodes_give_the_same_bits(device, rng, monkeypatch, dtype, kind):
+def test_native_and_integer_half_decodes_give_the_same_bits(lane, rng, monkeypatch, dtype, kind):
     """float16 / fp8 K/V of mostly subnormal values through the lane kernel: with the device's
     verdict (HALF_NATIVE where it holds) and with the integer decode forced, bit for bit the
     same, and the reference's values on the stored K/V."""
-    skip_without_lane(device)
+    device = lane
     hkv, group, d, n = 3, 3, 40, 45
     k, v = _tiny_kv(rng, hkv, n, d, dtype)
     q = (rng.standard_normal((hkv * group, 1 if kind == "decode" else 13, d)) * 300).astype(np.float32)
@@ -86,9 +94,9 @@ def test_native_and_integer_half_decodes_give_the_same_bits(device, rng, monkeyp
     assert np.array_equal(results[""].view(np.uint32), results["0"].view(np.uint32))
 
 
-def test_a_device_whose_conversion_fails_keeps_the_integer_decode(device, rng, monkeypatch):
+def test_a_device_whose_conversion_fails_keeps_the_integer_decode(lane, rng, monkeypatch):
     """A probe that finds one wrong half: no HALF_NATIVE pipeline is planned."""
-    skip_without_lane(device)
+    device = lane
     monkeypatch.setattr(device, "_half_native", None)
     monkeypatch.setattr(type(device), "_probe_halves", lambda self: False)
     cache = vkattn.KVCache(32, 2, 32, dtype="float16", device=device)

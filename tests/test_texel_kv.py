@@ -15,10 +15,13 @@ FORMATS = ["float32", "float16", "bfloat16", "int8", "fp8_e4m3", "q4"]
 
 
 @pytest.fixture
-def lane_texel(device):
+def lane_texel(device, monkeypatch):
+    """The device, with the lane kernel picked (whatever VKATTN_KERNEL the run forces: these
+    tests are that kernel's)."""
     if not (device.is_software and device.lane_subgroup()):
         pytest.skip("the lane kernel runs on CPU drivers")
     require_texel(device)
+    monkeypatch.setenv("VKATTN_KERNEL", "lane")
     return device
 
 

@@ -77,7 +77,7 @@ def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype, loads
     m = DeviceLlama(cfg, sd, weight_dtype=weight_dtype, capacity=64, device=device,
                     texel=None if loads == "default" else False)
     assert m._texel == (loads == "default" and device.is_software and device.texel_buffers)
-    assert m._xshare == device.lane_subgroup()          # lavapipe: x pieces shared by shuffles (storage loads)
+    assert m._xshare == device.lane_subgroup()          # lavapipe: x pieces shared by shuffles (either loads)
     # the device's default layout of linear.comp (CPU drivers: one lane per 16 rows; GPUs: 16 lanes a row)
     kind = "cpu" if device.is_software else "gpu"
     assert (m._wg, m._lanes, m._rows) == DeviceLlama.LAYOUTS[kind]

@@ -122,9 +122,11 @@ class DeviceLlama:
     ``wg`` invocations per workgroup, ``lanes`` invocations per output row, ``rows`` output rows
     per group of lanes (None: :data:`LAYOUTS`' for the device, CPU drivers or GPUs);
     ``prompt_rows`` and ``prompt_tile`` the rows and tokens per group of lanes in the prompt's
-    matmuls (None: :data:`PROMPT_LAYOUTS`' for the device and weight_dtype); ``xshare`` x shared
-    by subgroup shuffles where the device allows (Device.lane_subgroup(): lavapipe) and loads are
-    storage loads. ``texel``: the weights, x and the norm gains read as uniform texel buffers
+    matmuls (None: :data:`PROMPT_LAYOUTS`' for the device and weight_dtype); ``xshare`` x and the
+    norm gains shared by subgroup shuffles where the device allows (Device.lane_subgroup():
+    lavapipe): the subgroup's lanes load a piece between them (storage loads), or fetch the tile's
+    pieces between them, several per fetch (texel loads: SmolLM2's float16 prompt 11% faster,
+    perf/RESULTS.md session 32). ``texel``: the weights, x and the norm gains read as uniform texel buffers
     (vkattn.algorithm; linear.comp W_TEXEL / X_TEXEL); None: on CPU drivers where the device can
     (lavapipe gathers a texel fetch with vector instructions and loops over the lanes for a storage
     load: SmolLM2's float32 decode went from 0.62x to 1.03x eager's tokens per second), storage
@@ -335,7 +337,7 @@ class DeviceLlama:
         defines = dict(WG=self._wg, LANES=self._lanes, RPL=rpl, TT=tile)
         if self._texel:
             defines["X_TEXEL"] = 1
-        elif self._xshare:
+        if self._xshare:
             defines["XSHARE"] = self._xshare
         arrays = [w, x, y]
         if norm is not None:
@@ -353,8 +355,8 @@ class DeviceLlama:
         rpw = self._wg // self._lanes * rpl
         eps = int(np.float32(self.d.eps).view(np.uint32))
         spec = [k, n, in_hd or k, out_hd or n, eps, self.d.nq, self.d.nkv]
-        return self._algo(self._spirv("linear", self._fmt_of[w], **defines), arrays, (math.ceil(rows / rpw), math.ceil(t / tile)),
-                          spec, push=[t, t0, tx or t])
+        return self._algo(self._spirv("linear", self._fmt_of[w], **defines), arrays,
+                          (math.ceil(t / tile), math.ceil(rows / rpw)), spec, push=[t, t0, tx or t])
 
     def _step(self, g, a: _Acts, ids, return_logits: bool):
         """Record one step of a.t tokens (ids: the DeviceArray of their ids) into graph g; returns

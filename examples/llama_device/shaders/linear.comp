@@ -11,7 +11,9 @@
 //   QKV   rows [0, NQ) go to y (q), [NQ, NQ+NKV) to yk (binding 4), the rest to yv (binding 5)
 //   W_F16 / W_Q4_1 / W_Q8_0: W's storage (weights.glsl), float32 without one
 //   W_TEXEL / X_TEXEL: W (weights.glsl) / x and g read from uniform texel buffers (CPU drivers:
-//         vector gathers instead of a per-lane loop per storage word; X_TEXEL replaces XSHARE)
+//         vector gathers instead of a per-lane loop per storage word)
+//   XSHARE (the subgroup size; LANES = 1): x and g pieces fetched by the subgroup's lanes between
+//         them and shared by shuffles (with X_TEXEL: a fetch brings XSHARE vec4s, not one)
 // Contract: W row-major (rows, K), K a multiple of UNIT (8; 32 for the block formats); x and y
 // float32, head dims multiples of 4.
 // T, T0, TX: push constants. Activations are (T, K) rows (IN_HD = K) or vkattn's head-major (K / IN_HD, TX, IN_HD) layout
@@ -22,7 +24,7 @@
 //   y = xs @ W.T   (GLU: a, b = xs @ W[:N].T, xs @ W[N:].T; y = a / (1 + np.exp(-a)) * b)
 //   ACC: y += previous y
 // Layout of the work: a group of LANES invocations computes RPL consecutive output rows for TT
-// tokens (grid y = ceil(T / TT)); WG / LANES groups per workgroup. Each x piece (UNIT features) is
+// tokens; WG / LANES groups per workgroup; grid (ceil(T / TT), row groups). Each x piece (UNIT features) is
 // loaded once for the RPL rows and each weight piece (16-byte loads for float16) once for the TT tokens: on
 // lavapipe every storage-buffer word costs a per-lane scalar loop, so words loaded per
 // multiply-add is what sets the speed (LANES = 1, RPL = 16 there). LANES > 1 (GPUs: lanes of a
@@ -58,6 +60,10 @@ layout(push_constant) uniform Tokens {
 #define ALL_LANES true
 #else
 #define ALL_LANES false
+#endif
+#if defined(X_TEXEL) && defined(XSHARE)
+#define XF ((TT * V4 + XSHARE - 1) / XSHARE)    // x fetches a piece (the tile's TT * V4 vec4s)
+#define GF ((V4 + XSHARE - 1) / XSHARE)         // g fetches a piece
 #endif
 #ifdef X_TEXEL
 // x and g as uniform texel buffers of vec4s (vkattn.algorithm binds a samplerBuffer so): every lane
@@ -139,8 +145,11 @@ void store(uint n, uint t, float v) {
 void main() {
     const uint lid = gl_LocalInvocationID.x;
     const uint lane = lid % LANES;
-    const uint n0 = (gl_WorkGroupID.x * RPW + lid / LANES) * RPL;     // this group's first row
-    const uint tbase = gl_WorkGroupID.y * TT;
+    // grid (token tiles, row groups): the workgroups that read the same weight rows are
+    // consecutive (x varies fastest), so a prompt's weights come from memory once, not once per
+    // token tile (lavapipe, SmolLM2's float16 prompt: 7% less time than rows on x, alternated)
+    const uint n0 = (gl_WorkGroupID.y * RPW + lid / LANES) * RPL;     // this group's first row
+    const uint tbase = gl_WorkGroupID.x * TT;
     float acc[RPL * TT];
 #ifdef GLU
     float acc2[RPL * TT];
@@ -165,6 +174,35 @@ void main() {
             // weight format once (weights.glsl prep_x); 4 features of one head are contiguous
             vec4 xv[TT][V4];
             float xs[TT];
+#if defined(X_TEXEL) && defined(XSHARE)
+            // the tile's TT * V4 x vec4s (and g's V4) fetched by the subgroup's lanes between them
+            // -- lane l the entries l, l + XSHARE, ... -- and handed to every lane by shuffles
+            // with constant sources: a CPU driver's texel fetch costs as much at one address for
+            // every lane as at XSHARE different ones (llvmpipe: a call, a load per lane and a
+            // transpose), so each fetch brings XSHARE vec4s instead of one
+            const uint sl = gl_SubgroupInvocationID;
+            vec4 got[XF];
+            [[unroll]] for (uint f = 0; f < XF; f++) {
+                const uint e = min(f * XSHARE + sl, TT * V4 - 1);
+                got[f] = X4(xi(T0 + min(tbase + e / V4, T - 1), k + 4 * (e % V4)));
+            }
+#ifdef NORM
+            vec4 gg[GF];
+            [[unroll]] for (uint f = 0; f < GF; f++) gg[f] = G4(k + 4 * min(f * XSHARE + sl, V4 - 1));
+            vec4 gv[V4];
+            [[unroll]] for (uint i = 0; i < V4; i++) gv[i] = subgroupShuffle(gg[i / XSHARE], i % XSHARE);
+#endif
+            [[unroll]] for (uint j = 0; j < TT; j++) {
+                [[unroll]] for (uint i = 0; i < V4; i++) {
+                    xv[j][i] = subgroupShuffle(got[(j * V4 + i) / XSHARE], (j * V4 + i) % XSHARE);
+#ifdef NORM
+                    ss[j] += dot(xv[j][i], xv[j][i]);
+                    xv[j][i] *= gv[i];
+#endif
+                }
+                xs[j] = prep_x(xv[j]);
+            }
+#else
             TILE_LOOP for (uint j = 0; j < TT; j++) {
                 const uint t = T0 + min(tbase + j, T - 1);
 #ifdef XSHARE
@@ -197,6 +235,7 @@ void main() {
 #endif
                 xs[j] = prep_x(xv[j]);
             }
+#endif
             TILE_LOOP for (uint r = 0; r < RPL; r++) {
                 const uint n = min(n0 + r, ROWS - 1);       // rows past the end: computed, not stored
                 vec4 wq[V4];
@@ -214,7 +253,7 @@ void main() {
             }
         }
     }
-#if defined(NORM) && defined(XSHARE)
+#if defined(NORM) && defined(XSHARE) && !defined(X_TEXEL)
     // each lane summed the squares of its own features: the token's sum is the subgroup's
     TILE_LOOP for (uint j = 0; j < TT; j++)
         [[unroll]] for (uint h = 1; h < XSHARE; h *= 2)

@@ -101,7 +101,7 @@ def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype, loads
 def test_q4_1_blocks_equal_eager_on_their_dequantised_weights(device, texel):
     """q4_1: the layers' matrices as Q4_1 blocks, the (tied) embedding as Q8_0, quantised here;
     eager holds the blocks' dequantised values (reference_state_dict). texel None: the device's
-    choice (CPU drivers: the blocks' words read from one-word texel views), False: storage."""
+    choice (CPU drivers: the blocks' words read from four-word texel views), False: storage."""
     cfg = _config(intermediate_size=224)
     sd = _state_dict(cfg, seed=5)
     m = DeviceLlama(cfg, sd, weight_dtype="q4_1", capacity=48, device=device, texel=texel)

@@ -224,7 +224,7 @@ class DeviceLlama:
         def mat(w, name, kind="q4_1"):   # a DeviceArray holding w's words in the weight format
             fmt = self.weight_dtype if self.weight_dtype != "q4_1" else kind
             self._fmt[name] = fmt
-            if fmt in quant.WORDS:
+            if fmt in quant.FORMATS:
                 if w.shape[1] % quant.BLOCK:
                     raise ModelInputError(f"weights: {name!r}: rows of {w.shape[1]} are not a multiple of "
                                           f"{quant.BLOCK} ({fmt} blocks)")
@@ -325,10 +325,9 @@ class DeviceLlama:
         return self._spv[key]
 
     def _algo(self, spirv, arrays, groups, spec, push=()):
-        # a weight (binding 0 of linear / embed) read as a texel buffer (W_TEXEL): the block
-        # formats' view is one word a texel
-        words = {0: 1} if self._texel and self._fmt_of.get(arrays[0]) in quant.WORDS else None
-        return vkattn.algorithm(arrays, spirv, groups, spec, push, texel_words=words)
+        # a weight (binding 0 of linear / embed) read as a texel buffer (W_TEXEL): four words a
+        # texel in every format (quant.py aligns the block formats' rows to 16 bytes)
+        return vkattn.algorithm(arrays, spirv, groups, spec, push)
 
     def _linear(self, w, x, y, *, n, k, t, tx=None, t0=0, in_hd=None, out_hd=None, norm=None,
                 acc=False, glu=False, qkv=None):
@@ -367,7 +366,7 @@ class DeviceLlama:
             algos.append(algo)
             g.dispatch(algo, reads=reads, writes=writes, name=name)
 
-        unit = 32 if self._fmt_of[self.embed] in quant.WORDS else 8
+        unit = 32 if self._fmt_of[self.embed] in quant.FORMATS else 8
         disp(self._algo(self._spirv("embed", self._fmt_of[self.embed]), [self.embed, ids, a.x],
                         (math.ceil(d.hidden / unit / 64), t),
                         [d.hidden, d.vocab]), [ids], [a.x], "embed")

@@ -1,12 +1,18 @@
 """Block-quantised weights for linear.comp / embed.comp (W_Q4_1, W_Q8_0): the two formats of the
-GGUF the example loads, in a word-aligned layout of our own. Per block of 32 consecutive weights
-of a row (K a multiple of 32):
+GGUF the example loads, in a 16-byte-aligned layout of our own. Blocks of 32 consecutive weights
+of a row (K a multiple of 32); a row holds its blocks' code words first, then one parameter word
+per block, then zero words up to a multiple of 4 (``row_words``):
 
-- q4_1: 5 uint32 words: word 0 = float16 d (low half) | float16 m (high half); words 1..4: the
-  32 4-bit codes, word 1 + i holding weights 8i .. 8i+7, weight 8i+e in bits 4e..4e+3.
-  Weight = d * code + m (float32, as the gguf package dequantises).
-- q8_0: 9 words: word 0 = float16 d (low half, high half 0); words 1..8: the 32 int8 codes,
-  word 1 + i holding weights 4i .. 4i+3, weight 4i+e in byte e. Weight = d * code.
+- q4_1: 4 code words a block, word i holding weights 8i .. 8i+7, weight 8i+e in bits 4e..4e+3;
+  parameter word = float16 d (low half) | float16 m (high half). Weight = d * code + m (float32,
+  as the gguf package dequantises).
+- q8_0: 8 code words a block, word i holding weights 4i .. 4i+3, weight 4i+e in byte e;
+  parameter word = float16 d (low half, high half 0). Weight = d * code.
+
+So a block's codes are one (q4_1) or two (q8_0) 16-byte texels and its parameter one component
+of a texel that 4 blocks share: a CPU driver's texel fetch costs the same for one word as for
+four (llvmpipe: a call, a load per lane and a transpose), and a q4_1 block reads in 2 fetches
+(5 in session 31's interleaved 5-word blocks).
 
 From GGUF's own blocks (``from_gguf``: its q4_1 byte j holds weight j in the low nibble and weight
 j+16 in the high one) the device holds exactly the weights the gguf package dequantises; from
@@ -16,7 +22,15 @@ from __future__ import annotations
 import numpy as np
 
 BLOCK = 32
-WORDS = {"q4_1": 5, "q8_0": 9}
+DATA = {"q4_1": 4, "q8_0": 8}      # code words a block
+FORMATS = tuple(DATA)
+
+
+def row_words(kind, cols):
+    """Words of one row of ``cols`` weights: the code words, a parameter word per block, the
+    padding to a multiple of 4."""
+    nb = cols // BLOCK
+    return nb * DATA[kind] + -(-nb // 4) * 4
 
 
 def _f16_word(lo, hi=None):
@@ -26,30 +40,32 @@ def _f16_word(lo, hi=None):
 
 
 def _pack(kind, d, m, codes):
-    """codes (rows, nb, 32) ints -> words (rows, nb * WORDS[kind]) uint32."""
+    """codes (rows, nb, 32) ints -> words (rows, row_words(kind, nb * 32)) uint32."""
     rows, nb, _ = codes.shape
     if kind == "q4_1":
         nib = codes.astype(np.uint32).reshape(rows, nb, 4, 8) << (4 * np.arange(8, dtype=np.uint32))
         body = np.bitwise_or.reduce(nib, axis=-1)                     # (rows, nb, 4)
-        head = _f16_word(d, m)[..., None]
+        head = _f16_word(d, m)
     else:
         byt = (codes.astype(np.int32) & 0xFF).astype(np.uint32).reshape(rows, nb, 8, 4) << (8 * np.arange(4, dtype=np.uint32))
         body = np.bitwise_or.reduce(byt, axis=-1)                     # (rows, nb, 8)
-        head = _f16_word(d)[..., None]
-    return np.concatenate([head, body], axis=-1).reshape(rows, -1)
+        head = _f16_word(d)
+    pad = np.zeros((rows, row_words(kind, nb * BLOCK) - nb * (DATA[kind] + 1)), np.uint32)
+    return np.concatenate([body.reshape(rows, -1), head.reshape(rows, nb), pad], axis=-1)
 
 
 def dequantize(kind, words, cols):
     """The float32 weights (rows, cols) the device computes with: numpy of the shaders' dequant."""
     rows = words.shape[0]
-    nb = cols // BLOCK
-    w = words.reshape(rows, nb, WORDS[kind])
-    d = (w[..., 0] & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32)[..., None]
+    nb, dw = cols // BLOCK, DATA[kind]
+    words = words.reshape(rows, row_words(kind, cols))
+    body, head = words[:, :nb * dw].reshape(rows, nb, dw), words[:, nb * dw:nb * (dw + 1)]
+    d = (head & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32)[..., None]
     if kind == "q4_1":
-        m = (w[..., 0] >> 16).astype(np.uint16).view(np.float16).astype(np.float32)[..., None]
-        codes = (w[..., 1:, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+        m = (head >> 16).astype(np.uint16).view(np.float16).astype(np.float32)[..., None]
+        codes = (body[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
         return ((d * codes.reshape(rows, nb, 32).astype(np.float32)) + m).reshape(rows, cols)
-    codes = ((w[..., 1:, None] >> (8 * np.arange(4, dtype=np.uint32))) & 0xFF).astype(np.uint8).view(np.int8)
+    codes = ((body[..., None] >> (8 * np.arange(4, dtype=np.uint32))) & 0xFF).astype(np.uint8).view(np.int8)
     return (codes.reshape(rows, nb, 32).astype(np.float32) * d).reshape(rows, cols)
 
 
@@ -75,7 +91,7 @@ def quantize(kind, w):
 
 
 def from_gguf(kind, raw, cols):
-    """GGUF's blocks (rows, nb * bytes per block) uint8 -> our words (rows, nb * WORDS[kind])."""
+    """GGUF's blocks (rows, nb * bytes per block) uint8 -> our words (rows, row_words(kind, cols))."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     rows, nb = raw.shape[0], cols // BLOCK
     if kind == "q4_1":

@@ -1,8 +1,11 @@
 // weights.glsl -- how linear.comp and embed.comp read a UNIT-weight piece of a weight row, for
 // each storage format (define one, or none for float32):
 //   W_F16   float16, two per uint32 word (low half first): a piece of 8 is one uvec4
-//   W_Q4_1  blocks of 32 in 5 words (quant.py): d * code + m, computed as the gguf package does
-//   W_Q8_0  blocks of 32 in 9 words (quant.py): d * code
+//   W_Q4_1  blocks of 32: 4 code words and a parameter word (quant.py): d * code + m, computed
+//           as the gguf package does
+//   W_Q8_0  blocks of 32: 8 code words and a parameter word (quant.py): d * code
+//   (a block format's row: its blocks' code words, then their parameter words, padded to a
+//   multiple of 4 words: ROWW)
 //   (none)  float32: a piece of 8 is two vec4
 // Contract: W is declared here at binding 0 (a storage buffer "Wb", or with W_TEXEL a usamplerBuffer); K (row length, a multiple of UNIT)
 // must be a constant declared before the include. piece c of row `row` is weights
@@ -20,21 +23,10 @@
 // = q * 2^24 (signed) against x * 2^-24. Products and sums are float32; the order differs from
 // a dot over dequantised weights by roundings only (the weights themselves are exactly the
 // blocks' values).
-// W_TEXEL: W is a uniform texel buffer instead of a storage buffer (vkattn.algorithm binds it: the
-// block formats' view one word a texel, the float formats' four), read by texelFetch -- CPU
-// drivers load a texel buffer by vector gathers, a storage buffer by a per-lane loop (lavapipe:
-// 0.11 against 0.39 ns a word). W1(i): word i (block formats); W4(i): words 4i .. 4i+3 (float ones)
-#if defined(W_Q4_1) || defined(W_Q8_0)
-#define UNIT 32
-#ifdef W_TEXEL
-layout(binding = 0) uniform usamplerBuffer wt;
-#define W1(i) texelFetch(wt, int(i)).x
-#else
-layout(std430, binding = 0) readonly buffer Wb { uint w[]; };
-#define W1(i) w[i]
-#endif
-#else
-#define UNIT 8
+// W_TEXEL: W is a uniform texel buffer instead of a storage buffer (vkattn.algorithm binds it,
+// four words a texel), read by texelFetch -- CPU drivers load a texel buffer by vector gathers, a
+// storage buffer by a per-lane loop (lavapipe: 0.11 against 0.39 ns a word). W4(i): words
+// 4i .. 4i+3 in every format
 #ifdef W_TEXEL
 layout(binding = 0) uniform usamplerBuffer wt;
 #define W4(i) texelFetch(wt, int(i))
@@ -42,9 +34,19 @@ layout(binding = 0) uniform usamplerBuffer wt;
 layout(std430, binding = 0) readonly buffer Wb { uvec4 w[]; };
 #define W4(i) w[i]
 #endif
+#if defined(W_Q4_1) || defined(W_Q8_0)
+#define UNIT 32
+#ifdef W_Q4_1
+#define DW 4u                       // code words a block
+#else
+#define DW 8u
+#endif
+#else
+#define UNIT 8
 #endif
 #define V4 (UNIT / 4)
 #define PIECES (K / UNIT)
+#define ROWW (PIECES * DW + (PIECES + 3u) / 4u * 4u)   // block formats: words a row (quant.row_words)
 
 #if defined(W_Q4_1)
 // nibble k of a word: weight 8i + k of word i; its x is scaled by 16^-k (k < 7; the top nibble is
@@ -78,21 +80,27 @@ float prep_x(inout vec4 xv[V4]) {
 // (nibble k as q * 16^k, see above) and returns (d, m); Q8_0 its codes times 2^24 and (d, 0);
 // float formats the weights themselves and (1, 0)
 vec2 load_codes(uint row, uint c, out vec4 wq[V4]) {
+#if defined(W_Q4_1) || defined(W_Q8_0)
+    // the block's code words: texel(s) c * DW / 4 of the row; its parameter word: component c % 4
+    // of the texel after the codes that holds blocks c - c % 4 .. c - c % 4 + 3
+    const uint r4 = row * (ROWW / 4u);
+    const uint p = W4(r4 + PIECES * DW / 4u + c / 4u)[c % 4u];
+#endif
 #if defined(W_Q4_1)
-    const uint b = (row * PIECES + c) * 5u;
+    const uvec4 qw = W4(r4 + c);
     [[unroll]] for (uint i = 0; i < 4; i++) {
-        const uint q = W1(b + 1 + i);
+        const uint q = qw[i];
         wq[2 * i] = vec4(ivec4(uvec4(q & 0xfu, q & 0xf0u, q & 0xf00u, q & 0xf000u)));
         wq[2 * i + 1] = vec4(ivec4(uvec4(q & 0xf0000u, q & 0xf00000u, q & 0xf000000u, q >> 28)));
     }
-    return unpackHalf2x16(W1(b));
+    return unpackHalf2x16(p);
 #elif defined(W_Q8_0)
-    const uint b = (row * PIECES + c) * 9u;
+    const uvec4 qa = W4(r4 + 2u * c), qb = W4(r4 + 2u * c + 1u);
     [[unroll]] for (uint i = 0; i < 8; i++) {
-        const uint q = W1(b + 1 + i);
+        const uint q = i < 4 ? qa[i] : qb[i - 4];
         wq[i] = vec4(ivec4(uvec4(q << 24, q << 16, q << 8, q) & 0xff000000u));
     }
-    return vec2(unpackHalf2x16(W1(b)).x, 0.0);
+    return vec2(unpackHalf2x16(p).x, 0.0);
 #elif defined(W_F16)
     const uvec4 u = W4(row * PIECES + c);
     wq[0] = vec4(unpackHalf2x16(u.x), unpackHalf2x16(u.y));

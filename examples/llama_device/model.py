@@ -130,7 +130,9 @@ class DeviceLlama:
     (vkattn.algorithm; linear.comp W_TEXEL / X_TEXEL); None: on CPU drivers where the device can
     (lavapipe gathers a texel fetch with vector instructions and loops over the lanes for a storage
     load: SmolLM2's float32 decode went from 0.62x to 1.03x eager's tokens per second), storage
-    buffers on GPUs (not timed there).
+    buffers on GPUs (not timed there). ``interleave``: each group of (subgroup x ``rows``) weight
+    rows stored in the order the decode's lanes read them (quant.interleave; weights.glsl
+    W_LANES / W_RPL); None: on CPU drivers with one lane a row, row-major elsewhere.
     Errors: ModelInputError (a ValueError) for a config, weight set, setting or prompt it cannot run.
     """
 
@@ -154,7 +156,8 @@ class DeviceLlama:
     def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",
                  capacity: int = 512, device=None, wg: int | None = None, lanes: int | None = None,
                  rows: int | None = None, prompt_tile: int | None = None, blocks: dict | None = None,
-                 xshare: bool = True, prompt_rows: int | None = None, texel: bool | None = None):
+                 xshare: bool = True, prompt_rows: int | None = None, texel: bool | None = None,
+                 interleave: bool | None = None):
         device = device or vkattn.default_device()
         kind = "cpu" if device.is_software else "gpu"
         lay = self.LAYOUTS[kind]
@@ -182,8 +185,14 @@ class DeviceLlama:
         self._f16 = weight_dtype == "float16"
         # x pieces shared by shuffles within a subgroup (linear.comp XSHARE): where the device's
         # subgroup divides the workgroup and 8 (the smallest piece), one lane per row
-        sg = self.device.lane_subgroup() if xshare else 0      # probed: one subgroup, working shuffles
+        lane_sg = self.device.lane_subgroup()                 # probed: one subgroup, working shuffles
+        sg = lane_sg if xshare else 0
         self._xshare = sg if (sg and lanes == 1 and wg % sg == 0 and 8 % sg == 0) else 0
+        # the weights stored in the order the decode's lanes read them (weights.glsl W_LANES /
+        # W_RPL, quant.interleave): on CPU drivers, where a lane is a SIMD lane with `rows`
+        # rows of its own and the CPU's prefetchers follow a few streams, not lanes * rows rows
+        interleave = device.is_software if interleave is None else bool(interleave)
+        self._wgroup = (lane_sg, rows) if (interleave and lane_sg and lanes == 1 and wg % lane_sg == 0) else None
         # the weights read as uniform texel buffers (weights.glsl W_TEXEL): on CPU drivers, where
         # a texel fetch is a vector gather and a storage load a per-lane loop (None: there, where
         # the device can; GPUs keep storage buffers, not timed there)
@@ -236,15 +245,20 @@ class DeviceLlama:
                 else:
                     words = quant.quantize(fmt, w)
                 self._ref[name] = quant.dequantize(fmt, words, w.shape[1])
-                words = words.reshape(-1)
+                texels, params = quant.DATA[fmt] // 4, -(-w.shape[1] // quant.BLOCK // 4)
             elif self._f16:
                 if np.abs(w).max(initial=0) > 65504:
                     raise ModelInputError("weights: values past float16's range (use weight_dtype='float32')")
-                words = np.ascontiguousarray(w.astype(np.float16)).reshape(-1).view(np.uint32)
+                words = np.ascontiguousarray(w.astype(np.float16)).view(np.uint32)
                 self._ref[name] = w.astype(np.float16).astype(np.float32)
+                texels, params = 1, 0
             else:
-                words = w.reshape(-1).view(np.uint32)
+                words = np.ascontiguousarray(w).view(np.uint32)
                 self._ref[name] = w
+                texels, params = 2, 0
+            if self._wgroup is not None:       # weights.glsl W_LANES / W_RPL
+                words = quant.interleave(words, texels, params, *self._wgroup)
+            words = words.reshape(-1)
             a = vkattn.empty((words.size,), self.device)
             a.host_view().reshape(-1).view(np.uint32)[:words.size] = words
             self._fmt_of[a] = fmt
@@ -319,6 +333,8 @@ class DeviceLlama:
             defines[self._FORMAT_DEFINE[fmt]] = 1
         if fmt is not None and self._texel:
             defines["W_TEXEL"] = 1
+        if fmt is not None and self._wgroup is not None:
+            defines["W_LANES"], defines["W_RPL"] = self._wgroup
         key = (name, tuple(sorted(defines.items())))
         if key not in self._spv:
             self._spv[key] = compile_shader(name, defines, src_dir=SHADERS)

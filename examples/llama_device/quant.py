@@ -102,3 +102,23 @@ def from_gguf(kind, raw, cols):
     r = raw.reshape(rows, nb, 34)
     d, codes = r[..., 0:2].copy().view(np.float16)[..., 0], r[..., 2:].view(np.int8)
     return _pack(kind, d, None, codes)
+
+
+def interleave(words, texels: int, params: int, lanes: int, rpl: int):
+    """Row-major words (rows, row's words) uint32 of any format -> the grouped order weights.glsl
+    reads with W_LANES = lanes, W_RPL = rpl (flat uint32): rows padded with zero rows to a
+    multiple of lanes * rpl; per group of lanes * rpl rows, each piece's ``texels`` 16-byte texels
+    of every row in (row within a lane, lane) order, piece after piece, then the rows' ``params``
+    parameter texels in the same order (block formats: a row's words are its pieces' codes, then
+    its parameter texels)."""
+    words = np.asarray(words, np.uint32)
+    rows, per_row = words.shape
+    g = lanes * rpl
+    ng = -(-rows // g)
+    pieces = (per_row // 4 - params) // texels
+    w = np.zeros((ng * g, per_row), np.uint32)
+    w[:rows] = words
+    parts = [w[:, :pieces * texels * 4].reshape(ng, lanes, rpl, pieces, texels * 4).transpose(0, 3, 2, 1, 4)]
+    if params:
+        parts.append(w[:, pieces * texels * 4:].reshape(ng, lanes, rpl, params, 4).transpose(0, 3, 2, 1, 4))
+    return np.concatenate([p.reshape(ng, -1) for p in parts], axis=1).reshape(-1)

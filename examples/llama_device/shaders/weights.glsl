@@ -36,17 +36,46 @@ layout(std430, binding = 0) readonly buffer Wb { uvec4 w[]; };
 #endif
 #if defined(W_Q4_1) || defined(W_Q8_0)
 #define UNIT 32
-#ifdef W_Q4_1
-#define DW 4u                       // code words a block
-#else
-#define DW 8u
-#endif
 #else
 #define UNIT 8
 #endif
 #define V4 (UNIT / 4)
 #define PIECES (K / UNIT)
-#define ROWW (PIECES * DW + (PIECES + 3u) / 4u * 4u)   // block formats: words a row (quant.row_words)
+#if defined(W_Q4_1) || defined(W_F16)
+#define WT 1u                       // texels a piece of a row (its codes, for the block formats)
+#else
+#define WT 2u
+#endif
+#if defined(W_Q4_1) || defined(W_Q8_0)
+#define WP ((PIECES + 3u) / 4u)     // parameter texels a row (4 blocks' parameter words each)
+#else
+#define WP 0u
+#endif
+
+// wtex(row, c, t): the texel index of texel t of row `row`'s piece c; ptex(row, c): of the texel
+// whose component c % 4 is the piece's parameter word (block formats). Row-major (quant.py's
+// rows one after another), or with W_LANES / W_RPL (CPU drivers, the decode's layout: W_LANES
+// lanes of a SIMD vector, each with W_RPL consecutive rows) each group of W_LANES * W_RPL rows
+// interleaved in the order those lanes read it (quant.interleave): piece c's texels of the
+// group's rows in (row within the lane, lane) order, then the next piece's, then the group's
+// parameter texels so, so that a decode streams each matrix front to back instead of walking
+// W_LANES * W_RPL rows at once (lavapipe, SmolLM2: the rows' streams defeated the CPU's
+// prefetchers, and decode matmuls reading 256 rows' worth of cache took 0.67-0.70x the time)
+#ifdef W_LANES
+const uint WGR = W_LANES * W_RPL;                         // rows a group
+const uint WGT = WGR * (PIECES * WT + WP);                 // texels a group
+uint wtex(uint row, uint c, uint t) {
+    const uint q = row % WGR;
+    return (row / WGR) * WGT + ((c * W_RPL + q % W_RPL) * W_LANES + q / W_RPL) * WT + t;
+}
+uint ptex(uint row, uint c) {
+    const uint q = row % WGR;
+    return (row / WGR) * WGT + WGR * PIECES * WT + ((c / 4u) * W_RPL + q % W_RPL) * W_LANES + q / W_RPL;
+}
+#else
+uint wtex(uint row, uint c, uint t) { return row * (PIECES * WT + WP) + c * WT + t; }
+uint ptex(uint row, uint c) { return row * (PIECES * WT + WP) + PIECES * WT + c / 4u; }
+#endif
 
 #if defined(W_Q4_1)
 // nibble k of a word: weight 8i + k of word i; its x is scaled by 16^-k (k < 7; the top nibble is
@@ -81,13 +110,11 @@ float prep_x(inout vec4 xv[V4]) {
 // float formats the weights themselves and (1, 0)
 vec2 load_codes(uint row, uint c, out vec4 wq[V4]) {
 #if defined(W_Q4_1) || defined(W_Q8_0)
-    // the block's code words: texel(s) c * DW / 4 of the row; its parameter word: component c % 4
-    // of the texel after the codes that holds blocks c - c % 4 .. c - c % 4 + 3
-    const uint r4 = row * (ROWW / 4u);
-    const uint p = W4(r4 + PIECES * DW / 4u + c / 4u)[c % 4u];
+    // the block's parameter word: component c % 4 of the texel holding blocks c - c % 4 .. + 3
+    const uint p = W4(ptex(row, c))[c % 4u];
 #endif
 #if defined(W_Q4_1)
-    const uvec4 qw = W4(r4 + c);
+    const uvec4 qw = W4(wtex(row, c, 0u));
     [[unroll]] for (uint i = 0; i < 4; i++) {
         const uint q = qw[i];
         wq[2 * i] = vec4(ivec4(uvec4(q & 0xfu, q & 0xf0u, q & 0xf00u, q & 0xf000u)));
@@ -95,20 +122,20 @@ vec2 load_codes(uint row, uint c, out vec4 wq[V4]) {
     }
     return unpackHalf2x16(p);
 #elif defined(W_Q8_0)
-    const uvec4 qa = W4(r4 + 2u * c), qb = W4(r4 + 2u * c + 1u);
+    const uvec4 qa = W4(wtex(row, c, 0u)), qb = W4(wtex(row, c, 1u));
     [[unroll]] for (uint i = 0; i < 8; i++) {
         const uint q = i < 4 ? qa[i] : qb[i - 4];
         wq[i] = vec4(ivec4(uvec4(q << 24, q << 16, q << 8, q) & 0xff000000u));
     }
     return vec2(unpackHalf2x16(p).x, 0.0);
 #elif defined(W_F16)
-    const uvec4 u = W4(row * PIECES + c);
+    const uvec4 u = W4(wtex(row, c, 0u));
     wq[0] = vec4(unpackHalf2x16(u.x), unpackHalf2x16(u.y));
     wq[1] = vec4(unpackHalf2x16(u.z), unpackHalf2x16(u.w));
     return vec2(1.0, 0.0);
 #else
-    wq[0] = uintBitsToFloat(W4((row * PIECES + c) * 2));
-    wq[1] = uintBitsToFloat(W4((row * PIECES + c) * 2 + 1));
+    wq[0] = uintBitsToFloat(W4(wtex(row, c, 0u)));
+    wq[1] = uintBitsToFloat(W4(wtex(row, c, 1u)));
     return vec2(1.0, 0.0);
 #endif
 }

@@ -176,6 +176,40 @@ def test_q4_1_and_q8_0_blocks_read_as_gguf_dequantises(rng):
     assert np.array_equal(quant.dequantize("q8_0", quant.from_gguf("q8_0", raw8, cols), cols), want8)
 
 
+def test_block_rows_and_interleave_put_each_word_where_weights_glsl_reads_it():
+    """quant's layouts as weights.glsl addresses them: a block row is its code words, then one
+    parameter word per block, padded to 4 words; interleave (W_LANES / W_RPL) puts texel t of
+    row n's piece c at group g = n // G's start + ((c * rpl + r) * lanes + l) * texels + t (n % G =
+    l * rpl + r) and parameter texel j after the group's codes at ((j * rpl + r) * lanes + l);
+    rows past the end are zero."""
+    from examples.llama_device import quant
+    rows, cols = 23, 7 * 32
+    w = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) % 13 - 6
+    words = quant.quantize("q4_1", w)
+    nb = cols // 32
+    assert words.shape == (rows, quant.row_words("q4_1", cols)) == (rows, nb * 4 + 8)
+    assert not words[:, nb * 5:].any()                        # the padding after the parameter words
+    np.testing.assert_allclose(quant.dequantize("q4_1", words, cols), w, rtol=0, atol=0.41)   # half a step (12 / 15)
+    for kind, texels in (("q4_1", 1), ("q8_0", 2)):
+        words = quant.quantize(kind, w)
+        lanes, rpl, params = 2, 3, -(-nb // 4)
+        g = lanes * rpl
+        flat = quant.interleave(words, texels, params, lanes, rpl)
+        per_group = g * (nb * texels + params) * 4
+        assert flat.size == -(-rows // g) * per_group
+        tex = flat.reshape(-1, 4)
+        for n in range(-(-rows // g) * g):
+            grp, (l, r) = n // g, divmod(n % g, rpl)
+            row = words[n] if n < rows else np.zeros(words.shape[1], np.uint32)
+            for c in range(nb):
+                for t in range(texels):
+                    got = tex[grp * per_group // 4 + ((c * rpl + r) * lanes + l) * texels + t]
+                    np.testing.assert_array_equal(got, row[(c * texels + t) * 4:(c * texels + t + 1) * 4])
+            for j in range(params):
+                got = tex[grp * per_group // 4 + g * nb * texels + (j * rpl + r) * lanes + l]
+                np.testing.assert_array_equal(got, row[(nb * texels + j) * 4:(nb * texels + j + 1) * 4])
+
+
 @pytest.mark.parametrize("layout", [dict(wg=32, rows=3, prompt_tile=4, xshare=False),
                                     dict(wg=64, lanes=4, rows=2, prompt_tile=3, prompt_rows=5),
                                     dict(zip(("wg", "lanes", "rows"), DeviceLlama.LAYOUTS["gpu"]))])

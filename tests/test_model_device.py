@@ -318,6 +318,8 @@ def test_bad_input_raises_typed_errors(device, small, monkeypatch):
         DeviceLlama(_config(hidden_act="gelu"), sd, device=device)
     with pytest.raises(ModelInputError, match="wg"):
         DeviceLlama(cfg, sd, wg=48, device=device)
+    with pytest.raises(ModelInputError, match="interleave"):            # 4 lanes a row: no lane owns rows
+        DeviceLlama(cfg, sd, lanes=4, interleave=True, device=device)
     for kw, what in ((dict(prompt_rows=0), "prompt_rows"), (dict(prompt_rows=True), "prompt_rows"),
                      (dict(rows=33), "rows"), (dict(prompt_tile=True), "prompt_tile")):
         with pytest.raises(ModelInputError, match=what):

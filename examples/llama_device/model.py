@@ -191,8 +191,11 @@ class DeviceLlama:
         # the weights stored in the order the decode's lanes read them (weights.glsl W_LANES /
         # W_RPL, quant.interleave): on CPU drivers, where a lane is a SIMD lane with `rows`
         # rows of its own and the CPU's prefetchers follow a few streams, not lanes * rows rows
-        interleave = device.is_software if interleave is None else bool(interleave)
-        self._wgroup = (lane_sg, rows) if (interleave and lane_sg and lanes == 1 and wg % lane_sg == 0) else None
+        can = bool(lane_sg and lanes == 1 and wg % lane_sg == 0)
+        if interleave and not can:
+            raise ModelInputError("interleave: needs one lane a row and a probed subgroup that divides wg "
+                                  f"(lanes={lanes}, wg={wg}, Device.lane_subgroup()={lane_sg})")
+        self._wgroup = (lane_sg, rows) if can and (device.is_software if interleave is None else interleave) else None
         # the weights read as uniform texel buffers (weights.glsl W_TEXEL): on CPU drivers, where
         # a texel fetch is a vector gather and a storage load a per-lane loop (None: there, where
         # the device can; GPUs keep storage buffers, not timed there)

@@ -12,7 +12,8 @@ per block, then zero words up to a multiple of 4 (``row_words``):
 So a block's codes are one (q4_1) or two (q8_0) 16-byte texels and its parameter one component
 of a texel that 4 blocks share: a CPU driver's texel fetch costs the same for one word as for
 four (llvmpipe: a call, a load per lane and a transpose), and a q4_1 block reads in 2 fetches
-(5 in session 31's interleaved 5-word blocks).
+(5 with the 5-word blocks before session 32). ``interleave`` reorders rows of any format for
+the CPU decode's lanes (weights.glsl W_LANES).
 
 From GGUF's own blocks (``from_gguf``: its q4_1 byte j holds weight j in the low nibble and weight
 j+16 in the high one) the device holds exactly the weights the gguf package dequantises; from

@@ -14,7 +14,7 @@
 //         vector gathers instead of a per-lane loop per storage word)
 //   XSHARE (the subgroup size; LANES = 1): x and g pieces fetched by the subgroup's lanes between
 //         them and shared by shuffles (with X_TEXEL: a fetch brings XSHARE vec4s, not one)
-// Contract: W row-major (rows, K), K a multiple of UNIT (8; 32 for the block formats); x and y
+// Contract: W (rows, K) as weights.glsl lays it out (row-major, or grouped: W_LANES), K a multiple of UNIT (8; 32 for the block formats); x and y
 // float32, head dims multiples of 4.
 // T, T0, TX: push constants. Activations are (T, K) rows (IN_HD = K) or vkattn's head-major (K / IN_HD, TX, IN_HD) layout
 // (IN_HD = head_dim: the attention output); the tokens read are T0 .. T0 + T - 1 of the TX in x.
@@ -66,9 +66,9 @@ layout(push_constant) uniform Tokens {
 #define GF ((V4 + XSHARE - 1) / XSHARE)         // g fetches a piece
 #endif
 #ifdef X_TEXEL
-// x and g as uniform texel buffers of vec4s (vkattn.algorithm binds a samplerBuffer so): every lane
-// of a group reads the same x piece, which a CPU driver fetches by one vector gather per vec4
-// instead of a per-lane loop per word (the alternative to XSHARE there)
+// x and g as uniform texel buffers of vec4s (vkattn.algorithm binds a samplerBuffer so), which a
+// CPU driver fetches by one vector gather per vec4 instead of a per-lane loop per word; with
+// XSHARE too the subgroup's lanes fetch different vec4s and share them (below)
 layout(binding = 1) uniform samplerBuffer xt;
 #define X4(i) texelFetch(xt, int((i) / 4u))
 #else

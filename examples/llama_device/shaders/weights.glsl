@@ -5,7 +5,7 @@
 //           as the gguf package does
 //   W_Q8_0  blocks of 32: 8 code words and a parameter word (quant.py): d * code
 //   (a block format's row: its blocks' code words, then their parameter words, padded to a
-//   multiple of 4 words: ROWW)
+//   multiple of 4 words: quant.row_words; where the rows sit: wtex / ptex below)
 //   (none)  float32: a piece of 8 is two vec4
 // Contract: W is declared here at binding 0 (a storage buffer "Wb", or with W_TEXEL a usamplerBuffer); K (row length, a multiple of UNIT)
 // must be a constant declared before the include. piece c of row `row` is weights

@@ -78,7 +78,7 @@ def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype, loads
                     texel=None if loads == "default" else False)
     assert m._texel == (loads == "default" and device.is_software and device.texel_buffers)
     assert m._xshare == device.lane_subgroup()          # lavapipe: x pieces shared by shuffles (either loads)
-    # the device's default layout of linear.comp (CPU drivers: one lane per 16 rows; GPUs: 16 lanes a row)
+    # the device's default layout of linear.comp (CPU drivers: one lane per 8 rows, 8 a workgroup; GPUs: 16 lanes a row)
     kind = "cpu" if device.is_software else "gpu"
     assert (m._wg, m._lanes, m._rows) == DeviceLlama.LAYOUTS[kind]
     assert (m._prompt_rows, m._tile) == DeviceLlama.PROMPT_LAYOUTS[kind][weight_dtype]

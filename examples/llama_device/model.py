@@ -137,20 +137,25 @@ class DeviceLlama:
     """
 
     WEIGHT_DTYPES = ("float32", "float16", "q4_1")
-    # (wg, lanes, rows) of linear.comp. CPU drivers: one lane per 16 rows (lavapipe runs a
-    # workgroup's invocations as SIMD lanes over a loop, and a storage word costs a per-lane load:
-    # each x piece loaded once for 16 rows; the layout tuned there). GPUs: 16 lanes per row reading
+    # (wg, lanes, rows) of linear.comp. CPU drivers: one lane per 8 rows, one SIMD vector (8
+    # lanes on lavapipe) a workgroup: lavapipe runs a workgroup's invocations as SIMD lanes over a
+    # loop (a storage word costs a per-lane load, so each x piece serves a lane's rows) and hands
+    # whole workgroups to its threads -- SmolLM2's decode matmuls (576-1536 rows) now run 9-24
+    # workgroups where 256 rows a workgroup gave them 3-6, split 2:1 between two threads on the
+    # smallest; its prompt's lanes each read one decode lane's rows of an interleaved group
+    # (perf/RESULTS.md session 33: decode and prompt 1.2-1.35x the tokens per second of (16, 1,
+    # 16), q4_1's prompt unchanged). GPUs: 16 lanes per row reading
     # its consecutive 16-byte pieces (a 256-byte run a step for float16), 8 rows per workgroup of
     # 128, so that SmolLM2's smallest matmuls (576 rows) run 72 workgroups and its logits 6144: the
     # CPU layout gave them 2-3 and 192 (the H100's 19 ms of device time per float16 token, session
     # 21, 14 GB/s; this layout is not timed on a GPU yet)
-    LAYOUTS = {"cpu": (16, 1, 16), "gpu": (128, 16, 1)}
+    LAYOUTS = {"cpu": (8, 1, 8), "gpu": (128, 16, 1)}
     # (rows, tokens) per group of lanes in the prompt's matmuls, by weight_dtype. CPU drivers,
     # measured on lavapipe (perf/RESULTS.md session 26): with float weights 8 rows x 8 tokens
     # (the tile's loops unrolled, linear.comp TILE_LOOP) took 0.73-0.81x the matmuls' device time
-    # of 16 x 8; q4_1 keeps 16 x 8 (8 x 4 read less device time per command but the same wall
-    # time per prompt, alternated). GPUs: the decode's rows, 8 tokens (not timed on a GPU)
-    PROMPT_LAYOUTS = {"cpu": {"float32": (8, 8), "float16": (8, 8), "q4_1": (16, 8)},
+    # of 16 x 8; q4_1 16 x 4 (session 33, with the decode's 8 rows a lane: 0.93-0.96x the
+    # time of 8 x 4 and 16 x 8, alternated). GPUs: the decode's rows, 8 tokens (not timed on a GPU)
+    PROMPT_LAYOUTS = {"cpu": {"float32": (8, 8), "float16": (8, 8), "q4_1": (16, 4)},
                       "gpu": {"float32": (1, 8), "float16": (1, 8), "q4_1": (1, 8)}}
 
     def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",

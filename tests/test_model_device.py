@@ -272,6 +272,31 @@ def test_each_token_is_one_submission_and_only_the_token_id_comes_back(device, s
         m.close()
 
 
+def test_a_prompt_of_the_last_length_replays_its_graph(device, small):
+    """A prompt as long as the last one replays the last prompt's graph with its own ids (no
+    recording, no allocation); its tokens are eager's all the same. Another length, or logits
+    asked for where they were not, records a graph of its own."""
+    cfg, sd = small
+    eager = eager_model(cfg, sd)
+    m = DeviceLlama(cfg, sd, capacity=40, device=device)
+    a, b = [5, 17, 250, 3, 99, 42, 7], [8, 1, 60, 2, 77, 13, 300]
+    try:
+        got_a = m.generate(a, 6)
+        g = m._prompt_graph
+        got_b = m.generate(b, 6)
+        assert m._prompt_graph is g and g.recordings == 1 and g.submissions == 2
+        assert got_a == eager_generate(eager, a, 6)[0] and got_b == eager_generate(eager, b, 6)[0]
+        assert got_a != got_b                       # the replay read b's ids, not a's
+        assert m.generate(a, 6) == got_a and g.submissions == 3
+        _, logits = m.generate(b, 2, return_logits=True)       # logits downloaded: a graph of its own
+        assert m._prompt_graph is not g and logits.shape == (2, cfg.vocab_size)
+        assert m.generate(a[:4], 3) == eager_generate(eager, a[:4], 3)[0]
+        assert m.prompt_submissions == 5
+    finally:
+        m.close()
+    assert m._prompt_graph is None and m._prompt_kept == ((), None, None)
+
+
 def test_a_new_prompt_builds_no_pipeline(device, small, monkeypatch):
     """A prompt's algorithms are kept until the next prompt's exist, so the prompt pipelines (kp
     shares one per SPIR-V and spec constants and frees it with its last holder; lavapipe re-JITs

@@ -220,6 +220,7 @@ class DeviceLlama:
         self._graphs = {}                                  # return_logits -> the decode graph
         self.prompt_submissions = 0
         self._prompt_kept = ((), None, None)               # the last prompt's (algorithms, activations, ids)
+        self._prompt_graph = self._prompt_key = None       # its graph, and (length, return_logits)
 
     # ------------------------------------------------------------------ weights
     def _load(self, sd):
@@ -429,8 +430,9 @@ class DeviceLlama:
         return int(self.tok.host_view().reshape(-1).view(np.uint32)[0])
 
     def generate(self, prompt_ids, max_new_tokens: int, return_logits: bool = False, eos_token_id=None):
-        """Greedy decoding: the caches are reset, the prompt runs as one submission, each further
-        token as one replay of the decode graph. Returns the new token ids (a list), and with
+        """Greedy decoding: the caches are reset, the prompt runs as one submission (a prompt of
+        the last one's length as a replay of its graph: nothing recorded), each further token as
+        one replay of the decode graph. Returns the new token ids (a list), and with
         ``return_logits`` also their logits ((n, vocab) float32: row i gave token i). Stops
         after ``eos_token_id`` where one is given. ``last_times``: (seconds of the prompt's
         submission, seconds of the decode steps) of this call."""
@@ -450,30 +452,45 @@ class DeviceLlama:
             c.reset()
         t0 = time.perf_counter()
         s = int(ids.size)
-        acts, idbuf, g = _Acts(d, s, self.device), vkattn.empty((s,), self.device), vkattn.Graph(self.device)
-        algos = []
-        try:
-            idbuf.host_view().reshape(-1).view(np.uint32)[:s] = ids.astype(np.uint32)
-            with g.capture():
-                g.upload(idbuf)
-                algos = self._step(g, acts, idbuf, return_logits)
-            # the previous prompt's algorithms go only now that this prompt's exist: they held the
-            # prompt pipelines (kp shares a VkPipeline among algorithms of the same SPIR-V and spec
-            # constants and frees it with the last holder; lavapipe re-JITs a freed one)
-            self._release_prompt()
-            g.run()
-            self.prompt_submissions += 1
-            out = [self._token()]
-            logits = [acts.logits.host_view().copy()] if return_logits else None
-        except BaseException:
-            for a in algos:
-                a.destroy()
-            acts.close()
-            idbuf.close()
-            raise
-        finally:
-            g.close()
-        self._prompt_kept = (algos, acts, idbuf)
+        key = (s, bool(return_logits))
+        if self._prompt_graph is not None and self._prompt_key == key:
+            # a prompt of the last one's length: its graph replayed with the new ids (the caches
+            # count from their length, 0 again), nothing recorded or allocated
+            _, acts, idbuf = self._prompt_kept
+            try:
+                idbuf.host_view().reshape(-1).view(np.uint32)[:s] = ids.astype(np.uint32)
+                self._prompt_graph.run()
+                self.prompt_submissions += 1
+                out = [self._token()]
+                logits = [acts.logits.host_view().copy()] if return_logits else None
+            except BaseException:
+                self._release_prompt()
+                raise
+        else:
+            acts, idbuf, g = _Acts(d, s, self.device), vkattn.empty((s,), self.device), vkattn.Graph(self.device)
+            algos = []
+            try:
+                idbuf.host_view().reshape(-1).view(np.uint32)[:s] = ids.astype(np.uint32)
+                with g.capture():
+                    g.upload(idbuf)
+                    algos = self._step(g, acts, idbuf, return_logits)
+                # the previous prompt's algorithms go only now that this prompt's exist: they held
+                # the prompt pipelines (kp shares a VkPipeline among algorithms of the same SPIR-V
+                # and spec constants and frees it with the last holder; lavapipe re-JITs a freed one)
+                self._release_prompt()
+                g.run()
+                self.prompt_submissions += 1
+                out = [self._token()]
+                logits = [acts.logits.host_view().copy()] if return_logits else None
+            except BaseException:
+                g.close()
+                for a in algos:
+                    a.destroy()
+                acts.close()
+                idbuf.close()
+                raise
+            self._prompt_kept = (algos, acts, idbuf)
+            self._prompt_graph, self._prompt_key = g, key
         t1 = time.perf_counter()
         dg = self.decode_graph(return_logits)
         while len(out) < max_new_tokens and not (eos_token_id is not None and out[-1] == eos_token_id):
@@ -485,10 +502,14 @@ class DeviceLlama:
         return (out, np.stack(logits)) if return_logits else out
 
     def _release_prompt(self):
-        """Destroy the last prompt's algorithms and activations (kept until the next prompt's
-        algorithms exist, so that their pipelines stay built)."""
+        """Destroy the last prompt's graph, algorithms and activations (kept until the next
+        prompt's algorithms exist, so that their pipelines stay built, and replayed by a prompt
+        of the same length)."""
         algos, acts, idbuf = self._prompt_kept
         self._prompt_kept = ((), None, None)
+        if self._prompt_graph is not None:
+            self._prompt_graph.close()
+        self._prompt_graph = self._prompt_key = None
         for a in algos:
             a.destroy()
         for a in (acts, idbuf):

@@ -153,9 +153,9 @@ class DeviceLlama:
     # (rows, tokens) per group of lanes in the prompt's matmuls, by weight_dtype. CPU drivers,
     # measured on lavapipe (perf/RESULTS.md session 26): with float weights 8 rows x 8 tokens
     # (the tile's loops unrolled, linear.comp TILE_LOOP) took 0.73-0.81x the matmuls' device time
-    # of 16 x 8; q4_1 16 x 4 (session 33, with the decode's 8 rows a lane: 0.93-0.96x the
-    # time of 8 x 4 and 16 x 8, alternated). GPUs: the decode's rows, 8 tokens (not timed on a GPU)
-    PROMPT_LAYOUTS = {"cpu": {"float32": (8, 8), "float16": (8, 8), "q4_1": (16, 4)},
+    # of 16 x 8; q4_1 8 x 4, its loops unrolled too (session 33: 0.75x the time of 16 x 4
+    # rolled, alternated; 16 x 8 unrolled spills). GPUs: the decode's rows, 8 tokens (not timed on a GPU)
+    PROMPT_LAYOUTS = {"cpu": {"float32": (8, 8), "float16": (8, 8), "q4_1": (8, 4)},
                       "gpu": {"float32": (1, 8), "float16": (1, 8), "q4_1": (1, 8)}}
 
     def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",

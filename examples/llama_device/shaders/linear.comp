@@ -91,10 +91,11 @@ layout(std430, binding = 5) writeonly buffer YVb { float yv[]; };
 #endif
 
 // TILE_LOOP: the loops over the tile's rows and tokens, unrolled where the tile's x pieces are
-// few (TT * UNIT floats a lane: float formats, or one token). Measured on lavapipe (session 26,
-// a float16 / q4_1 prompt's wall time, alternated): unrolled, float16's prompt took about 0.7x
-// its rolled time; q4_1's (TT * UNIT = 256) took 1.3-1.9x (spilled), so it stays rolled
-#if TT * UNIT <= 64
+// few (TT * UNIT floats a lane: float formats, q4_1 up to 4 tokens, or one token). Measured on
+// lavapipe (a prompt's wall time, alternated): unrolled, float16's 8 x 8 tile took about 0.7x its
+// rolled time (session 26); q4_1's 16 x 8 (TT * UNIT = 256) 1.3-1.9x (spilled), its 8 x 4 (128)
+// 0.75x (session 33)
+#if TT * UNIT <= 128
 #define TILE_LOOP [[unroll]]
 #else
 #define TILE_LOOP

@@ -143,8 +143,8 @@ class DeviceLlama:
     # whole workgroups to its threads -- SmolLM2's decode matmuls (576-1536 rows) now run 9-24
     # workgroups where 256 rows a workgroup gave them 3-6, split 2:1 between two threads on the
     # smallest; its prompt's lanes each read one decode lane's rows of an interleaved group
-    # (perf/RESULTS.md session 33: decode and prompt 1.2-1.35x the tokens per second of (16, 1,
-    # 16), q4_1's prompt unchanged). GPUs: 16 lanes per row reading
+    # (perf/RESULTS.md session 33: decode 1.05-1.28x and the prompt 1.1-1.3x the tokens per
+    # second of (16, 1, 16)). GPUs: 16 lanes per row reading
     # its consecutive 16-byte pieces (a 256-byte run a step for float16), 8 rows per workgroup of
     # 128, so that SmolLM2's smallest matmuls (576 rows) run 72 workgroups and its logits 6144: the
     # CPU layout gave them 2-3 and 192 (the H100's 19 ms of device time per float16 token, session

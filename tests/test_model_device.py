@@ -136,8 +136,8 @@ def test_embedding_gather_is_the_blocks_values_bit_for_bit(device):
             rows, cols = want.shape
             ids, x = vkattn.empty((rows,), device), vkattn.empty((rows, cols), device)
             ids.host_view().reshape(-1).view(np.uint32)[:] = np.arange(rows, dtype=np.uint32)
-            algo = m._algo(m._spirv("embed", m._fmt_of[table]), [table, ids, x], (-(-cols // 32 // 64), rows),
-                           [cols, rows])
+            algo = vkattn.algorithm([table, ids, x], m._spirv("embed", m._fmt_of[table]), (-(-cols // 32 // 64), rows),
+                                    [cols, rows])
             g = vkattn.Graph(device)
             try:
                 with g.capture():

@@ -349,11 +349,6 @@ class DeviceLlama:
             self._spv[key] = compile_shader(name, defines, src_dir=SHADERS)
         return self._spv[key]
 
-    def _algo(self, spirv, arrays, groups, spec, push=()):
-        # a weight (binding 0 of linear / embed) read as a texel buffer (W_TEXEL): four words a
-        # texel in every format (quant.py aligns the block formats' rows to 16 bytes)
-        return vkattn.algorithm(arrays, spirv, groups, spec, push)
-
     def _linear(self, w, x, y, *, n, k, t, tx=None, t0=0, in_hd=None, out_hd=None, norm=None,
                 acc=False, glu=False, qkv=None):
         """An algorithm of linear.comp (its header says what it computes)."""
@@ -379,8 +374,10 @@ class DeviceLlama:
         rpw = self._wg // self._lanes * rpl
         eps = int(np.float32(self.d.eps).view(np.uint32))
         spec = [k, n, in_hd or k, out_hd or n, eps, self.d.nq, self.d.nkv]
-        return self._algo(self._spirv("linear", self._fmt_of[w], **defines), arrays,
-                          (math.ceil(t / tile), math.ceil(rows / rpw)), spec, push=[t, t0, tx or t])
+        # the weight (binding 0) read as a texel buffer under W_TEXEL: four words a texel in every
+        # format (quant.py aligns the block formats' rows to 16 bytes)
+        return vkattn.algorithm(arrays, self._spirv("linear", self._fmt_of[w], **defines),
+                                (math.ceil(t / tile), math.ceil(rows / rpw)), spec, push=[t, t0, tx or t])
 
     def _step(self, g, a: _Acts, ids, return_logits: bool):
         """Record one step of a.t tokens (ids: the DeviceArray of their ids) into graph g; returns
@@ -392,9 +389,8 @@ class DeviceLlama:
             g.dispatch(algo, reads=reads, writes=writes, name=name)
 
         unit = 32 if self._fmt_of[self.embed] in quant.FORMATS else 8
-        disp(self._algo(self._spirv("embed", self._fmt_of[self.embed]), [self.embed, ids, a.x],
-                        (math.ceil(d.hidden / unit / 64), t),
-                        [d.hidden, d.vocab]), [ids], [a.x], "embed")
+        disp(vkattn.algorithm([self.embed, ids, a.x], self._spirv("embed", self._fmt_of[self.embed]),
+                              (math.ceil(d.hidden / unit / 64), t), [d.hidden, d.vocab]), [ids], [a.x], "embed")
         for i, L in enumerate(self.layers):
             disp(self._linear(L["qkv"], a.x, a.q, n=d.nq, k=d.hidden, t=t, out_hd=d.head_dim, norm=L["ln1"],
                               qkv=(a.k, a.v)), [a.x], [a.q, a.k, a.v], f"qkv{i}")
@@ -406,7 +402,7 @@ class DeviceLlama:
             disp(self._linear(L["down"], a.h, a.x, n=d.hidden, k=d.inter, t=t, acc=True), [a.h], [a.x], f"down{i}")
         disp(self._linear(self.lm_head, a.x, a.logits, n=d.vocab, k=d.hidden, t=1, tx=t, t0=t - 1, norm=self.norm),
              [a.x], [a.logits], "logits")
-        disp(self._algo(self._spirv("argmax"), [a.logits, self.tok], (1,), [d.vocab]), [a.logits], [self.tok],
+        disp(vkattn.algorithm([a.logits, self.tok], self._spirv("argmax"), (1,), [d.vocab]), [a.logits], [self.tok],
              "argmax")
         g.download(self.tok)
         if return_logits:
@@ -453,44 +449,20 @@ class DeviceLlama:
         t0 = time.perf_counter()
         s = int(ids.size)
         key = (s, bool(return_logits))
-        if self._prompt_graph is not None and self._prompt_key == key:
-            # a prompt of the last one's length: its graph replayed with the new ids (the caches
-            # count from their length, 0 again), nothing recorded or allocated
-            _, acts, idbuf = self._prompt_kept
-            try:
-                idbuf.host_view().reshape(-1).view(np.uint32)[:s] = ids.astype(np.uint32)
-                self._prompt_graph.run()
-                self.prompt_submissions += 1
-                out = [self._token()]
-                logits = [acts.logits.host_view().copy()] if return_logits else None
-            except BaseException:
-                self._release_prompt()
-                raise
-        else:
-            acts, idbuf, g = _Acts(d, s, self.device), vkattn.empty((s,), self.device), vkattn.Graph(self.device)
-            algos = []
-            try:
-                idbuf.host_view().reshape(-1).view(np.uint32)[:s] = ids.astype(np.uint32)
-                with g.capture():
-                    g.upload(idbuf)
-                    algos = self._step(g, acts, idbuf, return_logits)
-                # the previous prompt's algorithms go only now that this prompt's exist: they held
-                # the prompt pipelines (kp shares a VkPipeline among algorithms of the same SPIR-V
-                # and spec constants and frees it with the last holder; lavapipe re-JITs a freed one)
-                self._release_prompt()
-                g.run()
-                self.prompt_submissions += 1
-                out = [self._token()]
-                logits = [acts.logits.host_view().copy()] if return_logits else None
-            except BaseException:
-                g.close()
-                for a in algos:
-                    a.destroy()
-                acts.close()
-                idbuf.close()
-                raise
-            self._prompt_kept = (algos, acts, idbuf)
-            self._prompt_graph, self._prompt_key = g, key
+        if self._prompt_graph is None or self._prompt_key != key:
+            self._record_prompt(s, return_logits)
+        # the prompt's graph, recorded for this length or replayed from the last prompt (the
+        # caches count from their length, 0 again): its ids uploaded at the submission
+        _, acts, idbuf = self._prompt_kept
+        try:
+            idbuf.host_view().reshape(-1).view(np.uint32)[:s] = ids.astype(np.uint32)
+            self._prompt_graph.run()
+        except BaseException:
+            self._release_prompt()
+            raise
+        self.prompt_submissions += 1
+        out = [self._token()]
+        logits = [acts.logits.host_view().copy()] if return_logits else None
         t1 = time.perf_counter()
         dg = self.decode_graph(return_logits)
         while len(out) < max_new_tokens and not (eos_token_id is not None and out[-1] == eos_token_id):
@@ -500,6 +472,29 @@ class DeviceLlama:
                 logits.append(self._dec.logits.host_view().copy())
         self.last_times = (t1 - t0, time.perf_counter() - t1)
         return (out, np.stack(logits)) if return_logits else out
+
+    def _record_prompt(self, s: int, return_logits: bool):
+        """Record a prompt graph of ``s`` tokens (its activations, id buffer and algorithms new)
+        and keep it in place of the last prompt's."""
+        acts, idbuf, g = _Acts(self.d, s, self.device), vkattn.empty((s,), self.device), vkattn.Graph(self.device)
+        algos = []
+        try:
+            with g.capture():
+                g.upload(idbuf)
+                algos = self._step(g, acts, idbuf, return_logits)
+        except BaseException:
+            g.close()
+            for a in algos:
+                a.destroy()
+            acts.close()
+            idbuf.close()
+            raise
+        # the previous prompt's algorithms go only now that this prompt's exist: they held the
+        # prompt pipelines (kp shares a VkPipeline among algorithms of the same SPIR-V and spec
+        # constants and frees it with the last holder; lavapipe re-JITs a freed one)
+        self._release_prompt()
+        self._prompt_kept = (algos, acts, idbuf)
+        self._prompt_graph, self._prompt_key = g, (s, bool(return_logits))
 
     def _release_prompt(self):
         """Destroy the last prompt's graph, algorithms and activations (kept until the next

@@ -27,7 +27,7 @@
 // tokens; WG / LANES groups per workgroup; grid (ceil(T / TT), row groups). Each x piece (UNIT features) is
 // loaded once for the RPL rows and each weight piece (16-byte loads for float16) once for the TT tokens: on
 // lavapipe every storage-buffer word costs a per-lane scalar loop, so words loaded per
-// multiply-add is what sets the speed (LANES = 1, RPL = 16 there). LANES > 1 (GPUs: lanes of a
+// multiply-add is what sets the speed (LANES = 1, RPL = 8 there: DeviceLlama.LAYOUTS). LANES > 1 (GPUs: lanes of a
 // row read consecutive chunks) sums the partials through shared memory. A piece's loops are
 // unrolled; the tile's (rows, tokens) where its x pieces are few (TILE_LOOP below).
 // NORM without a pass of its own: the RMS factor is one number per token, so it comes out of the

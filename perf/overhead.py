@@ -74,7 +74,54 @@ def run(shape: Shape, device) -> list:
     if selected("overhead paged batch"):
         for sh in (shape, small):
             out += paged_path(sh, device)
+    if selected("overhead masked decode"):
+        for sh in (shape, small):
+            out += mask_path(sh, device)
     return out
+
+
+def mask_path(shape: Shape, device) -> list:
+    """A decode ``forward`` at length L (VKATTN_PERF_OVERHEAD_CONTEXT, 16) with a per-head mask,
+    numpy q, k, v: the mask as numpy (hq, 1, L + 1) against the same mask in a DeviceArray as wide
+    as the capacity (copied into aux on the device, shaders/mask_copy.comp), and the unmasked call
+    for scale, timed in interleaved rounds; each masked result checked against the reference
+    first. Rows: wall ms per call; extra: vkattn's Python (us, submissions stubbed out)."""
+    L = env_int("VKATTN_PERF_OVERHEAD_CONTEXT", 16)
+    tag = f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim}"
+    iters = max(shape.iters, 50)
+    rng = np.random.default_rng(11)
+    hq, hkv, d, dv = shape.heads, shape.kv_heads, shape.head_dim, shape.v_head_dim
+    cap = L + 8
+    cache = vkattn.KVCache(cap, hkv, d, dv, dtype=shape.dtype, device=device)
+    cache.append(rng.standard_normal((hkv, L, d), dtype=np.float32), rng.standard_normal((hkv, L, dv), dtype=np.float32))
+    q = rng.standard_normal((hq, 1, d), dtype=np.float32)
+    k = rng.standard_normal((hkv, 1, d), dtype=np.float32)
+    v = rng.standard_normal((hkv, 1, dv), dtype=np.float32)
+    wide = rng.standard_normal((hq, 1, cap), dtype=np.float32)
+    host = np.ascontiguousarray(wide[..., :L + 1])
+    dmask = vkattn.to_device(wide, device)
+    calls = {"no mask": lambda: cache.forward(q, k, v), "numpy mask": lambda: cache.forward(q, k, v, mask=host),
+             "device mask": lambda: cache.forward(q, k, v, mask=dmask)}
+    ok = True
+    for name in ("numpy mask", "device mask"):
+        got = calls[name]()
+        ok = ok and check(got, attention(q, *cache.read(), mask=host), shape.dtype)
+        cache.truncate(L)
+    kr, vr = cache.read()
+    tr = time_calls(lambda: attention(q, kr, vr, mask=host[..., :L]), iters, 5)["median_ms"]     # numpy's own
+    reset = (lambda: cache.truncate(L))
+    m = interleaved_ms({name: (fn, reset) for name, fn in calls.items()}, rounds=5, per=max(iters // 5, 10))
+    rows = []
+    for name, fn in calls.items():
+        py = python_us(fn, 10 * iters, reset=reset)
+        print(f"{tag} decode L={L}, {name}: wall {m[name]:.4f} ms, vkattn's Python {py:.1f} us per call")
+        rows.append(Row(case=f"masked decode forward L={L}, {name}", kernel="overhead", shape=tag,
+                        vkattn_ms=m[name], vkattn_min_ms=m[name], numpy_ms=tr, speedup_vs_numpy=tr / m[name],
+                        metric="x unmasked", value=m[name] / m["no mask"], verified=ok,
+                        extra={"python_us": py}))
+    dmask.close()
+    cache.close()
+    return rows
 
 
 def attend_row(name: str, L: int, shape: Shape, device) -> Row:

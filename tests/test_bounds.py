@@ -50,6 +50,7 @@ GPUAV_SWEEP = {
     "test_paged_batch_fork_read": ["lane-float16", "tile-int8", "coopmat-float16", "coopmat-int8"],
     "test_mask_at_the_end_of_aux": ["lane-2-2-64-3-True", "tile-2-2-64-3-True", "tile-1-3-24-2-True",
                                     "coopmat-1-3-24-2-True"],
+    "test_device_mask_at_the_end_of_aux": ["tile-2-2-64-3-True"],     # mask_copy.comp's writes into aux
 }
 
 
@@ -111,6 +112,24 @@ def test_mask_at_the_end_of_aux(device, rng, kernel, hkv, group, d, s, per_head)
     out, lse = cache.forward(q, k, v, mask=mask, return_lse=True)
     mirror.append(k, v)
     ref, ref_lse = attention(q, mirror.k, mirror.v, mask=mask, return_lse=True)
+    assert_close(out, ref, "float16")
+    np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("hkv,group,d,s,per_head", [(2, 2, 64, 3, True), (1, 3, 24, 2, False)])
+def test_device_mask_at_the_end_of_aux(device, rng, kernel, hkv, group, d, s, per_head):
+    """The same with the mask a DeviceArray 5 columns wider than the keys: shaders/mask_copy.comp
+    writes its words up to the aux buffer's last one and reads only the columns it needs."""
+    hq = hkv * group
+    past = past_filling_aux(s, hq, per_head, 100)
+    cache = vkattn.KVCache(past + s + 3, hkv, d, dtype="float16", device=device)
+    k, v = rand(rng, hkv, past, d), rand(rng, hkv, past, d)
+    cache.append(k, v)
+    k2, v2, q = rand(rng, hkv, s, d), rand(rng, hkv, s, d), rand(rng, hq, s, d)
+    wide = rand(rng, *((hq,) if per_head else ()), s, past + s + 5)
+    out, lse = cache.forward(q, k2, v2, mask=vkattn.to_device(wide, device), return_lse=True)
+    ks, vs = cache.read()
+    ref, ref_lse = attention(q, ks, vs, mask=wide[..., :past + s], return_lse=True)
     assert_close(out, ref, "float16")
     np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
 

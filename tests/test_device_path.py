@@ -358,3 +358,129 @@ def test_host_memory_modes_give_the_same_bits(rng, monkeypatch):
     monkeypatch.setenv("VKATTN_HOST_MEMORY", "mapped")
     with pytest.raises(ValueError, match="VKATTN_HOST_MEMORY"):
         vkattn.Device()
+
+
+def _mask(rng, *shape):
+    """An additive mask with -inf entries (never a whole row: column 0 stays finite)."""
+    m = _data(rng, *shape)
+    m[..., 1:][rng.random(m[..., 1:].shape) < 0.2] = -np.inf
+    return m
+
+
+@pytest.mark.parametrize("dtype,per_head", [("float32", False), ("float16", True), ("int8", False)])
+def test_device_masks_equal_numpy_masks_bit_for_bit(device, rng, dtype, per_head):
+    """A mask given as a DeviceArray wider than the keys (its first length + n columns read, on
+    the device: shaders/mask_copy.comp) gives the numpy mask's result bit for bit: a prefill, a
+    decode, a chunk appended first (41 rows), attend, on numpy and on device q / out; and the
+    reference's within the dtype's tolerance."""
+    hkv, g, d = 2, 3, 40 if dtype == "float32" else 48
+    hq, cap = hkv * g, 96
+    twin = [vkattn.KVCache(cap, hkv, d, dtype=dtype, device=device) for _ in range(2)]
+    for step, n in enumerate((9, 1, 41, 1)):
+        q, k, v = _data(rng, hq, n, d), _data(rng, hkv, n, d), _data(rng, hkv, n, d)
+        total = twin[0].length + n
+        wide = _mask(rng, *((hq,) if per_head else ()), n, cap + 3)      # columns past total: ignored
+        want, want_lse = twin[0].forward(q, k, v, mask=np.ascontiguousarray(wide[..., :total]), return_lse=True)
+        mask = vkattn.to_device(wide, device)
+        if step % 2:                              # device q, k, v and out
+            out = vkattn.empty((hq, n, d), device)
+            twin[1].forward(*(vkattn.to_device(x, device) for x in (q, k, v)), mask=mask, out=out)
+            got = out.numpy()
+        else:
+            got, lse = twin[1].forward(q, k, v, mask=mask, return_lse=True)
+            assert np.array_equal(lse, want_lse)
+        assert np.array_equal(got, want), step
+        ks, vs = twin[1].read()
+        ref = attention(q, ks, vs, mask=wide[..., :total])
+        np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-4)
+    q = _data(rng, hq, 3, d)
+    wide = _mask(rng, *((hq,) if per_head else ()), 3, cap)
+    assert np.array_equal(twin[1].attend(q, mask=vkattn.to_device(wide, device)),
+                          twin[0].attend(q, mask=np.ascontiguousarray(wide[..., :twin[0].length])))
+
+
+def test_device_mask_checks_lose_nothing(device, rng):
+    """A device mask of the wrong rows or heads, narrower than the keys, or closed: a typed error
+    naming it, the cache unchanged; a numpy mask inside a graph replayed at another length, or a
+    device mask the grown cache outruns, refused at the submission with nothing changed."""
+    hkv, d = 1, 16
+    cache = vkattn.KVCache(40, hkv, d, dtype="float16", device=device)
+    cache.append(_data(rng, hkv, 5, d), _data(rng, hkv, 5, d))
+    q, k, v = _data(rng, 2, 2, d), _data(rng, hkv, 2, d), _data(rng, hkv, 2, d)
+    for shape in ((3, 8), (2, 6), (3, 2, 8), (2, 2, 2, 8)):        # 7 keys after the append
+        with pytest.raises(ValueError, match=r"expected a DeviceArray of shape \(2, C\) or \(2, 2, C\) with C >= 7"):
+            cache.forward(q, k, v, mask=vkattn.empty(shape, device))
+    closed = vkattn.empty((2, 7), device)
+    closed.close()
+    with pytest.raises(vkattn.CacheClosedError):
+        cache.forward(q, k, v, mask=closed)
+    with pytest.raises(TypeError, match="numpy.ndarray or a vkattn.DeviceArray"):
+        cache.forward(q, k, v, mask=[[0.0] * 7] * 2)
+    assert cache.length == 5
+    qd, kd, vd, od = (vkattn.empty(s, device) for s in ((2, 1, d), (hkv, 1, d), (hkv, 1, d), (2, 1, d)))
+    g = vkattn.Graph(device)
+    with g.capture():
+        cache.forward(qd, kd, vd, out=od, mask=np.zeros((1, 6), np.float32))
+    g.run()
+    with pytest.raises(ValueError, match="a numpy mask covers the 6 keys"):
+        g.run()
+    assert cache.length == 6 and g.submissions == 1
+    narrow = vkattn.zeros((1, 8), device)
+    g2 = vkattn.Graph(device)
+    with g2.capture():
+        cache.forward(qd, kd, vd, out=od, mask=narrow)
+    g2.run()
+    g2.run()
+    with pytest.raises(ValueError, match="DeviceArray of 8 columns, but the call attends 9 keys"):
+        g2.run()
+    assert cache.length == 8 and g2.submissions == 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_graph_replays_a_mask_the_callers_dispatch_writes(device, rng, dtype, scale_spirv):
+    """The caller's own kernel writes the mask (0.5 x + 1 of an array it uploads) and the cache
+    call reads it in the same submission (a barrier between): replayed over decode steps, one
+    recording, every output bit for bit the numpy path with the mask computed on the host."""
+    hkv, g, d, cap = 2, 2, 32, 64
+    hq = hkv * g
+    gpu, cpu = (vkattn.KVCache(cap, hkv, d, dtype=dtype, device=device) for _ in range(2))
+    k0, v0 = _data(rng, hkv, 11, d), _data(rng, hkv, 11, d)
+    gpu.append(k0, v0)
+    cpu.append(k0, v0)
+    src, mask = vkattn.empty((hq, 1, cap), device), vkattn.empty((hq, 1, cap), device)
+    q, k, v, out = (vkattn.empty(s, device) for s in ((hq, 1, d), (hkv, 1, d), (hkv, 1, d), (hq, 1, d)))
+    graph = vkattn.Graph(device)
+    with graph.capture():
+        graph.upload(src, q, k, v)
+        graph.dispatch(_scale(src, mask, scale_spirv), reads=[src], writes=[mask])
+        gpu.forward(q, k, v, out=out, mask=mask)
+        graph.download(out)
+    for step in range(6):
+        x, q1, k1, v1 = _data(rng, hq, 1, cap), _data(rng, hq, 1, d), _data(rng, hkv, 1, d), _data(rng, hkv, 1, d)
+        src.host_view()[...], q.host_view()[...], k.host_view()[...], v.host_view()[...] = x, q1, k1, v1
+        graph.run()
+        m = (np.float32(0.5) * x + np.float32(1.0)).astype(np.float32)[..., :cpu.length + 1]
+        assert np.array_equal(out.host_view(), cpu.forward(q1, k1, v1, mask=np.ascontiguousarray(m))), step
+    assert gpu.length == cpu.length == 17 and graph.recordings == 1
+    assert "mask_copy" in graph.ops and sum(op.startswith("barrier") for op in graph.ops) >= 2
+    graph.close()
+
+
+def test_paged_device_masks_equal_numpy_masks_bit_for_bit(device, rng):
+    """A batch of three sequences, one mask each -- two DeviceArrays (wider than their keys) and
+    one numpy array -- equals the all-numpy call bit for bit, fused and appended first."""
+    hkv, g, d = 2, 2, 32
+    hq = hkv * g
+    pools = [vkattn.PagedKVCache(32, 16, hkv, d, dtype="float16", device=device) for _ in range(2)]
+    ids = [[p.add_sequence() for _ in range(3)] for p in pools]
+    for counts in ([5, 40, 1], [1, 2, 3]):
+        n = sum(counts)
+        q, k, v = _data(rng, hq, n, d), _data(rng, hkv, n, d), _data(rng, hkv, n, d)
+        totals = [pools[0].length(s) + c for s, c in zip(ids[0], counts)]
+        wide = [_mask(rng, hq, c, t + 5) for c, t in zip(counts, totals)]
+        want = pools[0].forward(ids[0], q, k, v, n_new=counts,
+                                mask=[np.ascontiguousarray(m[..., :t]) for m, t in zip(wide, totals)])
+        masks = [vkattn.to_device(wide[0], device), np.ascontiguousarray(wide[1][..., :totals[1]]),
+                 vkattn.to_device(wide[2], device)]
+        got = pools[1].forward(ids[1], q, k, v, n_new=counts, mask=masks)
+        assert np.array_equal(got, want), counts

@@ -36,6 +36,8 @@ def _planned_jobs(family=FAMILY):
         jobs.append(vp.Job(name, compile_shader(p.shader, p.defines), list(p.spec), p.bindings))
     p = append_pipeline(dev, StorageFormat(8, 128, dtype="float16", block_size=4096), 512)
     jobs.append(vp.Job("append-f16", compile_shader(p.shader, p.defines), list(p.spec), p.bindings))
+    # a per-head device mask of 4097 columns copied into aux (KVCache.forward(mask=DeviceArray))
+    jobs.append(vp.Job("mask-copy", compile_shader("mask_copy"), [64, 4097, 32, 0]))
     jobs.append(vp.Job("copy", compile_shader("copy_rows"), COPY))    # bindings read from the SPIR-V
     return jobs
 

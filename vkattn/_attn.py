@@ -129,10 +129,25 @@ def check_variant(num_qo_heads: int, window=None, n_sink=0, softcap=None, alibi_
     return Variant(window, n_sink, softcap, alibi)
 
 
-def check_mask(mask, num_qo_heads: int, s: int, total: int, name: str = "mask") -> np.ndarray:
-    """An additive mask (s, total) or (num_qo_heads, s, total); finite or -inf entries."""
+def check_mask(mask, num_qo_heads: int, s: int, total: int, name: str = "mask", device=None):
+    """An additive mask (s, total) or (num_qo_heads, s, total): numpy (finite or -inf entries;
+    returned as contiguous float32) or, where ``device`` is given, a vkattn.DeviceArray on it of
+    shape (s, C) or (num_qo_heads, s, C) with C >= total -- its first ``total`` columns are the
+    mask, so one array as wide as a cache's capacity serves every step of a replayed graph --
+    returned as it is (its values are not read: shaders/mask_copy.comp copies them on the device)."""
+    if isinstance(mask, DeviceArray) and device is not None:
+        mask._check_open()
+        if mask.device is not device:
+            raise ValueError(f"{name}: this DeviceArray lives on {mask.device.name!r}, the cache on {device.name!r}")
+        shape = mask.shape
+        if len(shape) not in (2, 3) or shape[-2] != s or (len(shape) == 3 and shape[0] != num_qo_heads) \
+                or shape[-1] < total:
+            raise ValueError(f"{name}: expected a DeviceArray of shape ({s}, C) or ({num_qo_heads}, {s}, C) with "
+                             f"C >= {total} keys, got {shape}")
+        return mask
     if not isinstance(mask, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy.ndarray, got {type(mask).__name__}")
+        raise TypeError(f"{name}: expected a numpy.ndarray{' or a vkattn.DeviceArray' if device is not None else ''}, "
+                        f"got {type(mask).__name__}")
     if mask.dtype.kind != "f":
         raise TypeError(f"{name}: expected a float array, got {mask.dtype}")
     if mask.shape not in ((s, total), (num_qo_heads, s, total)):
@@ -142,6 +157,19 @@ def check_mask(mask, num_qo_heads: int, s: int, total: int, name: str = "mask") 
     if np.isnan(mask).any() or (mask == np.inf).any():
         raise ValueError(f"{name}: entries must be finite or -inf (NaN or +inf found)")
     return mask
+
+
+def mask_words(mask, total: int) -> int:
+    """The aux words a checked mask of a sequence of ``total`` keys takes (check_mask)."""
+    if isinstance(mask, DeviceArray):
+        return (mask.shape[0] if len(mask.shape) == 3 else 1) * mask.shape[-2] * total
+    return mask.size
+
+
+def host_mask(mask, total: int):
+    """A checked mask as numpy (s, total) or (num_qo_heads, s, total): a DeviceArray read back
+    (verify mode, the reference's input)."""
+    return mask.numpy()[..., :total] if isinstance(mask, DeviceArray) else mask
 
 
 @dataclass
@@ -156,7 +184,7 @@ class SeqCall:
     q_len: int
     new_start: int = 0
     table: np.ndarray | None = None
-    mask: np.ndarray | None = None
+    mask: "np.ndarray | DeviceArray | None" = None     # a DeviceArray: copied into aux on the device
     rope_row: int = 0           # its first row in the rotary table, holding position rope_pos
     rope_pos: int = 0
     key_lo: int = 0
@@ -234,7 +262,7 @@ class AttnPlan:
         self._args = (store, hq, rows, nn, nseq, flags, aux_words, key_bound, decode, rope_dim, splits, scratch)
         c = store
         be, hkv = c.device.backend, c.num_kv_heads
-        self.c, self.hq, self.rows, self.nn = c, hq, rows, nn
+        self.c, self.hq, self.rows, self.nn, self.flags = c, hq, rows, nn, flags
         cfg, pipe = attn_pipeline(c.device, c, hq, rows, nn, nseq, flags, key_bound, decode, rope_dim, splits)
         self.cfg = cfg
         pv4 = c._dv4 * c._ch * 4
@@ -287,6 +315,8 @@ class AttnPlan:
         self._dst = {}                  # _put_input's views: (input, shape) -> view of its host copy
         self._binds = OrderedDict()     # device arrays in place of the plan's own buffers: see bound()
         self._chains = OrderedDict()    # an append's program -> this plan's recording after it: see _chained()
+        self._mask_progs = OrderedDict()    # device masks' copies into aux: see mask_programs()
+        self._masked = OrderedDict()        # (attention program, copies) -> recording: see _with_masks()
 
     def warm(self) -> None:
         """Run the recorded sequence once with no tiles (every workgroup returns at once), so the
@@ -331,14 +361,70 @@ class AttnPlan:
                           name=self._pipe.shader, subgroup=self.subgroup)
         up = [b for b in self.inputs if b not in (self.q, self.nk, self.nv)] + \
              [own for own, user in ((self.q, q), (self.nk, nk), (self.nv, nv)) if own in self.inputs and user is None]
-        down = [b for b in ((self.out if out is None else None), (self.lse if lse is None else lse if self._check_width
-                                                                    else None)) if b is not None]
+        down = self._downloads(out, lse)
         rec = be.recording().upload(*up).dispatch(prog)
         if down:
             rec.download(*down)
         hit = self._binds[key] = (prog, rec.build(c.timestamps), up)
         while len(self._binds) > 4:
             self._drop_bind(next(iter(self._binds)))
+        return hit
+
+    def _downloads(self, out, lse) -> list:
+        """What a recording bound to ``out`` / ``lse`` (buffers, or None: the plan's own) copies
+        back: the plan's own outputs, and a bound lse where the run reads the subgroup width
+        from it."""
+        return [b for b in ((self.out if out is None else None), (self.lse if lse is None else lse if self._check_width
+                                                                    else None)) if b is not None]
+
+    def mask_programs(self, seqs: list) -> list:
+        """mask_copy.comp programs, one per sequence of ``seqs`` whose mask is a DeviceArray (in
+        record order), to run between the upload of aux and the attention dispatch: each copies
+        its mask's first past + n_new columns into the aux words fill() left for it. Kept per
+        (array, record, shape), the last eight. ValueError: a mask narrower than its sequence's
+        keys (a replayed graph whose cache grew past it)."""
+        progs = []
+        for i, sq in enumerate(seqs):
+            m = sq.mask
+            if not isinstance(m, DeviceArray):
+                continue
+            total = sq.past + sq.n_new
+            if m.shape[-1] < total:
+                raise ValueError(f"mask: a DeviceArray of {m.shape[-1]} columns, but the call attends {total} keys "
+                                 f"(give a mask as wide as the cache's capacity to replay a graph as it grows)")
+            buf = m.buffer
+            key = (buf, i, m.shape)
+            prog = self._mask_progs.get(key)
+            if prog is not None and prog._algo is not None and buf._t is not None:
+                self._mask_progs.move_to_end(key)
+            else:
+                if prog is not None:
+                    destroy(self._mask_progs.pop(key))
+                prog = self._mask_progs[key] = mask_program(self.c.device, buf, self.aux, m.shape, i)
+                while len(self._mask_progs) > 8:
+                    destroy(self._mask_progs.pop(next(iter(self._mask_progs))))
+            progs.append(prog)
+        return progs
+
+    def _with_masks(self, copies: list, prog, up: list, down: list):
+        """The recording upload(up) -> the mask copies -> ``prog`` -> download(down), a barrier
+        before the attention reads what the copies wrote; kept per (prog, copies), the last four."""
+        key = (prog, tuple(copies))
+        hit = self._masked.get(key)
+        if hit is not None and prog._algo is not None and all(c._algo is not None for c in copies):
+            self._masked.move_to_end(key)
+            return hit
+        if hit is not None:
+            destroy(self._masked.pop(key))
+        rec = self.c.device.backend.recording().upload(*up)
+        for c in copies:
+            rec.dispatch(c, barriers=True)
+        rec.dispatch(prog, barriers=True)
+        if down:
+            rec.download(*down)
+        hit = self._masked[key] = rec.build(self.c.timestamps)
+        while len(self._masked) > 4:
+            destroy(self._masked.pop(next(iter(self._masked))))
         return hit
 
     def after(self, first, rec):
@@ -390,7 +476,12 @@ class AttnPlan:
         lse = lse.buffer if isinstance(lse, DeviceArray) else lse
         rows = self.fill(q, k, v, seqs, causal, scale, variant, rope)
         own = devq is None and devk is None and devv is None and out is None and lse is None
-        rec = self.rec if own else self.bound(devq, devk, devv, out, lse)[1]
+        copies = self.mask_programs(seqs) if self.flags & F_MASK else []
+        if copies:              # device masks: copied into aux between the upload and the attention
+            prog, _, up = (self.attn, None, self.inputs) if own else self.bound(devq, devk, devv, out, lse)
+            rec = self._with_masks(copies, prog, up, [self.out, self.lse] if own else self._downloads(out, lse))
+        else:
+            rec = self.rec if own else self.bound(devq, devk, devv, out, lse)[1]
         if first is not None:
             rec = self.after(first, rec)
         rec.run()
@@ -507,8 +598,13 @@ class AttnPlan:
             moff = 0
             if s.mask is not None:
                 moff = free
-                f[free:free + s.mask.size] = s.mask.ravel()
-                free += s.mask.size
+                if isinstance(s.mask, DeviceArray):  # its words are written by mask_copy.comp (mask_programs)
+                    free += mask_words(s.mask, s.past + s.n_new)
+                    if free > self._counters:       # the plan was sized for fewer (a caller's bug, not the user's)
+                        raise RuntimeError(f"aux: {free} words needed, the plan holds {self._counters}")
+                else:
+                    f[free:free + s.mask.size] = s.mask.ravel()
+                    free += s.mask.size
                 h[16] = int(s.mask.ndim == 3)       # per q head (callers give all 2-D or all 3-D)
             recs[i, :11] = (s.past, s.n_new, s.q_start, s.q_len, chunk, bt, kstart, moff, s.new_start,
                             s.rope_row, s.rope_pos)
@@ -639,10 +735,23 @@ class AttnPlan:
             self._drop_bind(key)
         self._simple, self._batch_head = None, None
         self._dst = {}                  # no view of a freed buffer kept
-        destroy(*self._chains.values())
+        destroy(*self._chains.values(), *self._masked.values(), *self._mask_progs.values())
         self._chains.clear()
+        self._masked.clear()
+        self._mask_progs.clear()
         destroy(self.rec, self._rec_out, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,
                 self.ml, self.rope)
+
+
+def mask_program(dev, src, aux, shape: tuple, seq: int):
+    """mask_copy.comp: the DeviceArray buffer ``src`` of ``shape`` ((s, C) or (heads, s, C)) into
+    ``aux`` for sequence record ``seq``: a grid-stride loop over at most 256 workgroups (8 on a
+    CPU driver, whose every workgroup is a call of its own)."""
+    heads = shape[0] if len(shape) == 3 else 1
+    groups = min(grid_groups(heads * shape[-2] * shape[-1], dev), 8 if dev.backend.software else 256)
+    pipe = Pipeline("mask_copy", "mask_copy", {}, (WORKGROUP, shape[-1], heads, seq), (groups, 1, 1), 2)
+    return dev.backend.program(compile_shader(pipe.shader, pipe.defines), [src, aux], pipe.groups, pipe.spec,
+                               writes=(1,), name="mask_copy")
 
 
 def split_keys(total: int, q_len: int, window: int | None, splits: int, key_lo: int = 0) -> tuple:

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import reference
 from .array import DeviceArray, check_device_array
-from ._attn import Pipeline, RoPE, destroy, grid_groups, put_rows, set_storage, token_bytes, unpack_rows
+from ._attn import Pipeline, RoPE, destroy, grid_groups, host_mask, put_rows, set_storage, token_bytes, unpack_rows
 from .checks import check_array, check_bool, check_int, check_scale, plainly_finite
 from .compiler import compile_shader
 from .device import Device, default_device
@@ -303,7 +303,8 @@ class CacheBase:
             q = self.rope.apply(q, np.arange(q_pos, q_pos + q.shape[1]), self._rope_dim)
         ref, ref_lse = reference.attention(
             q, k, v, causal=call["causal"], scale=call["scale"], window=variant.window,
-            n_sink=variant.n_sink, mask=call["mask"], softcap=variant.softcap,
+            n_sink=variant.n_sink, mask=None if call["mask"] is None else host_mask(call["mask"], k.shape[1]),
+            softcap=variant.softcap,
             alibi_slopes=variant.alibi, return_lse=True)
         check_parity(out, ref, lse, ref_lse, self.dtype)
 

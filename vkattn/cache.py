@@ -9,7 +9,7 @@ from .device import Device
 from . import persist
 from .errors import CacheFullError
 from .tuning import FUSED_APPEND_MAX_ROWS, decode_key_bound, row_bucket
-from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant
+from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, mask_words
 from .array import DeviceArray
 
 
@@ -89,6 +89,11 @@ class KVCache(CacheBase):
         Device arrays (vkattn.DeviceArray, same shapes): ``q`` is read where it lies; ``out``
         ((num_qo_heads, s, v_head_dim)) and ``lse`` ((num_qo_heads, s)) are written in place and
         returned instead of numpy copies. Nothing crosses to the host that is not asked for.
+        ``mask`` may be a DeviceArray (s, C) or (num_qo_heads, s, C) with C >= length: its first
+        ``length`` columns are copied into the call's aux block on the device
+        (shaders/mask_copy.comp), its values unchecked (NaN or +inf there give NaN rows), so a
+        mask the caller's own dispatches write -- one as wide as the capacity -- serves every
+        replay of a graph.
         """
         with self._lock:
             self._check_open()
@@ -278,6 +283,10 @@ class KVCache(CacheBase):
         memoised per step and key bound in ``_fast_plans`` (dropped whenever a plan is destroyed),
         the plans touched in the LRU as a lookup would: a replay does not search again."""
         bound = self.capacity if q.shape[1] != 1 else decode_key_bound(total, self.capacity)
+        mask = call["mask"]
+        if mask is not None:            # a device mask's words grow with the keys: so may the aux it needs
+            bound = (bound, aux_bucket(AttnPlan.aux_need(1, row_bucket(q.shape[1]), q.shape[0], 0,
+                                                         mask_words(mask, total))))
         memo = self._fast_plans
         hit = None if memo is None else memo.get((step, bound))
         if hit is None:
@@ -298,7 +307,7 @@ class KVCache(CacheBase):
         """(append plan or None, attention plan) of a call of q with ``n`` new rows at the
         current length; the aux sized for the row bucket (lengths that share a plan share it)."""
         hq, s, mask = q.shape[0], q.shape[1], call["mask"]
-        words = AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0 if mask is None else mask.size)
+        words = AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0 if mask is None else mask_words(mask, self._length + n))
         return self._forward_plans(hq, s, n, self._call_flags(call), words, self._length + n)
 
     @staticmethod
@@ -321,6 +330,11 @@ class KVCache(CacheBase):
                 cache._check_open()
                 cache._check_fits(n)
                 total = cache._length + n
+                mask = call["mask"]
+                if isinstance(mask, np.ndarray) and mask.shape[-1] != total:
+                    raise ValueError(f"mask: a numpy mask covers the {mask.shape[-1]} keys of the call it came with; "
+                                     f"this replay attends {total} (capture a DeviceArray mask as wide as the "
+                                     f"cache's capacity: its first {total} columns are read)")
                 append, plan = cache._step_plans(self, q, n, call, total)
                 work, kk, vv = [], k, v
                 if append is not None:
@@ -331,12 +345,17 @@ class KVCache(CacheBase):
                 if simple:                  # the rows appended first (or none) counted in the length
                     plan.fill_simple(q, kk, vv, cache._length if fused else total, call["scale"], cache.rope,
                                      call["variant"])
-                else:
-                    plan.fill(q, kk, vv, [cache._seq_call(s, fused, total, call["mask"])], call["causal"],
-                              call["scale"], call["variant"], cache.rope)
+                copies = []
+                if not simple:
+                    seqs = [cache._seq_call(s, fused, total, mask)]
+                    plan.fill(q, kk, vv, seqs, call["causal"], call["scale"], call["variant"], cache.rope)
+                    copies = plan.mask_programs(seqs)
                 prog, _, up = plan.bound(q.buffer, None if kk is None else kk.buffer,
                                          None if vv is None else vv.buffer, call["out"].buffer,
                                          None if call["lse"] is None else call["lse"].buffer)
+                if copies:                  # a device mask: copied into aux after its upload
+                    work += [(copies[0], up)] + [(c, []) for c in copies[1:]]
+                    up = []
                 work.append((prog, up))
                 return work
 
@@ -381,7 +400,7 @@ class KVCache(CacheBase):
         hq, s = q.shape[0], q.shape[1]
         variant = check_variant(hq, window, n_sink, softcap, alibi_slopes)
         if mask is not None:
-            mask = check_mask(mask, hq, s, total)
+            mask = check_mask(mask, hq, s, total, device=self.device)
         out, lse = self._check_outputs(out, lse, hq, s)
         return dict(causal=check_bool("causal", causal), scale=check_scale(scale, self.head_dim),
                     variant=variant, mask=mask, return_lse=check_bool("return_lse", return_lse),

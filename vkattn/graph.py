@@ -27,7 +27,9 @@ every cache call takes DeviceArrays for q, k, v and ``out`` (and ``lse`` with ``
 no ``verify``, and each cache appears once per graph (its plan's host words hold one call). A
 cache call's new rows count from the cache's length when the graph is submitted; its length
 grows then. A submission that does not fit a cache (CacheFullError) submits nothing and changes
-no cache.
+no cache. A numpy ``mask`` holds the keys of the call it came with, so a replay at another length
+refuses it (ValueError, nothing submitted); a DeviceArray mask is read on the device, its first
+columns as many as the keys, so one as wide as the cache's capacity replays as the cache grows.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ from operator import add
 import numpy as np
 
 from . import cascade
-from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, grid_groups
+from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, \
+    grid_groups, mask_words
 from ._base import CacheBase
 from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
@@ -226,7 +227,8 @@ class PagedKVCache(CacheBase):
         and the new tokens up to itself. Returns (num_qo_heads, sum(n_new), v_head_dim) float32
         (and the log-sum-exp (num_qo_heads, sum(n_new)) with ``return_lse``). Variants as in
         :meth:`KVCache.attend`; ``mask`` is a list with one (n_new_i, length_i + n_new_i) or
-        (num_qo_heads, n_new_i, length_i + n_new_i) array per sequence. When a sequence brings
+        (num_qo_heads, n_new_i, length_i + n_new_i) array per sequence (numpy, or a DeviceArray
+        at least that wide, read on the device as :meth:`KVCache.attend` says). When a sequence brings
         more than ``vkattn.tuning.FUSED_APPEND_MAX_ROWS`` tokens, every new token is appended in a
         dispatch of its own first and attended from the cache (as :meth:`KVCache.forward`; one
         submission, a barrier between, with the patched kp);
@@ -270,6 +272,7 @@ class PagedKVCache(CacheBase):
                         variant=variant, rope_q=self._check_rope_q(rope_q))
             return_lse = check_bool("return_lse", return_lse)
             masks = self._check_masks(mask, hq, plan)
+            on_device = on_device or (masks is not None and any(isinstance(m, DeviceArray) for m in masks))
             split = self._split(plan)               # append all new rows first, attend from the pool
             seqs = _seq_calls(plan, masks, split)
             flags = F_PAGED | variant.flags(masks is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
@@ -389,6 +392,11 @@ class PagedKVCache(CacheBase):
 
             def prepare(self):
                 cache._check_open()
+                for i, (m, sid, n) in enumerate(zip(masks or (), seq_ids, counts)):
+                    if isinstance(m, np.ndarray) and m.shape[-1] != cache.length(sid) + n:
+                        raise ValueError(f"mask[{i}]: a numpy mask covers the {m.shape[-1]} keys of the call it came "
+                                         f"with; this replay attends {cache.length(sid) + n} (capture a DeviceArray "
+                                         f"mask as wide as the sequence can grow: its first columns are read)")
                 if common:                  # the family's last step where it applies (a model's layers)
                     plan, self.step = cache._step_plan(seq_ids, counts, hq, flags)
                 else:
@@ -412,12 +420,17 @@ class PagedKVCache(CacheBase):
                 elif common:                # appended first: no SeqCall records either
                     attn.fill_batch(q, None, None, plan.past, counts, plan.tables, call["scale"], cache.rope,
                                     variant)
-                else:
-                    attn.fill(q, kk, vv, _seq_calls(plan, masks, split), call["causal"], call["scale"], variant,
-                              cache.rope)
+                copies = []
+                if not common:
+                    seqs = _seq_calls(plan, masks, split)
+                    attn.fill(q, kk, vv, seqs, call["causal"], call["scale"], variant, cache.rope)
+                    copies = attn.mask_programs(seqs)
                 prog, _, up = attn.bound(q.buffer, None if kk is None else kk.buffer,
                                          None if vv is None else vv.buffer, out.buffer,
                                          None if lse is None else lse.buffer)
+                if copies:                  # device masks: copied into aux after its upload
+                    work += [(copies[0], up)] + [(c, []) for c in copies[1:]]
+                    up = []
                 work.append((prog, up))
                 return work
 
@@ -582,8 +595,9 @@ class PagedKVCache(CacheBase):
         """(LRU key, AttnPlan arguments after the cache) of _batch_plan; ``key_lo``: each
         sequence's first attended key (cascade), which sizes a decode plan's key bound."""
         total, nseq = sum(plan.n_new), len(plan.n_new)
+        mwords = 0 if masks is None else sum(mask_words(m, p + n) for m, p, n in zip(masks, plan.past, plan.n_new))
         words = AttnPlan.aux_need(nseq, total if total == nseq else row_bucket(total), hq,
-                                  sum(map(len, plan.tables)), 0 if masks is None else sum(m.size for m in masks))
+                                  sum(map(len, plan.tables)), mwords)
         bucket = aux_bucket(words)
         nn = 0 if split else total
         decode = total == nseq
@@ -624,7 +638,7 @@ class PagedKVCache(CacheBase):
             raise TypeError(f"mask: expected a list of one array per sequence or None, got {type(mask).__name__}")
         if len(mask) != len(plan.seq_ids):
             raise ValueError(f"mask: expected {len(plan.seq_ids)} arrays (one per sequence), got {len(mask)}")
-        out = [check_mask(m, hq, n, p + n, name=f"mask[{i}]")
+        out = [check_mask(m, hq, n, p + n, name=f"mask[{i}]", device=self.device)
                for i, (m, n, p) in enumerate(zip(mask, plan.n_new, plan.past))]
         if len({m.ndim for m in out}) > 1:
             raise ValueError("mask: expected every array broadcast over heads (2-D) or every one per head (3-D)")

@@ -52,7 +52,7 @@ def planned_variants() -> list:
                     for u in (0, 1) for t in (0, 1) for b in (0, 1)]
     for i8 in (0, 1):
         out += [("gather_slots", {"KV_I8": i8}), ("scatter_slots", {"KV_I8": i8})]
-    out += [("copy_rows", {}), ("merge_lse", {}), ("subgroup_probe", {}),
+    out += [("copy_rows", {}), ("merge_lse", {}), ("mask_copy", {}), ("subgroup_probe", {}),
             ("numerics_probe", {"MODE": 1, "KV_F16": 1, "HALF_NATIVE": 1})]      # Device.half_native
     return out
 

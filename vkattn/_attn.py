@@ -129,13 +129,13 @@ def check_variant(num_qo_heads: int, window=None, n_sink=0, softcap=None, alibi_
     return Variant(window, n_sink, softcap, alibi)
 
 
-def check_mask(mask, num_qo_heads: int, s: int, total: int, name: str = "mask", device=None):
+def check_mask(mask, num_qo_heads: int, s: int, total: int, device, name: str = "mask"):
     """An additive mask (s, total) or (num_qo_heads, s, total): numpy (finite or -inf entries;
-    returned as contiguous float32) or, where ``device`` is given, a vkattn.DeviceArray on it of
-    shape (s, C) or (num_qo_heads, s, C) with C >= total -- its first ``total`` columns are the
-    mask, so one array as wide as a cache's capacity serves every step of a replayed graph --
-    returned as it is (its values are not read: shaders/mask_copy.comp copies them on the device)."""
-    if isinstance(mask, DeviceArray) and device is not None:
+    returned as contiguous float32) or a vkattn.DeviceArray on ``device`` of shape (s, C) or
+    (num_qo_heads, s, C) with C >= total -- its first ``total`` columns are the mask, so one array
+    as wide as a cache's capacity serves every step of a replayed graph -- returned as it is (its
+    values are not read: shaders/mask_copy.comp copies them on the device)."""
+    if isinstance(mask, DeviceArray):
         mask._check_open()
         if mask.device is not device:
             raise ValueError(f"{name}: this DeviceArray lives on {mask.device.name!r}, the cache on {device.name!r}")
@@ -146,8 +146,7 @@ def check_mask(mask, num_qo_heads: int, s: int, total: int, name: str = "mask", 
                              f"C >= {total} keys, got {shape}")
         return mask
     if not isinstance(mask, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy.ndarray{' or a vkattn.DeviceArray' if device is not None else ''}, "
-                        f"got {type(mask).__name__}")
+        raise TypeError(f"{name}: expected a numpy.ndarray or a vkattn.DeviceArray, got {type(mask).__name__}")
     if mask.dtype.kind != "f":
         raise TypeError(f"{name}: expected a float array, got {mask.dtype}")
     if mask.shape not in ((s, total), (num_qo_heads, s, total)):
@@ -157,6 +156,21 @@ def check_mask(mask, num_qo_heads: int, s: int, total: int, name: str = "mask", 
     if np.isnan(mask).any() or (mask == np.inf).any():
         raise ValueError(f"{name}: entries must be finite or -inf (NaN or +inf found)")
     return mask
+
+
+def check_mask_width(mask, total: int, name: str = "mask") -> None:
+    """A checked mask against the keys its sequence attends now, which grow as a captured graph
+    is replayed (vkattn.graph): a numpy mask holds exactly the keys of the call it came with, a
+    DeviceArray at least them; ValueError otherwise."""
+    width = mask.shape[-1]
+    if isinstance(mask, DeviceArray):
+        if width < total:
+            raise ValueError(f"{name}: a DeviceArray of {width} columns, but the call attends {total} keys "
+                             f"(give a mask as wide as the cache's capacity to replay a graph as it grows)")
+    elif width != total:
+        raise ValueError(f"{name}: a numpy mask covers the {width} keys of the call it came with; this replay "
+                         f"attends {total} (capture a DeviceArray mask as wide as the cache's capacity: its first "
+                         f"{total} columns are read)")
 
 
 def mask_words(mask, total: int) -> int:
@@ -380,52 +394,31 @@ class AttnPlan:
     def mask_programs(self, seqs: list) -> list:
         """mask_copy.comp programs, one per sequence of ``seqs`` whose mask is a DeviceArray (in
         record order), to run between the upload of aux and the attention dispatch: each copies
-        its mask's first past + n_new columns into the aux words fill() left for it. Kept per
-        (array, record, shape), the last eight. ValueError: a mask narrower than its sequence's
-        keys (a replayed graph whose cache grew past it)."""
+        its mask's first past + n_new columns into the aux words fill() left for it (fill checked
+        the widths). Kept per (array, record, shape), the last eight."""
         progs = []
         for i, sq in enumerate(seqs):
             m = sq.mask
             if not isinstance(m, DeviceArray):
                 continue
-            total = sq.past + sq.n_new
-            if m.shape[-1] < total:
-                raise ValueError(f"mask: a DeviceArray of {m.shape[-1]} columns, but the call attends {total} keys "
-                                 f"(give a mask as wide as the cache's capacity to replay a graph as it grows)")
             buf = m.buffer
-            key = (buf, i, m.shape)
-            prog = self._mask_progs.get(key)
-            if prog is not None and prog._algo is not None and buf._t is not None:
-                self._mask_progs.move_to_end(key)
-            else:
-                if prog is not None:
-                    destroy(self._mask_progs.pop(key))
-                prog = self._mask_progs[key] = mask_program(self.c.device, buf, self.aux, m.shape, i)
-                while len(self._mask_progs) > 8:
-                    destroy(self._mask_progs.pop(next(iter(self._mask_progs))))
-            progs.append(prog)
+            progs.append(kept(self._mask_progs, (buf, i, m.shape), 8, lambda: buf._t is not None,
+                              lambda: mask_program(self.c.device, buf, self.aux, m.shape, i)))
         return progs
 
     def _with_masks(self, copies: list, prog, up: list, down: list):
         """The recording upload(up) -> the mask copies -> ``prog`` -> download(down), a barrier
         before the attention reads what the copies wrote; kept per (prog, copies), the last four."""
-        key = (prog, tuple(copies))
-        hit = self._masked.get(key)
-        if hit is not None and prog._algo is not None and all(c._algo is not None for c in copies):
-            self._masked.move_to_end(key)
-            return hit
-        if hit is not None:
-            destroy(self._masked.pop(key))
-        rec = self.c.device.backend.recording().upload(*up)
-        for c in copies:
-            rec.dispatch(c, barriers=True)
-        rec.dispatch(prog, barriers=True)
-        if down:
-            rec.download(*down)
-        hit = self._masked[key] = rec.build(self.c.timestamps)
-        while len(self._masked) > 4:
-            destroy(self._masked.pop(next(iter(self._masked))))
-        return hit
+        def build():
+            rec = self.c.device.backend.recording().upload(*up)
+            for c in copies:
+                rec.dispatch(c, barriers=True)
+            rec.dispatch(prog, barriers=True)
+            if down:
+                rec.download(*down)
+            return rec.build(self.c.timestamps)
+        return kept(self._masked, (prog, tuple(copies)), 4,
+                    lambda: prog._algo is not None and all(c._algo is not None for c in copies), build)
 
     def after(self, first, rec):
         """The recording to run for ``rec`` (one of this plan's) behind ``first``, an append
@@ -443,19 +436,10 @@ class AttnPlan:
         ``prog`` and its ``uploads`` ahead of it, a barrier between (the patched kp): an append
         and its attention in one submission. Kept per program, the last two (an append plan's
         own program, or one bound to device arrays)."""
-        hit = self._chains.get(prog)
-        if hit is not None and prog._algo is not None:
-            self._chains.move_to_end(prog)
-            return hit
-        if hit is not None:
-            destroy(self._chains.pop(prog))
         c = self.c
-        rec = c.device.backend.recording().upload(*uploads, *self.inputs).dispatch(prog) \
-            .dispatch(self.attn, barriers=True).download(self.out, self.lse).build(c.timestamps)
-        self._chains[prog] = rec
-        while len(self._chains) > 2:
-            destroy(self._chains.pop(next(iter(self._chains))))
-        return rec
+        return kept(self._chains, prog, 2, lambda: prog._algo is not None,
+                    lambda: c.device.backend.recording().upload(*uploads, *self.inputs).dispatch(prog)
+                    .dispatch(self.attn, barriers=True).download(self.out, self.lse).build(c.timestamps))
 
     def _drop_bind(self, key) -> None:
         prog, rec, _ = self._binds.pop(key)
@@ -597,6 +581,7 @@ class AttnPlan:
                 free += len(s.table)
             moff = 0
             if s.mask is not None:
+                check_mask_width(s.mask, s.past + s.n_new, "mask" if len(seqs) == 1 else f"mask[{i}]")
                 moff = free
                 if isinstance(s.mask, DeviceArray):  # its words are written by mask_copy.comp (mask_programs)
                     free += mask_words(s.mask, s.past + s.n_new)
@@ -741,6 +726,22 @@ class AttnPlan:
         self._mask_progs.clear()
         destroy(self.rec, self._rec_out, self.attn, self.q, self.nk, self.nv, self.aux, self.out, self.lse, self.part,
                 self.ml, self.rope)
+
+
+def kept(memo: OrderedDict, key, keep: int, alive, build):
+    """``memo[key]`` where it is there and ``alive()`` (a program or recording whose buffers and
+    pipelines still exist), else ``build()`` kept there (a dead one destroyed); the ``keep`` most
+    recently used are kept, the others destroyed."""
+    hit = memo.get(key)
+    if hit is not None and alive():
+        memo.move_to_end(key)
+        return hit
+    if hit is not None:
+        destroy(memo.pop(key))
+    hit = memo[key] = build()
+    while len(memo) > keep:
+        destroy(memo.pop(next(iter(memo))))
+    return hit
 
 
 def mask_program(dev, src, aux, shape: tuple, seq: int):

@@ -330,11 +330,6 @@ class KVCache(CacheBase):
                 cache._check_open()
                 cache._check_fits(n)
                 total = cache._length + n
-                mask = call["mask"]
-                if isinstance(mask, np.ndarray) and mask.shape[-1] != total:
-                    raise ValueError(f"mask: a numpy mask covers the {mask.shape[-1]} keys of the call it came with; "
-                                     f"this replay attends {total} (capture a DeviceArray mask as wide as the "
-                                     f"cache's capacity: its first {total} columns are read)")
                 append, plan = cache._step_plans(self, q, n, call, total)
                 work, kk, vv = [], k, v
                 if append is not None:
@@ -347,7 +342,7 @@ class KVCache(CacheBase):
                                      call["variant"])
                 copies = []
                 if not simple:
-                    seqs = [cache._seq_call(s, fused, total, mask)]
+                    seqs = [cache._seq_call(s, fused, total, call["mask"])]
                     plan.fill(q, kk, vv, seqs, call["causal"], call["scale"], call["variant"], cache.rope)
                     copies = plan.mask_programs(seqs)
                 prog, _, up = plan.bound(q.buffer, None if kk is None else kk.buffer,
@@ -400,7 +395,7 @@ class KVCache(CacheBase):
         hq, s = q.shape[0], q.shape[1]
         variant = check_variant(hq, window, n_sink, softcap, alibi_slopes)
         if mask is not None:
-            mask = check_mask(mask, hq, s, total, device=self.device)
+            mask = check_mask(mask, hq, s, total, self.device)
         out, lse = self._check_outputs(out, lse, hq, s)
         return dict(causal=check_bool("causal", causal), scale=check_scale(scale, self.head_dim),
                     variant=variant, mask=mask, return_lse=check_bool("return_lse", return_lse),

@@ -392,11 +392,6 @@ class PagedKVCache(CacheBase):
 
             def prepare(self):
                 cache._check_open()
-                for i, (m, sid, n) in enumerate(zip(masks or (), seq_ids, counts)):
-                    if isinstance(m, np.ndarray) and m.shape[-1] != cache.length(sid) + n:
-                        raise ValueError(f"mask[{i}]: a numpy mask covers the {m.shape[-1]} keys of the call it came "
-                                         f"with; this replay attends {cache.length(sid) + n} (capture a DeviceArray "
-                                         f"mask as wide as the sequence can grow: its first columns are read)")
                 if common:                  # the family's last step where it applies (a model's layers)
                     plan, self.step = cache._step_plan(seq_ids, counts, hq, flags)
                 else:
@@ -638,7 +633,7 @@ class PagedKVCache(CacheBase):
             raise TypeError(f"mask: expected a list of one array per sequence or None, got {type(mask).__name__}")
         if len(mask) != len(plan.seq_ids):
             raise ValueError(f"mask: expected {len(plan.seq_ids)} arrays (one per sequence), got {len(mask)}")
-        out = [check_mask(m, hq, n, p + n, name=f"mask[{i}]", device=self.device)
+        out = [check_mask(m, hq, n, p + n, self.device, name=f"mask[{i}]")
                for i, (m, n, p) in enumerate(zip(mask, plan.n_new, plan.past))]
         if len({m.ndim for m in out}) > 1:
             raise ValueError("mask: expected every array broadcast over heads (2-D) or every one per head (3-D)")

@@ -208,7 +208,7 @@ def test_graph_replay_with_rope_equals_the_general_path(device, rng, dtype):
     gpu = [vkattn.KVCache(40, hkv, d, dtype=dtype, device=device, rope=rope) for _ in range(2)]
     cpu = [vkattn.KVCache(40, hkv, d, dtype=dtype, device=device, rope=rope) for _ in range(2)]
     for c in cpu:
-        c._fast_forward = lambda *a, **kw: None            # the general path, call by call
+        c._fast_call = lambda *a, **kw: None            # the general path, call by call
     for a, b in zip(gpu, cpu):
         k, v = _data(rng, hkv, 9, d), _data(rng, hkv, 9, d)
         a.append(k, v)

@@ -39,7 +39,7 @@ def test_fast_path_equals_the_general_path(device, rng, dtype, rope, variant, mo
     positions, shared between caches of the same RoPE and position), and with a sliding window,
     sinks and a softcap."""
     fast, general = (vkattn.KVCache(96, 2, 40, dtype=dtype, device=device, rope=ROPES[rope]) for _ in range(2))
-    general._fast_forward = lambda *a, **kw: None          # the twin always takes the general path
+    general._fast_call = lambda *a, **kw: None          # the twin always takes the general path
     fills = []
     real = _attn.AttnPlan.fill
     monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))
@@ -95,6 +95,93 @@ def test_fast_path_keeps_every_check(device, rng):
     huge = np.full_like(k, 1e25)                    # finite: its squares overflow, the exact check passes
     out = big.forward(q, huge, v)
     assert np.isfinite(out).all() and big.length == 1
+
+
+def _mask(rng, heads, s, total, dtype=np.float32):
+    """An additive mask of finite values and -inf (every row keeps its last key)."""
+    m = rng.standard_normal((heads, s, total) if heads else (s, total)).astype(dtype)
+    m[..., :-1][rng.random(m[..., :-1].shape) < 0.3] = -np.inf
+    return m
+
+
+@pytest.mark.parametrize("dtype,rope,variant", [("float32", "none", dict(mask=2)), ("float16", "neox", dict(mask=3)),
+                                                ("int8", "none", dict(alibi=True)),
+                                                ("float16", "gptj partial", dict(rope_q=True, alibi=True)),
+                                                ("float32", "none", dict(causal=False, mask=2)),
+                                                ("bfloat16", "neox", dict(causal=False, window=4, n_sink=1)),
+                                                ("float16", "none", dict(mask=2, alibi=True, softcap=5.0))])
+def test_fast_path_takes_masks_alibi_rope_q_causal_and_attend(device, rng, dtype, rope, variant, monkeypatch):
+    """forward() and attend() with a numpy mask (2-D or per head, float64 ones converted), ALiBi
+    slopes, rope_q, causal=False: the fast path -- the aux block filled whole only when the
+    counts, flags or slopes change, the length's words and the mask's written otherwise -- bit
+    for bit the general path's results and stored rows, through decode steps whose masks grow,
+    chunks and a FUSED_APPEND_MAX_ROWS-row prefill."""
+    from vkattn.tuning import FUSED_APPEND_MAX_ROWS
+    hq = 4
+    fast, general = (vkattn.KVCache(96, 2, 40, dtype=dtype, device=device, rope=ROPES[rope]) for _ in range(2))
+    general._fast_call = lambda *a, **kw: None              # the twin always takes the general path
+    fills, calls = [], []
+    real, real_fast = _attn.AttnPlan.fill, vkattn.KVCache._fast_call
+    monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(self.c) or real(self, *a, **kw))
+    monkeypatch.setattr(vkattn.KVCache, "_fast_call",
+                        lambda self, *a: calls.append(real_fast(self, *a)) or calls[-1])
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625]) if variant.get("alibi") else None     # float64: converted
+    mask_dims = variant.get("mask")
+    kw = {k: x for k, x in variant.items() if k not in ("mask", "alibi")}
+    # (new rows, query rows): 0 new rows is an attend of the last positions
+    steps = [(5, 5), (1, 1), (1, 1), (1, 1), (3, 3), (1, 1), (0, 1), (FUSED_APPEND_MAX_ROWS, FUSED_APPEND_MAX_ROWS),
+             (1, 1), (0, 2)]
+    total = 0
+    for step, (n, s) in enumerate(steps):
+        q, k, v = _call(rng, hq, 2, s, max(n, 1), 40)
+        total += n
+        mask = None
+        if mask_dims:
+            mask = _mask(rng, hq if mask_dims == 3 else 0, s, total, np.float64 if step == 2 else np.float32)
+        args = dict(kw, mask=mask, alibi_slopes=slopes)
+        calls.clear()
+        if step == 2:
+            fills.clear()
+        if n == 0:
+            got, want = fast.attend(q, **args), general.attend(q, **args)
+        else:
+            got, want = fast.forward(q, k, v, **args), general.forward(q, k, v, **args)
+        assert calls and calls[0] is not None, step          # the fast path took it
+        assert got.dtype == np.float32 and np.array_equal(got, want), step
+        if step == 3:       # the decode steps after the first: the general path filled, the fast one patched
+            assert fills.count(general) == 2 and fills.count(fast) == 0, fills
+    assert fast.length == general.length == total
+    for a, b in zip(fast.read(), general.read()):
+        assert np.array_equal(a, b)
+
+
+def test_fast_path_masks_and_slopes_keep_every_check(device, rng):
+    """The checks of a mask and of ALiBi slopes on the fast path's calls raise the general path's
+    errors, and nothing changes."""
+    cache = vkattn.KVCache(8, 1, 16, dtype="float16", device=device)
+    q, k, v = _call(rng, 2, 1, 1, 1, 16)
+    cache.forward(q, k, v)
+    # (the forward's mask over 2 keys, the attend's over 1, the error)
+    for bad, bad1, match in ((np.array([[0.0, np.nan]]), np.array([[np.nan]]), "NaN or \\+inf"),
+                             (np.array([[0.0, np.inf]]), np.array([[np.inf]]), "NaN or \\+inf"),
+                             (np.array([[0.0, 1e300]]), np.array([[1e300]]), "NaN or \\+inf"),   # +inf in float32
+                             (np.zeros((1, 3), np.float32), np.zeros((1, 2), np.float32), "expected shape"),
+                             (np.zeros((1, 2), np.int32), np.zeros((1, 1), np.int32), "float array"),
+                             (np.zeros((3, 1, 2), np.float32), np.zeros((3, 1, 1), np.float32), "expected shape"),
+                             ([[0.0, 0.0]], [[0.0]], "numpy.ndarray")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            cache.forward(q, k, v, mask=bad)
+        with pytest.raises((ValueError, TypeError), match=match):
+            cache.attend(q, mask=bad1)
+    for bad, match in ((np.array([0.5, np.nan]), "NaN or Inf"), (np.array([0.5]), "shape"),
+                       (np.array([1, 2]), "float array"), ([0.5, 0.5], "numpy.ndarray")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            cache.forward(q, k, v, alibi_slopes=bad)
+    with pytest.raises(ValueError, match="rope_q"):
+        cache.forward(q, k, v, rope_q=True)
+    with pytest.raises(TypeError, match="causal"):
+        cache.forward(q, k, v, causal=1)
+    assert cache.length == 1
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])

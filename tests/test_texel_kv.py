@@ -200,7 +200,7 @@ def test_the_fast_path_appends_first_too(lane_texel, rng, monkeypatch, dtype, ro
     device arrays and ``out=`` too."""
     from vkattn import _attn
     fast, general = (vkattn.KVCache(160, 2, 64, dtype=dtype, device=lane_texel, rope=rope) for _ in range(2))
-    general._fast_forward = lambda *a, **kw: None          # the twin always takes the general path
+    general._fast_call = lambda *a, **kw: None          # the twin always takes the general path
     try:
         k, v = rand_kv(rng, fast, 100)
         for c in (fast, general):

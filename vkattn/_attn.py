@@ -152,10 +152,30 @@ def check_mask(mask, num_qo_heads: int, s: int, total: int, device, name: str = 
     if mask.shape not in ((s, total), (num_qo_heads, s, total)):
         raise ValueError(f"{name}: expected shape ({s}, {total}) or ({num_qo_heads}, {s}, {total}), "
                          f"got {mask.shape}")
-    mask = np.ascontiguousarray(mask, np.float32)
+    mask = as_f32(mask)
     if np.isnan(mask).any() or (mask == np.inf).any():
         raise ValueError(f"{name}: entries must be finite or -inf (NaN or +inf found)")
     return mask
+
+
+def fast_mask(mask, num_qo_heads: int, s: int, total: int):
+    """check_mask's result for a numpy mask that passes it, in fewer steps (a fast path's: one
+    maximum over the values, NaN and +inf both failing ``< inf``); None for anything else -- a
+    DeviceArray, a bad type, shape or value -- where check_mask decides and raises."""
+    if type(mask) is not np.ndarray or mask.dtype.kind != "f" or (mask.shape != (s, total)
+                                                                   and mask.shape != (num_qo_heads, s, total)):
+        return None
+    mask = as_f32(mask)
+    return mask if mask.max() < np.inf else None
+
+
+def as_f32(x: np.ndarray) -> np.ndarray:
+    """x as a C-contiguous float32 array (itself where it is one), values past float32's range
+    becoming infinities without a warning (the caller's check refuses them)."""
+    if x.dtype == np.float32:
+        return np.ascontiguousarray(x)
+    with np.errstate(over="ignore"):
+        return np.ascontiguousarray(x, np.float32)
 
 
 def check_mask_width(mask, total: int, name: str = "mask") -> None:
@@ -527,36 +547,43 @@ class AttnPlan:
         """Rows per head of a (heads, rows, dim) numpy array or DeviceArray."""
         return x.shape[1]
 
-    _simple = None                  # (rows, new rows, scale, rope, variant) whose whole aux block fill_simple left
+    _simple = None                  # the key (counts, scale, flags, variant) of the aux block fill_simple left
     _batch_head = None              # fill_batch's last (counts, scale, variant, rows, new rows), its offsets
     batch_words = None              # fill_batch's last per-sequence words (layout, records, tables, rotary rows)
 
     def fill_simple(self, q, k, v, past: int, scale: float, rope: RoPE | None = None,
-                    variant: Variant = _PLAIN) -> None:
+                    variant: Variant = _PLAIN, causal: bool = True, mask: np.ndarray | None = None) -> None:
         """fill() of the most common call -- one sequence of ``past`` cached keys, q (hq, s, d)
         and new rows k, v as C-contiguous float32 numpy arrays (or None: no new rows in the
-        dispatch, those appended first counted in ``past``), causal, no variant or mask,
-        rotated by the cache's ``rope`` or not: the aux block of the last such call of the same
-        counts is kept, and only the four words that follow the length are written, and the
-        rotary table's rows of the new positions (vkattn.cache's fast path; a graph's replay,
-        whose q, k, v are DeviceArrays)."""
+        dispatch, those appended first counted in ``past``), rotated by the cache's ``rope`` or
+        not, ``mask`` None or a checked numpy one (fast_mask, check_mask: float32, C-contiguous,
+        as wide as the keys): the aux block of the last such call of the same counts, flags and
+        variant is kept, and only the four words that follow the length are written, the
+        rotary table's rows of the new positions and the mask's words (vkattn.cache's fast
+        path; a graph's replay, whose q, k, v are DeviceArrays)."""
         s, n = q.shape[1], 0 if k is None else k.shape[1]
         rows = max(s, n)
-        if self._simple != (s, n, scale, rope, variant):
-            seq = SeqCall(past=past, n_new=n, q_start=0, q_len=s, rope_pos=past + n - rows)
-            self.fill(q, k, v, [seq], True, scale, variant, rope)
-            self._simple = (s, n, scale, rope, variant)
+        alibi = variant.alibi
+        key = (s, n, scale, rope, causal, variant.window, variant.n_sink, variant.softcap,
+               None if alibi is None else alibi.tobytes(), None if mask is None else mask.ndim)
+        if self._simple != key:
+            seq = SeqCall(past=past, n_new=n, q_start=0, q_len=s, mask=mask, rope_pos=past + n - rows)
+            self.fill(q, k, v, [seq], causal, scale, variant, rope)
+            self._simple = key
             return
         for i, x in enumerate((q, k, v)):
             if type(x) is np.ndarray:    # a DeviceArray is read where it lies (AttnPlan.bound)
                 self._put_input(i, x)
         kstart, chunk = split_keys(past + n, s, variant.window, self.cfg.splits, 0)
         aux = self.aux.view()
-        at = HEADER                      # the one sequence record: past, n_new, .., chunk, bt, kstart
+        at = HEADER                      # the one sequence record: past, n_new, .., chunk, bt, kstart, mask
         aux[at] = past
         aux[at + 4] = chunk
         aux[at + 6] = kstart
         aux[at + 10] = pos = past + n - rows
+        if mask is not None:             # where fill() put it: after the tiles and the ALiBi slopes
+            moff = int(aux[at + 7])
+            aux.view(np.float32)[moff:moff + mask.size] = mask.reshape(-1)
         if self.rope_dim:                # fill()'s table rows: positions pos .. pos + rows, from row 0
             d = self.rope_dim
             self.rope.view()[:rows * d] = rope.rows(pos, rows, d)

@@ -193,28 +193,33 @@ class CacheBase:
     def _fast_kinds(self, q, k, v, out) -> bool:
         """Whether q, k, v are what a fast path takes: numpy float32 (h, n, d) arrays (any
         strides) with ``out`` None, or DeviceArrays of this device, open and 3-D, with ``out`` one
-        too and head dims the kernels read unpadded. Shapes are the caller's to compare."""
+        too and head dims the kernels read unpadded; k and v both None for an attend. Shapes are
+        the caller's to compare."""
         if out is None:
-            return (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
-                    and q.dtype == np.float32 and k.dtype == np.float32 and v.dtype == np.float32
-                    and q.ndim == 3 and k.ndim == 3 and v.ndim == 3)
+            if type(q) is not np.ndarray or q.dtype != np.float32 or q.ndim != 3:
+                return False
+            if k is None and v is None:
+                return True
+            return (type(k) is np.ndarray and type(v) is np.ndarray and k.dtype == np.float32
+                    and v.dtype == np.float32 and k.ndim == 3 and v.ndim == 3)
         dev = self.device
-        for a in (q, k, v, out):
+        for a in (q, out) if k is None and v is None else (q, k, v, out):
             if type(a) is not DeviceArray or a.device is not dev or a._buf is None or len(a.shape) != 3:
                 return False
         return not (self.head_dim | self.v_head_dim) % (4 * self._ch)
 
     def _fast_shapes(self, q, k, v, out):
         """(hq, new rows, query rows) where q, k, v (and ``out``) are what a fast path takes
-        (_fast_kinds) and agree with this cache and each other: k and v (hkv, n, head dims), q
-        (hq, s, head_dim) with hq a multiple of hkv, out (hq, s, v_head_dim); None otherwise (the
-        general path decides). Counts are the caller's to bound."""
+        (_fast_kinds) and agree with this cache and each other: k and v (hkv, n >= 1, head dims)
+        or both None (n = 0), q (hq, s, head_dim) with hq a multiple of hkv, out (hq, s,
+        v_head_dim); None otherwise (the general path decides). Counts are the caller's to bound."""
         if not self._fast_kinds(q, k, v, out):
             return None
-        hkv, n = self.num_kv_heads, k.shape[1]
+        hkv, n = self.num_kv_heads, 0 if k is None else k.shape[1]
         hq, s = q.shape[0], q.shape[1]
-        if k.shape != (hkv, n, self.head_dim) or v.shape != (hkv, n, self.v_head_dim) \
-                or q.shape[2] != self.head_dim or hq < 1 or hq % hkv:
+        if k is not None and (n < 1 or k.shape != (hkv, n, self.head_dim) or v.shape != (hkv, n, self.v_head_dim)):
+            return None
+        if q.shape[2] != self.head_dim or hq < 1 or hq % hkv:
             return None
         if out is not None and out.shape != (hq, s, self.v_head_dim):
             return None
@@ -231,7 +236,8 @@ class CacheBase:
             scale = self._scale
         elif not 0.0 < scale < float("inf"):
             return None
-        if out is None and not (plainly_finite(q) and plainly_finite(k, self._f16) and plainly_finite(v, self._f16)):
+        if out is None and not (plainly_finite(q) and (k is None or (plainly_finite(k, self._f16)
+                                                              and plainly_finite(v, self._f16)))):
             return None
         return scale
 

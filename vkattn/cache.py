@@ -9,7 +9,7 @@ from .device import Device
 from . import persist
 from .errors import CacheFullError
 from .tuning import FUSED_APPEND_MAX_ROWS, decode_key_bound, row_bucket
-from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, mask_words
+from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, fast_mask, mask_words
 from .array import DeviceArray
 
 
@@ -95,6 +95,12 @@ class KVCache(CacheBase):
         mask the caller's own dispatches write -- one as wide as the capacity -- serves every
         replay of a graph.
         """
+        if (type(causal) is bool and (scale is None or type(scale) is float) and type(rope_q) is bool
+                and lse is None and (return_lse is False or (return_lse is True and out is None))):
+            fast = self._fast_call(q, None, None, causal, scale, out, window, n_sink, softcap, mask, alibi_slopes,
+                                   rope_q, return_lse)
+            if fast is not None:
+                return fast
         with self._lock:
             self._check_open()
             q = self._check_q(q, self._length)
@@ -114,9 +120,10 @@ class KVCache(CacheBase):
         covers the ``length + n`` positions after the append); the ``s`` query rows are the last
         ``s`` positions after the append. All checks run first: on any error the cache is
         unchanged. q, k, v, ``out`` and ``lse`` may be device arrays, as in :meth:`attend`."""
-        if (causal is True and (scale is None or type(scale) is float) and mask is None and alibi_slopes is None
-                and (return_lse is False or (return_lse is True and out is None)) and rope_q is False and lse is None):
-            fast = self._fast_forward(q, k, v, scale, out, window, n_sink, softcap, return_lse)
+        if (type(causal) is bool and (scale is None or type(scale) is float) and type(rope_q) is bool
+                and lse is None and (return_lse is False or (return_lse is True and out is None))):
+            fast = self._fast_call(q, k, v, causal, scale, out, window, n_sink, softcap, mask, alibi_slopes,
+                                   rope_q, return_lse)
             if fast is not None:
                 return fast
         with self._lock:
@@ -204,22 +211,23 @@ class KVCache(CacheBase):
             raise
         self._length = n
 
-    def _fast_forward(self, q, k, v, scale=None, out=None, window=None, n_sink=0, softcap=None, return_lse=False):
-        """forward() of the common call -- numpy float32 q, k, v (any strides) (or DeviceArrays of
-        this device with ``out`` one too), causal, no ALiBi or mask (a window, sinks and softcap
-        are fine), K rotated by the cache's RoPE or not (q not: ``rope_q`` False), at most
+    def _fast_call(self, q, k, v, causal, scale, out, window, n_sink, softcap, mask, alibi, rope_q, return_lse):
+        """attend() (k, v None) or forward() of the common call -- numpy float32 q, k, v (any
+        strides) (or DeviceArrays of this device with ``out`` one too), at most
         FUSED_APPEND_MAX_ROWS new rows (fused into the attention, or appended first where
         _forward_plans says so: the append staged and recorded ahead of the attention in one
-        submission), nothing asked but the output (and lse, for numpy calls) -- with the same
-        checks in fewer steps: shapes compared as tuples, numpy values by
-        one dot product each (checks.plainly_finite), the plan's aux words patched
-        (AttnPlan.fill_simple). None where any of that does not hold: the caller takes the general
-        path, whose checks raise the precise error."""
+        submission), causal or not, any score variant, a numpy mask (no DeviceArray: its copy
+        program is the general path's), q rotated by the cache's RoPE or not, nothing asked but
+        the output (and lse, for numpy calls) -- with the same checks in fewer steps: shapes
+        compared as tuples, numpy values by one dot product each (checks.plainly_finite), a
+        mask's by one maximum, the plan's aux words patched (AttnPlan.fill_simple). None where
+        any of that does not hold: the caller takes the general path, whose checks raise the
+        precise error."""
         shapes = self._fast_shapes(q, k, v, out)
         if shapes is None:
             return None
         hq, n, s = shapes
-        if n < 1 or s < 1 or n > FUSED_APPEND_MAX_ROWS:
+        if s < 1 or n > FUSED_APPEND_MAX_ROWS or (rope_q and self.rope is None):
             return None
         scale = self._fast_scale(q, k, v, out, scale)
         if scale is None:
@@ -229,42 +237,48 @@ class KVCache(CacheBase):
             if self._closed or self.device.closed or self.device._graph is not None or s > total \
                     or total > self.capacity:
                 return None
-            variant = check_variant(hq, window, n_sink, softcap)
+            if mask is not None:
+                mask = fast_mask(mask, hq, s, total)
+                if mask is None:
+                    return None
+            variant = check_variant(hq, window, n_sink, softcap, alibi)    # raises as the general path would
             # the plans of (hq, s, n) at this key bound (_forward_plans'), memoised with what
             # decides the path: [attention plan key, plan, out's host view once used, append
             # plan key, append plan (both None: fused)], the keys touched in the LRU; or None (the
-            # output width checked after the run: the general path)
+            # output width checked after the run: the general path). A mask's words grow with
+            # the keys: so may the aux it needs
             bound = self.capacity if s != 1 else decode_key_bound(total, self.capacity)
+            flags = variant.flags(mask is not None) | (self.rope.flags(rope_q) if self.rope is not None else 0)
+            words = AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0 if mask is None else mask.size)
+            mkey = (hq, s, n, bound, flags) if mask is None else (hq, s, n, bound, flags, aux_bucket(words))
             memo = self._fast_plans
             if memo is None:
                 memo = self._fast_plans = {}
-            vflags = variant.flags(False)
-            hit = memo.get((hq, s, n, bound, vflags), 0)
+            hit = memo.get(mkey, 0)
             if hit == 0:
-                flags = vflags | (self.rope.flags(False) if self.rope is not None else 0)   # K rotated, not q
-                append, plan = self._forward_plans(hq, s, n, flags, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0),
-                                                   total)
+                append, plan = self._forward_plans(hq, s, n, flags, words, total)
                 hit = None
                 if not plan._check_width:
                     hit = [self._plan_key(plan), plan, None, None, None]
                     if append is not None:
                         hit[3:] = self._plan_key(append), append
                 memo = self._fast_plans = self._fast_plans or {}     # a plan built may have evicted some
-                memo[(hq, s, n, bound, vflags)] = hit
+                memo[mkey] = hit
             if hit is None:
                 return None
             key, plan, result, akey, append = hit
             self._plans.move_to_end(key)
             if append is None:
-                plan.fill_simple(q, k, v, self._length, scale, self.rope, variant)
+                plan.fill_simple(q, k, v, self._length, scale, self.rope, variant, causal, mask)
                 if out is not None:
-                    rec = plan.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
+                    rec = plan.bound(q._buf, None if k is None else k._buf, None if v is None else v._buf,
+                                     out._buf, None)[1]
                 else:
                     rec = plan.rec if return_lse else plan.out_only()
             else:                       # appended first: one submission with the patched kp
                 self._plans.move_to_end(akey)
                 first = append.stage(k, v, np.arange(self._length, total))
-                plan.fill_simple(q, None, None, total, scale, self.rope, variant)
+                plan.fill_simple(q, None, None, total, scale, self.rope, variant, causal, mask)
                 rec = plan.after(first, plan.rec if out is None else plan.bound(q._buf, None, None, out._buf, None)[1])
             rec.run()
             self._last_rec = rec

@@ -77,7 +77,87 @@ def run(shape: Shape, device) -> list:
     if selected("overhead masked decode"):
         for sh in (shape, small):
             out += mask_path(sh, device)
+    if selected("overhead numpy calls"):
+        for sh in (shape, small):
+            out += calls_path(sh, device)
     return out
+
+
+def python_us_interleaved(cases: dict, rounds: int, per: int) -> dict:
+    """python_us of each ``name: (fn, reset)`` (submissions stubbed out), as interleaved_ms
+    times them: ``rounds`` rounds of a block of ``per`` calls of every case in turn (two untimed
+    first), so the machine's drift falls on all cases alike; median us per case."""
+    from vkattn import _kp
+    real = _kp.Recording.run, _kp.Recording.submit
+    _kp.Recording.run = _kp.Recording.submit = lambda self: None
+    try:
+        return {name: ms * 1e3 for name, ms in interleaved_ms(cases, rounds, per).items()}
+    finally:
+        _kp.Recording.run, _kp.Recording.submit = real
+
+
+def calls_path(shape: Shape, device) -> list:
+    """vkattn's Python per call (submissions stubbed out, us) of each kind of numpy call at
+    length L (VKATTN_PERF_OVERHEAD_CONTEXT, 16) -- KVCache decode forward plain, with a mask
+    (hq, 1, L + 1), ALiBi slopes, a window with sinks and a softcap, not causal, with lse; attend;
+    append; PagedKVCache batch decode of one sequence -- timed interleaved (issue 30's budget: 40
+    us a numpy call); each call's result checked against the reference first. Rows: python us;
+    vkattn ms: the wall ms of the same call, its submission run; numpy ms: the reference's plain
+    decode, for scale."""
+    L = env_int("VKATTN_PERF_OVERHEAD_CONTEXT", 16)
+    tag = f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim}"
+    iters = max(shape.iters, 50)
+    rng = np.random.default_rng(13)
+    hq, hkv, d, dv = shape.heads, shape.kv_heads, shape.head_dim, shape.v_head_dim
+    cache = vkattn.KVCache(L + 8, hkv, d, dv, dtype=shape.dtype, device=device)
+    k0, v0 = rng.standard_normal((hkv, L, d), dtype=np.float32), rng.standard_normal((hkv, L, dv), dtype=np.float32)
+    cache.append(k0, v0)
+    pool = vkattn.PagedKVCache(-(-(L + 8) // 16) + 1, 16, hkv, d, dv, dtype=shape.dtype, device=device)
+    sid = pool.add_sequence()
+    pool.append([sid], k0, v0, n_new=[L])
+    q = rng.standard_normal((hq, 1, d), dtype=np.float32)
+    k = rng.standard_normal((hkv, 1, d), dtype=np.float32)
+    v = rng.standard_normal((hkv, 1, dv), dtype=np.float32)
+    mask = rng.standard_normal((hq, 1, L + 1), dtype=np.float32)
+    slopes = (2.0 ** -np.arange(1, hq + 1)).astype(np.float32)
+    variants = {"plain": {}, "mask": dict(mask=mask), "alibi": dict(alibi_slopes=slopes),
+                "window, sinks, softcap": dict(window=8, n_sink=2, softcap=30.0), "not causal": dict(causal=False)}
+    calls = {f"forward, {name}": (lambda kw=kw: cache.forward(q, k, v, **kw)) for name, kw in variants.items()}
+    calls["forward, lse"] = lambda: cache.forward(q, k, v, return_lse=True)
+    calls["attend"] = lambda: cache.attend(q)
+    calls["append"] = lambda: cache.append(k, v)
+    calls["paged forward, B=1"] = lambda: pool.forward([sid], q, k, v)
+    reset = {name: (lambda: pool.truncate(sid, L)) if name.startswith("paged") else
+             (lambda: cache.truncate(L)) for name in calls}
+    ok = True
+    for name, fn in calls.items():
+        got = fn()
+        if name.startswith("forward"):
+            kw = variants.get(name.split(", ", 1)[1], {})
+            ks, vs = cache.read()
+            want = attention(q, ks, vs, **{a: b for a, b in kw.items()})
+            got = got[0] if isinstance(got, tuple) else got
+            ok = ok and check(got, want, shape.dtype)
+        elif name == "attend":
+            ok = ok and check(got, attention(q, *cache.read()), shape.dtype)
+        elif name.startswith("paged"):
+            ok = ok and check(got, attention(q, *pool.read(sid)), shape.dtype)
+        reset[name]()
+    ks, vs = cache.read()
+    tr = time_calls(lambda: attention(q, ks, vs), iters, 5)["median_ms"]     # numpy's plain decode, for scale
+    cases = {name: (fn, reset[name]) for name, fn in calls.items()}
+    per = max(iters // 5, 10)
+    wall = interleaved_ms(cases, rounds=3, per=per)
+    py = python_us_interleaved(cases, rounds=5, per=4 * per)
+    rows = []
+    for name in calls:
+        print(f"{tag} {name} L={L}: vkattn's Python {py[name]:.1f} us per call, wall {wall[name]:.4f} ms")
+        rows.append(Row(case=f"numpy call L={L}: {name}", kernel="overhead", shape=tag, vkattn_ms=wall[name],
+                        vkattn_min_ms=wall[name], numpy_ms=tr, speedup_vs_numpy=tr / wall[name],
+                        metric="python us", value=py[name], verified=ok, extra={"python_us": py[name]}))
+    cache.close()
+    pool.close()
+    return rows
 
 
 def mask_path(shape: Shape, device) -> list:

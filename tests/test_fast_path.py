@@ -274,6 +274,95 @@ def test_paged_fast_path_equals_the_general_path(device, rng, dtype, rope, varia
     assert np.array_equal(out.numpy(), general.forward(ids, q, k, v, **variant))
 
 
+@pytest.mark.parametrize("dtype,rope,variant", [("float32", "none", dict(mask=2)), ("float16", "neox", dict(mask=3)),
+                                                ("int8", "none", dict(alibi=True)),
+                                                ("float16", "gptj partial", dict(rope_q=True, alibi=True)),
+                                                ("bfloat16", "none", dict(causal=False, mask=2)),
+                                                ("float16", "neox", dict(causal=False, window=3, n_sink=1)),
+                                                ("q4", "none", dict(mask=2, alibi=True, softcap=5.0))])
+def test_paged_fast_path_takes_masks_alibi_rope_q_and_causal(device, rng, dtype, rope, variant, monkeypatch):
+    """PagedKVCache.forward with a list of numpy masks (2-D or per head; a float64 one
+    converted), ALiBi slopes, rope_q, causal=False: the fast path (no SeqCall fill), bit for
+    bit the general path's results and stored rows, over chunks and batch decode of sequences
+    in a changing order, with new blocks taken mid-batch; a model's next layer (the same
+    sequences and counts) takes the step's plan unless the call is masked."""
+    from vkattn import paged
+    hq = 6
+    fast, general = (vkattn.PagedKVCache(40, 4, 2, 40, dtype=dtype, device=device, rope=ROPES[rope])
+                     for _ in range(2))
+    general._fast_forward = lambda *a, **kw: None          # the twin always takes the general path
+    fills = []
+    real = _attn.AttnPlan.fill
+    monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))
+    ids = [[c.add_sequence() for _ in range(3)] for c in (fast, general)][0]
+    slopes = np.linspace(0.1, 0.6, hq) if variant.get("alibi") else None          # float64: converted
+    mask_dims = variant.get("mask")
+    kw = {k: x for k, x in variant.items() if k not in ("mask", "alibi")}
+    steps = [([0, 1, 2], [5, 3, 7]), ([0, 1, 2], [1, 1, 1]), ([2, 0, 1], [1, 1, 1]), ([1, 2], [2, 1]),
+             ([0, 1, 2], [1, 1, 1]), ([0, 1, 2], [3, 1, 2])]
+    for step, (order, counts) in enumerate(steps):
+        seqs = [ids[i] for i in order]
+        q, k, v = _batch(rng, hq, 2, counts, 40)
+        masks = None
+        if mask_dims:
+            masks = [_mask(rng, hq if mask_dims == 3 else 0, n, fast.length(sid) + n,
+                           np.float64 if step == 2 and i == 0 else np.float32)
+                     for i, (sid, n) in enumerate(zip(seqs, counts))]
+        args = dict(kw, mask=masks, alibi_slopes=slopes, n_new=None if set(counts) == {1} else counts)
+        fills.clear()
+        got = fast.forward(seqs, q, k, v, **args)
+        assert not fills, (order, counts)           # the fast path: no SeqCall fill
+        want = general.forward(seqs, q, k, v, **args)
+        assert got.dtype == np.float32 and np.array_equal(got, want), (order, counts)
+    for sid in ids:
+        assert fast.length(sid) == general.length(sid)
+        for a, b in zip(fast.read(sid), general.read(sid)):
+            assert np.array_equal(a, b)
+    # a model's next layer: the step's plan where unmasked
+    layer = vkattn.PagedKVCache(40, 4, 2, 40, dtype=dtype, device=device, rope=ROPES[rope])
+    for sid in ids:
+        layer.add_sequence(sid)
+    hits = []
+    real_for = paged._Step.plan_for
+    monkeypatch.setattr(paged._Step, "plan_for", lambda self, *a: hits.append(1) or real_for(self, *a))
+    ref = vkattn.PagedKVCache(40, 4, 2, 40, dtype=dtype, device=device, rope=ROPES[rope])
+    ref._fast_forward = lambda *a, **kw: None
+    for sid in ids:
+        ref.add_sequence(sid)
+    for c in (fast, layer):
+        for sid in ids:
+            c.truncate(sid, 0)
+    q, k, v = _batch(rng, hq, 2, [2, 2, 2], 40)
+    masks = [_mask(rng, hq if mask_dims == 3 else 0, 2, 2) for _ in ids] if mask_dims else None
+    args = dict(kw, mask=masks, alibi_slopes=slopes, n_new=[2, 2, 2])
+    fast.forward(ids, q, k, v, **args)
+    hits.clear()
+    got = layer.forward(ids, q, k, v, **args)
+    assert bool(hits) == (not mask_dims)
+    assert np.array_equal(got, ref.forward(ids, q, k, v, **args))
+
+
+def test_paged_fast_path_masks_keep_every_check(device, rng):
+    """A bad mask list on a batch call raises the general path's error, nothing changed."""
+    cache = vkattn.PagedKVCache(6, 4, 1, 16, dtype="float16", device=device)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    q, k, v = _batch(rng, 2, 1, [1, 1], 16)
+    good = np.zeros((1, 1), np.float32)
+    for bad, match in (([good, np.array([[np.nan]])], "NaN or \\+inf"), ([good, np.array([[1e300]])], "NaN or \\+inf"),
+                       ([good], "expected 2 arrays"), ([good, np.zeros((1, 2), np.float32)], "expected shape"),
+                       ([good, np.zeros((2, 1, 1), np.float32)], "2-D"), (good, "list"),
+                       ([good, [[0.0]]], "numpy.ndarray")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            cache.forward([a, b], q, k, v, mask=bad)
+    with pytest.raises(ValueError, match="rope_q"):
+        cache.forward([a, b], q, k, v, rope_q=True)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        cache.forward([a, b], q, k, v, alibi_slopes=np.array([0.5, np.inf]))
+    assert cache.lengths() == {a: 0, b: 0}
+    cache.forward([a, b], q, k, v, mask=[good, np.zeros((2, 1, 1), np.float32)[0]])
+    assert cache.lengths() == {a: 1, b: 1}
+
+
 @pytest.mark.parametrize("variant", [{}, dict(window=100)])
 def test_paged_fast_path_splits_long_sequences_as_the_general_path(device, rng, variant):
     """Sequences long enough for every split-size rule (all keys in one split, MIN_CHUNK keys a

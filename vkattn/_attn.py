@@ -629,14 +629,16 @@ class AttnPlan:
         return rows
 
     def fill_batch(self, q, k, v, past: list, counts: list, tables: list, scale: float,
-                   rope: RoPE | None = None, variant: Variant = _PLAIN, words=None) -> int:
+                   rope: RoPE | None = None, variant: Variant = _PLAIN, words=None, causal: bool = True,
+                   masks: list | None = None) -> int:
         """fill() of a paged batch's common call, the same words in fewer steps: sequence i has
         ``past[i]`` cached keys and brings ``counts[i]`` new rows (fused: the dispatch stores them;
         or, with k and v None, appended first: the dispatch finds them in the cache) and as many
         query rows, packed after sequence i-1's; its block table ``tables[i]`` (a list of ints);
-        causal, no ALiBi, mask or shared prefix (a window, sinks and softcap are fine), the keys
-        rotated by the cache's ``rope``. No SeqCall objects, one record list, one rotary table for
-        all rows.
+        no shared prefix; causal or not, any score variant, ``masks`` None or one checked numpy
+        mask per sequence (fast_mask: all 2-D or all per head), written after the block tables;
+        the keys rotated by the cache's ``rope``. No SeqCall objects, one record list, one rotary
+        table for all rows.
 
         The per-sequence words it writes (records, block tables, rotary rows) are kept in
         ``batch_words``; ``words``: another plan's ``batch_words`` from a call with the same
@@ -645,11 +647,15 @@ class AttnPlan:
         configuration (its words name the offsets, split count, window and rotary table)."""
         rows, nn = self._put_inputs(q, k, v)
         aux = self.aux.view()
-        key = (tuple(counts), scale, variant, rows, nn)
+        alibi = variant.alibi
+        per_head = None if masks is None else masks[0].ndim == 3
+        key = (tuple(counts), scale, variant.window, variant.n_sink, variant.softcap,
+               None if alibi is None else alibi.tobytes(), rows, nn, causal, per_head)
         if self._batch_head is not None and self._batch_head[0] == key:
-            seq_off, tile_off, free = self._batch_head[1]       # header and tiles in aux as they were
+            seq_off, tile_off, free = self._batch_head[1]       # header, tiles, slopes in aux as they were
         else:
-            seq_off, tile_off, free = self._put_head(key[0], True, scale, variant, rows, nn)
+            seq_off, tile_off, free = self._put_head(key[0], causal, scale, variant, rows, nn)
+            self._header[16] = int(bool(per_head))
             aux[:HEADER] = self._header
             self._batch_head = key, (seq_off, tile_off, free)
         splits, window = self.cfg.splits, variant.window
@@ -659,6 +665,15 @@ class AttnPlan:
         _, recs, tabs, rtab = words
         aux[seq_off:tile_off] = recs
         aux[free:free + tabs.size] = tabs
+        if masks is not None:               # after the tables; each record's mask word points at its own
+            f, at = aux.view(np.float32), free + tabs.size
+            if at + sum(m.size for m in masks) > self._counters:     # the plan was sized for fewer (a caller's bug)
+                raise RuntimeError(f"aux: {at + sum(m.size for m in masks)} words needed, the plan holds "
+                                   f"{self._counters}")
+            for i, m in enumerate(masks):
+                aux[seq_off + SEQ_WORDS * i + 7] = at
+                f[at:at + m.size] = m.reshape(-1)
+                at += m.size
         if rtab is not None:
             self.rope.view()[:rtab.size] = rtab
         self.batch_words = words

@@ -444,6 +444,7 @@ class _SlotWritePlan:
         inputs = self._inputs = [self.nk, self.nv, self.dst] + ([self.rope] if c.rope else [])
         self.rec = be.recording().upload(*inputs).dispatch(self.prog).build(c.timestamps)
         self._binds = OrderedDict()
+        self._rows = {}                          # fill_rows' templates per row count
 
     def bound(self, nk, nv) -> tuple:
         """(program, recording, uploads) with device arrays' buffers ``nk`` / ``nv`` as the new rows
@@ -488,12 +489,29 @@ class _SlotWritePlan:
         self.fill_rows(n, slots, positions)
         return self.prog, self._inputs, self.rec
 
-    def fill_rows(self, n: int, slots: np.ndarray, positions: np.ndarray | None = None) -> None:
-        """The row list and rotary table of a call of ``n`` rows (what run uploads besides K/V)."""
+    def fill_rows(self, n: int, slots, positions: np.ndarray | None = None) -> None:
+        """The row list and rotary table of a call of ``n`` rows (what run uploads besides K/V).
+        ``slots``: an array, or a ``range`` of consecutive slots in the first block (KVCache's
+        positions, rotated at themselves), whose words come from a template of the count's kept
+        here plus the first slot."""
         c = self.c
         hkv = c.num_kv_heads
         d = self.dst.view()                      # [count, (cache row, rotary-table row) per h, r]
         d[0] = hkv * n
+        if type(slots) is range and positions is None and slots.step == 1 and slots.stop <= c._block_size:
+            words = self._rows.get(n)
+            if words is None:                    # the words of range(n): row h * block + r, then r
+                if len(self._rows) > 8:
+                    self._rows.clear()
+                words = self._rows[n] = np.empty(2 * hkv * n, np.uint32)
+                words[0::2] = slot_rows(c, range(n)).T.ravel()
+                words[1::2] = np.tile(np.arange(n, dtype=np.uint32), hkv)
+            end = 1 + 2 * hkv * n
+            d[1:end] = words
+            d[1:end:2] += slots.start
+            if c.rope:
+                self.rope.view()[:n * c._rope_dim] = c.rope.rows(slots.start, n, c._rope_dim)
+            return
         d[1:1 + 2 * hkv * n:2] = slot_rows(c, slots).T.ravel()    # row of (h, r) at h * n + r
         d[2:2 + 2 * hkv * n:2] = np.tile(np.arange(n, dtype=np.uint32), hkv)
         if c.rope:

@@ -67,7 +67,7 @@ class KVCache(CacheBase):
             k, v = self._check_kv(k, v)
             n = k.shape[1]
             self._check_fits(n)
-            self._append_plan(n).run(k, v, np.arange(self._length, self._length + n))
+            self._append_plan(n).run(k, v, range(self._length, self._length + n))
             self._length += n
 
     def attend(self, q: np.ndarray, causal: bool = True, scale: float | None = None, *,
@@ -277,7 +277,7 @@ class KVCache(CacheBase):
                     rec = plan.rec if return_lse else plan.out_only()
             else:                       # appended first: one submission with the patched kp
                 self._plans.move_to_end(akey)
-                first = append.stage(k, v, np.arange(self._length, total))
+                first = append.stage(k, v, range(self._length, total))
                 plan.fill_simple(q, None, None, total, scale, self.rope, variant, causal, mask)
                 rec = plan.after(first, plan.rec if out is None else plan.bound(q._buf, None, None, out._buf, None)[1])
             rec.run()
@@ -347,7 +347,7 @@ class KVCache(CacheBase):
                 append, plan = cache._step_plans(self, q, n, call, total)
                 work, kk, vv = [], k, v
                 if append is not None:
-                    prog, up, _ = append.stage(k, v, np.arange(cache._length, total))
+                    prog, up, _ = append.stage(k, v, range(cache._length, total))
                     work.append((prog, up))
                     kk = vv = None
                 fused = 0 if kk is None else n
@@ -444,7 +444,7 @@ class KVCache(CacheBase):
         append, plan = self._call_plans(q, n, call)    # both built before either runs
         first = None
         if append is not None:                  # the new rows go in first (one submission with a barrier)
-            first = append.stage(k, v, np.arange(self._length, total))
+            first = append.stage(k, v, range(self._length, total))
             k = v = None
         seq = self._seq_call(s, 0 if k is None else n, total, call["mask"])
         out, lse = plan.run(q, k, v, [seq], call["causal"], call["scale"], call["variant"],

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import cascade
 from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, \
-    grid_groups, mask_words
+    fast_mask, grid_groups, mask_words
 from ._base import CacheBase
 from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
@@ -248,11 +248,10 @@ class PagedKVCache(CacheBase):
         the shared-prefix (cascade) path: its result is the same, computed per sequence. Inside
         a vkattn.Graph capture the call is recorded (token_ids not taken there).
         """
-        if (causal is True and (scale is None or type(scale) is float) and mask is None and alibi_slopes is None
-                and (return_lse is False or (return_lse is True and out is None)) and rope_q is False
-                and lse is None):
+        if (type(causal) is bool and (scale is None or type(scale) is float) and type(rope_q) is bool
+                and lse is None and (return_lse is False or (return_lse is True and out is None))):
             fast = self._fast_forward(seq_ids, q, k, v, n_new, scale, out, window, n_sink, softcap, return_lse,
-                                      token_ids)
+                                      token_ids, causal, mask, alibi_slopes, rope_q)
             if fast is not None:
                 return fast
         with self._lock:
@@ -316,18 +315,25 @@ class PagedKVCache(CacheBase):
             return (out, lse) if return_lse else out
 
     def _fast_forward(self, seq_ids, q, k, v, n_new, scale=None, out=None, window=None, n_sink=0, softcap=None,
-                      return_lse=False, token_ids=None):
+                      return_lse=False, token_ids=None, causal=True, mask=None, alibi=None, rope_q=False):
         """forward() of the common batch call -- numpy float32 q, k, v (any strides) (or
-        DeviceArrays of this device with ``out`` one too), causal, no ALiBi or mask (a window,
-        sinks, softcap and token ids are fine), K rotated by the cache's RoPE or not (q not), every
-        sequence's new rows (at most FUSED_APPEND_MAX_ROWS) fused into the attention dispatch or,
-        where _split says so, appended first in the same submission, no shared prefix to attend by
-        cascade, nothing asked but the output (and lse, for numpy calls) -- with the same checks
-        in fewer steps (as KVCache's: shapes compared as tuples, numpy values by one dot product
-        each) and the aux block written by AttnPlan.fill_batch. Bad sequence ids, counts or
-        variants raise here as in the general path (nothing changed); None where anything else
-        does not hold: the general path decides, and raises the precise error."""
+        DeviceArrays of this device with ``out`` one too), causal or not, any score variant, a
+        list of numpy masks (no DeviceArray: its copy program is the general path's), token ids,
+        K rotated by the cache's RoPE or not (q too with ``rope_q``), every sequence's new rows
+        (at most FUSED_APPEND_MAX_ROWS) fused into the attention dispatch or, where _split says
+        so, appended first in the same submission, no shared prefix to attend by cascade,
+        nothing asked but the output (and lse, for numpy calls) -- with the same checks in fewer
+        steps (as KVCache's: shapes compared as tuples, numpy values by one dot product each, a
+        mask's by one maximum) and the aux block written by AttnPlan.fill_batch. A masked call
+        plans for itself (its aux holds the masks); the others may take the family's last step
+        (a model's layers). Bad sequence ids, counts or variants raise here as in the general
+        path (nothing changed); None where anything else does not hold: the general path
+        decides, and raises the precise error."""
         if type(seq_ids) is not list and type(seq_ids) is not tuple:
+            return None
+        if mask is not None and (type(mask) is not list and type(mask) is not tuple or len(mask) != len(seq_ids)):
+            return None
+        if rope_q and self.rope is None:
             return None
         shapes = self._fast_shapes(q, k, v, out)
         if shapes is None or shapes[1] != shapes[2]:            # every new row is a query row
@@ -339,31 +345,43 @@ class PagedKVCache(CacheBase):
         with self._lock:
             if self._closed or self.device.closed or self.device._graph is not None:
                 return None
-            variant = check_variant(hq, window, n_sink, softcap)
-            flags = F_PAGED | variant.flags(False) | (self.rope.flags(False) if self.rope is not None else 0)
-            plan, step = self._step_plan(seq_ids, n_new, hq, flags, token_ids)  # ids, counts, token ids checked
+            variant = check_variant(hq, window, n_sink, softcap, alibi)
+            flags = F_PAGED | variant.flags(mask is not None) | (self.rope.flags(rope_q) if self.rope is not None else 0)
+            if mask is None:        # ids, counts, token ids checked
+                plan, step = self._step_plan(seq_ids, n_new, hq, flags, token_ids)
+            else:
+                plan, step = self._plan_new(seq_ids, n_new, token_ids), None
             counts = plan.n_new
             most = max(counts)
             if sum(counts) != total or most > FUSED_APPEND_MAX_ROWS \
                     or (out is None and cascade.may_share(self, plan)):
                 return None
+            masks = None
+            if mask is not None:
+                masks = [fast_mask(m, hq, n, p + n) for m, n, p in zip(mask, counts, plan.past)]
+                if any(m is None for m in masks) or len({m.ndim for m in masks}) > 1:
+                    return None
             split = self._split(plan)
-            # appended first: the batch's own plan (the step memo is the fused call's, a model's
-            # layers sharing it), its words computed
-            attn = self._batch_plan(plan, hq, flags, None, True) if split else self._step_attn(plan, step)
+            # appended first, or masked: the batch's own plan (the step memo is the fused call's,
+            # a model's layers sharing it), its words computed
+            attn = self._batch_plan(plan, hq, flags, masks, split) if split or step is None \
+                else self._step_attn(plan, step)
             if attn._check_width:
                 return None
             plan.evict_cached()                     # before the device writes any block it takes
             if not split:
-                attn.fill_batch(q, k, v, plan.past, counts, plan.tables, scale, self.rope, variant, step.words)
-                self._keep_step(step, attn)
+                attn.fill_batch(q, k, v, plan.past, counts, plan.tables, scale, self.rope, variant,
+                                None if step is None else step.words, causal, masks)
+                if step is not None:
+                    self._keep_step(step, attn)
                 if out is not None:
                     rec = attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
                 else:
                     rec = attn.rec if return_lse else attn.out_only()
             else:                                   # one submission with the patched kp
                 first = self._stage_new(plan, k, v)
-                attn.fill_batch(q, None, None, plan.past, counts, plan.tables, scale, self.rope, variant)
+                attn.fill_batch(q, None, None, plan.past, counts, plan.tables, scale, self.rope, variant,
+                                causal=causal, masks=masks)
                 rec = attn.after(first, attn.rec if out is None else attn.bound(q._buf, None, None, out._buf, None)[1])
             rec.run()
             self._last_rec = rec

@@ -201,12 +201,14 @@ def test_graph_replay_with_rope_equals_the_general_path(device, rng, dtype):
     """Two caches sharing one RoPE (a model's layers): the replayed decode step writes only the
     words that follow the length and the rotary rows of the new position (memoised across the
     caches); each step's outputs equal, bit for bit, the general path's call by call.
-    The second layer slides a window with a sink and a softcap (Gemma's alternating layers)."""
+    The second layer slides a window with a sink and a softcap (Gemma's alternating layers), the
+    third adds ALiBi slopes, rotates q and is not causal."""
     hkv, d, hq = 2, 32, 4
-    kw = [{}, dict(window=4, n_sink=1, softcap=20.0)]
+    kw = [{}, dict(window=4, n_sink=1, softcap=20.0),
+          dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32), rope_q=True, causal=False)]
     rope = vkattn.RoPE(base=1000.0)
-    gpu = [vkattn.KVCache(40, hkv, d, dtype=dtype, device=device, rope=rope) for _ in range(2)]
-    cpu = [vkattn.KVCache(40, hkv, d, dtype=dtype, device=device, rope=rope) for _ in range(2)]
+    gpu = [vkattn.KVCache(40, hkv, d, dtype=dtype, device=device, rope=rope) for _ in kw]
+    cpu = [vkattn.KVCache(40, hkv, d, dtype=dtype, device=device, rope=rope) for _ in kw]
     for c in cpu:
         c._fast_call = lambda *a, **kw: None            # the general path, call by call
     for a, b in zip(gpu, cpu):
@@ -231,7 +233,7 @@ def test_graph_replay_with_rope_equals_the_general_path(device, rng, dtype):
         for i, (qq, kk, vv) in enumerate(data):
             want, _ = cpu[i].forward(qq, kk, vv, return_lse=True, **kw[i])
             assert np.array_equal(out[i].host_view(), want), (step, i)
-    assert [c.length for c in gpu] == [c.length for c in cpu] == [15, 15] and g.recordings == 1
+    assert [c.length for c in gpu] == [c.length for c in cpu] == [15] * len(kw) and g.recordings == 1
     for a, b in zip(gpu, cpu):
         for x, y in zip(a.read(), b.read()):
             assert np.array_equal(x, y)
@@ -273,32 +275,35 @@ def test_graph_timestamps_time_each_command_and_change_no_result(device, rng):
         g.close()
 
 
-@pytest.mark.parametrize("dtype", ["float16", "int8"])
-def test_paged_batches_on_device_arrays_equal_the_numpy_path_and_replay(device, rng, dtype):
+@pytest.mark.parametrize("dtype,variant", [("float16", False), ("int8", False), ("float16", True)])
+def test_paged_batches_on_device_arrays_equal_the_numpy_path_and_replay(device, rng, dtype, variant):
+    """A ragged prefill and a batch decode captured once and replayed, on device arrays: bit for
+    bit the numpy path; ``variant``: with ALiBi slopes and not causal."""
     hkv, g, d = 2, 2, 32
     hq = hkv * g
+    kw = dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32), causal=False) if variant else {}
     pools = [vkattn.PagedKVCache(32, 16, hkv, d, dtype=dtype, device=device) for _ in range(2)]
     ids = [[p.add_sequence() for _ in range(3)] for p in pools]
     counts = [5, 40, 1]                                   # a ragged prefill: 40 rows go in first
     n = sum(counts)
     q, k, v = _data(rng, hq, n, d), _data(rng, hkv, n, d), _data(rng, hkv, n, d)
-    want = pools[0].forward(ids[0], q, k, v, n_new=counts)
+    want = pools[0].forward(ids[0], q, k, v, n_new=counts, **kw)
     out = vkattn.empty((hq, n, d), device)
     got = pools[1].forward(ids[1], vkattn.to_device(q, device), vkattn.to_device(k, device),
-                           vkattn.to_device(v, device), n_new=counts, out=out)
+                           vkattn.to_device(v, device), n_new=counts, out=out, **kw)
     assert got is out and np.array_equal(out.numpy(), want)
     # batch decode, captured once and replayed: bit for bit the numpy path each step
     qd, kd, vd, od = (vkattn.empty(s, device) for s in ((hq, 3, d), (hkv, 3, d), (hkv, 3, d), (hq, 3, d)))
     graph = vkattn.Graph(device)
     with graph.capture():
         graph.upload(qd, kd, vd)
-        pools[1].forward(ids[1], qd, kd, vd, out=od)
+        pools[1].forward(ids[1], qd, kd, vd, out=od, **kw)
         graph.download(od)
     for step in range(20):                              # sequence 0 crosses into a new block
         q1, k1, v1 = _data(rng, hq, 3, d), _data(rng, hkv, 3, d), _data(rng, hkv, 3, d)
         qd.host_view()[...], kd.host_view()[...], vd.host_view()[...] = q1, k1, v1
         graph.run()
-        assert np.array_equal(od.host_view(), pools[0].forward(ids[0], q1, k1, v1)), step
+        assert np.array_equal(od.host_view(), pools[0].forward(ids[0], q1, k1, v1, **kw)), step
     assert [pools[1].length(s) for s in ids[1]] == [25, 60, 21] and graph.recordings == 1
     for a, b in zip(pools[0].read(ids[0][1]), pools[1].read(ids[1][1])):
         assert np.array_equal(a, b)

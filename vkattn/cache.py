@@ -339,8 +339,9 @@ class KVCache(CacheBase):
         self._check_graph_call(q, k, v, call)
         s, n = q.shape[1], 0 if k is None else k.shape[1]
         cache = self
-        # no ALiBi or mask (a rotation, window, sinks and softcap are fine): fill_simple
-        simple = call["causal"] and call["mask"] is None and call["variant"].alibi is None
+        # no mask (fill checks a numpy one's width at each replay; a device one's words come from
+        # its copy program): fill_simple
+        simple = call["mask"] is None
 
         class Step:
             def prepare(self):
@@ -356,7 +357,7 @@ class KVCache(CacheBase):
                 fused = 0 if kk is None else n
                 if simple:                  # the rows appended first (or none) counted in the length
                     plan.fill_simple(q, kk, vv, cache._length if fused else total, call["scale"], cache.rope,
-                                     call["variant"])
+                                     call["variant"], call["causal"])
                 copies = []
                 if not simple:
                     seqs = [cache._seq_call(s, fused, total, call["mask"])]

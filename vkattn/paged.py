@@ -403,7 +403,8 @@ class PagedKVCache(CacheBase):
         # the common call's words come from fill_batch (no SeqCall records), the rest from fill;
         # whether the rows are appended first is decided again at each submission (_split: the
         # batch's keys then), as a KVCache step's plans are
-        common = masks is None and call["causal"] and variant.alibi is None
+        # (masks: fill checks a numpy one's width at each replay; a device one's words come from its copy)
+        common = masks is None
 
         class Step:
             plan = step = None
@@ -428,11 +429,11 @@ class PagedKVCache(CacheBase):
                     kk = vv = None
                 if plain:
                     attn.fill_batch(q, kk, vv, plan.past, counts, plan.tables, call["scale"], cache.rope, variant,
-                                    self.step.words)
+                                    self.step.words, call["causal"])
                     cache._keep_step(self.step, attn)
                 elif common:                # appended first: no SeqCall records either
                     attn.fill_batch(q, None, None, plan.past, counts, plan.tables, call["scale"], cache.rope,
-                                    variant)
+                                    variant, causal=call["causal"])
                 copies = []
                 if not common:
                     seqs = _seq_calls(plan, masks, split)

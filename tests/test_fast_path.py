@@ -155,6 +155,32 @@ def test_fast_path_takes_masks_alibi_rope_q_causal_and_attend(device, rng, dtype
         assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_device_array_fast_path_takes_numpy_masks_and_slopes(device, rng, dtype, monkeypatch):
+    """forward(q, k, v, out=) and attend(q, out=) on DeviceArrays with a numpy mask per head,
+    ALiBi slopes and rope_q: the fast path, bit for bit the general path's numpy results."""
+    fast, general = (vkattn.KVCache(64, 2, 32, dtype=dtype, device=device, rope=vkattn.RoPE(base=100.0))
+                     for _ in range(2))
+    general._fast_call = lambda *a, **kw: None
+    calls = []
+    real_fast = vkattn.KVCache._fast_call
+    monkeypatch.setattr(vkattn.KVCache, "_fast_call", lambda self, *a: calls.append(real_fast(self, *a)) or calls[-1])
+    slopes = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
+    for step, (n, s) in enumerate([(5, 5), (1, 1), (1, 1), (0, 1), (3, 3), (1, 1)]):
+        q, k, v = _call(rng, 4, 2, s, max(n, 1), 32)
+        kw = dict(mask=_mask(rng, 4, s, fast.length + n), alibi_slopes=slopes, rope_q=True)
+        out = vkattn.empty((4, s, 32), device)
+        calls.clear()
+        if n:
+            got = fast.forward(*(vkattn.to_device(x, device) for x in (q, k, v)), out=out, **kw)
+            want = general.forward(q, k, v, **kw)
+        else:
+            got, want = fast.attend(vkattn.to_device(q, device), out=out, **kw), general.attend(q, **kw)
+        assert calls and calls[0] is out and got is out, step
+        assert np.array_equal(out.numpy(), want), step
+    assert fast.length == general.length == 11
+
+
 def test_fast_path_masks_and_slopes_keep_every_check(device, rng):
     """The checks of a mask and of ALiBi slopes on the fast path's calls raise the general path's
     errors, and nothing changes."""

@@ -438,6 +438,8 @@ def test_paged_fast_path_keeps_every_check(device, rng):
         cache.forward([a, b], q, k, v, window=0)
     with pytest.raises(TypeError, match="softcap"):
         cache.forward([a, b], q, k, v, softcap="big")
+    with pytest.raises(ValueError, match="distinct"):      # the ids first, as the general path checks them
+        cache.forward([a, a], q, k, v, window=0)
     assert cache.lengths() == {a: 0, b: 0}
     q1, k1, v1 = _batch(rng, 2, 1, [1], 16)
     for _ in range(8):                                  # two blocks for a, and one for b after

@@ -326,7 +326,7 @@ class PagedKVCache(CacheBase):
         steps (as KVCache's: shapes compared as tuples, numpy values by one dot product each, a
         mask's by one maximum) and the aux block written by AttnPlan.fill_batch. A masked call
         plans for itself (its aux holds the masks); the others may take the family's last step
-        (a model's layers). Bad sequence ids, counts or variants raise here as in the general
+        (a model's layers). Bad sequence ids, counts or token ids raise here as in the general
         path (nothing changed); None where anything else does not hold: the general path
         decides, and raises the precise error."""
         if type(seq_ids) is not list and type(seq_ids) is not tuple:
@@ -345,7 +345,10 @@ class PagedKVCache(CacheBase):
         with self._lock:
             if self._closed or self.device.closed or self.device._graph is not None:
                 return None
-            variant = check_variant(hq, window, n_sink, softcap, alibi)
+            try:
+                variant = check_variant(hq, window, n_sink, softcap, alibi)
+            except (TypeError, ValueError):
+                return None         # the general path raises it, or an error it checks first (the ids')
             flags = F_PAGED | variant.flags(mask is not None) | (self.rope.flags(rope_q) if self.rope is not None else 0)
             if mask is None:        # ids, counts, token ids checked
                 plan, step = self._step_plan(seq_ids, n_new, hq, flags, token_ids)

@@ -97,6 +97,13 @@ def test_fast_path_keeps_every_check(device, rng):
     assert np.isfinite(out).all() and big.length == 1
 
 
+# the calls the fast paths took from the general one in session 35 (mask: its dims; alibi: slopes)
+MASKED = [("float32", "none", dict(mask=2)), ("float16", "neox", dict(mask=3)), ("int8", "none", dict(alibi=True)),
+          ("float16", "gptj partial", dict(rope_q=True, alibi=True)), ("bfloat16", "none", dict(causal=False, mask=2)),
+          ("float16", "neox", dict(causal=False, window=3, n_sink=1)),
+          ("q4", "none", dict(mask=2, alibi=True, softcap=5.0))]
+
+
 def _mask(rng, heads, s, total, dtype=np.float32):
     """An additive mask of finite values and -inf (every row keeps its last key)."""
     m = rng.standard_normal((heads, s, total) if heads else (s, total)).astype(dtype)
@@ -104,12 +111,7 @@ def _mask(rng, heads, s, total, dtype=np.float32):
     return m
 
 
-@pytest.mark.parametrize("dtype,rope,variant", [("float32", "none", dict(mask=2)), ("float16", "neox", dict(mask=3)),
-                                                ("int8", "none", dict(alibi=True)),
-                                                ("float16", "gptj partial", dict(rope_q=True, alibi=True)),
-                                                ("float32", "none", dict(causal=False, mask=2)),
-                                                ("bfloat16", "neox", dict(causal=False, window=4, n_sink=1)),
-                                                ("float16", "none", dict(mask=2, alibi=True, softcap=5.0))])
+@pytest.mark.parametrize("dtype,rope,variant", MASKED)
 def test_fast_path_takes_masks_alibi_rope_q_causal_and_attend(device, rng, dtype, rope, variant, monkeypatch):
     """forward() and attend() with a numpy mask (2-D or per head, float64 ones converted), ALiBi
     slopes, rope_q, causal=False: the fast path -- the aux block filled whole only when the
@@ -243,6 +245,21 @@ def test_fast_path_survives_plan_eviction(device, rng):
         np.testing.assert_allclose(got, vkattn.reference.attention(q, ks, vs), atol=2e-6, rtol=2e-5)
 
 
+def _paged_twins(device, dtype, rope, monkeypatch) -> tuple:
+    """(fast, general, fills, ids): two PagedKVCaches of 40 blocks of 4 (2 kv heads, d 40), the
+    second always on the general path, the same 3 sequences in each; ``fills`` gets an entry
+    per AttnPlan.fill (a general-path call)."""
+    fast, general = (vkattn.PagedKVCache(40, 4, 2, 40, dtype=dtype, device=device, rope=ROPES[rope])
+                     for _ in range(2))
+    general._fast_forward = lambda *a, **kw: None          # the twin always takes the general path
+    fills = []
+    real = _attn.AttnPlan.fill
+    monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))
+    ids = [[c.add_sequence() for _ in range(3)] for c in (fast, general)]
+    assert ids[0] == ids[1]
+    return fast, general, fills, ids[0]
+
+
 def _batch(rng, hq, hkv, counts, d):
     return _call(rng, hq, hkv, sum(counts), sum(counts), d)
 
@@ -256,15 +273,7 @@ def test_paged_fast_path_equals_the_general_path(device, rng, dtype, rope, varia
     rows and batch decode, sequences in a changing order; with the cache's RoPE the rotary rows of
     every sequence's positions come from one table (fill_batch) instead of one per sequence; a
     sliding window with sinks and a softcap as well."""
-    fast, general = (vkattn.PagedKVCache(40, 4, 2, 40, dtype=dtype, device=device, rope=ROPES[rope])
-                     for _ in range(2))
-    general._fast_forward = lambda *a, **kw: None          # the twin always takes the general path
-    fills = []
-    real = _attn.AttnPlan.fill
-    monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))
-    ids = [[c.add_sequence() for _ in range(3)] for c in (fast, general)]
-    assert ids[0] == ids[1]
-    ids = ids[0]
+    fast, general, fills, ids = _paged_twins(device, dtype, rope, monkeypatch)
     steps = [([0, 1, 2], [5, 3, 7]), ([0, 1, 2], [1, 1, 1]), ([2, 0, 1], [1, 1, 1]), ([1, 2], [2, 1]),
              ([0, 1, 2], [1, 1, 1]), ([2], [1]), ([0, 1, 2], [3, 1, 2]), ([0, 1, 2], [1, 1, 1])]
     calls = 0
@@ -300,12 +309,7 @@ def test_paged_fast_path_equals_the_general_path(device, rng, dtype, rope, varia
     assert np.array_equal(out.numpy(), general.forward(ids, q, k, v, **variant))
 
 
-@pytest.mark.parametrize("dtype,rope,variant", [("float32", "none", dict(mask=2)), ("float16", "neox", dict(mask=3)),
-                                                ("int8", "none", dict(alibi=True)),
-                                                ("float16", "gptj partial", dict(rope_q=True, alibi=True)),
-                                                ("bfloat16", "none", dict(causal=False, mask=2)),
-                                                ("float16", "neox", dict(causal=False, window=3, n_sink=1)),
-                                                ("q4", "none", dict(mask=2, alibi=True, softcap=5.0))])
+@pytest.mark.parametrize("dtype,rope,variant", MASKED)
 def test_paged_fast_path_takes_masks_alibi_rope_q_and_causal(device, rng, dtype, rope, variant, monkeypatch):
     """PagedKVCache.forward with a list of numpy masks (2-D or per head; a float64 one
     converted), ALiBi slopes, rope_q, causal=False: the fast path (no SeqCall fill), bit for
@@ -314,13 +318,7 @@ def test_paged_fast_path_takes_masks_alibi_rope_q_and_causal(device, rng, dtype,
     sequences and counts) takes the step's plan unless the call is masked."""
     from vkattn import paged
     hq = 6
-    fast, general = (vkattn.PagedKVCache(40, 4, 2, 40, dtype=dtype, device=device, rope=ROPES[rope])
-                     for _ in range(2))
-    general._fast_forward = lambda *a, **kw: None          # the twin always takes the general path
-    fills = []
-    real = _attn.AttnPlan.fill
-    monkeypatch.setattr(_attn.AttnPlan, "fill", lambda self, *a, **kw: fills.append(1) or real(self, *a, **kw))
-    ids = [[c.add_sequence() for _ in range(3)] for c in (fast, general)][0]
+    fast, general, fills, ids = _paged_twins(device, dtype, rope, monkeypatch)
     slopes = np.linspace(0.1, 0.6, hq) if variant.get("alibi") else None          # float64: converted
     mask_dims = variant.get("mask")
     kw = {k: x for k, x in variant.items() if k not in ("mask", "alibi")}

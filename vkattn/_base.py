@@ -35,6 +35,13 @@ def appends_first(device, most_new_rows: int, rows: int, ch: int, matrices: bool
     return most_new_rows > 0 and coopmat_takes(device, rows, ch, matrices)
 
 
+def fast_call_ok(causal, scale, rope_q, return_lse, out, lse) -> bool:
+    """The arguments a fast path takes as they are (anything else: the general path's checks):
+    bool causal and rope_q, a float scale or None, no ``lse=``, lse returned only on numpy."""
+    return (type(causal) is bool and (scale is None or type(scale) is float) and type(rope_q) is bool
+            and lse is None and (return_lse is False or (return_lse is True and out is None)))
+
+
 class CacheBase:
     """Set up by :meth:`_setup`; subclasses say how many rows (``rows_per_head`` positions of every
     kv head) the K and V buffers hold and what ``capacity``/``num_blocks`` is called."""

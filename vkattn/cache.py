@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .checks import check_array, check_bool, check_int, check_scale
-from ._base import CacheBase
+from ._base import CacheBase, fast_call_ok
 from .device import Device
 from . import persist
 from .errors import CacheFullError
@@ -95,8 +95,7 @@ class KVCache(CacheBase):
         mask the caller's own dispatches write -- one as wide as the capacity -- serves every
         replay of a graph.
         """
-        if (type(causal) is bool and (scale is None or type(scale) is float) and type(rope_q) is bool
-                and lse is None and (return_lse is False or (return_lse is True and out is None))):
+        if fast_call_ok(causal, scale, rope_q, return_lse, out, lse):
             fast = self._fast_call(q, None, None, causal, scale, out, window, n_sink, softcap, mask, alibi_slopes,
                                    rope_q, return_lse)
             if fast is not None:
@@ -120,8 +119,7 @@ class KVCache(CacheBase):
         covers the ``length + n`` positions after the append); the ``s`` query rows are the last
         ``s`` positions after the append. All checks run first: on any error the cache is
         unchanged. q, k, v, ``out`` and ``lse`` may be device arrays, as in :meth:`attend`."""
-        if (type(causal) is bool and (scale is None or type(scale) is float) and type(rope_q) is bool
-                and lse is None and (return_lse is False or (return_lse is True and out is None))):
+        if fast_call_ok(causal, scale, rope_q, return_lse, out, lse):
             fast = self._fast_call(q, k, v, causal, scale, out, window, n_sink, softcap, mask, alibi_slopes,
                                    rope_q, return_lse)
             if fast is not None:

@@ -10,7 +10,7 @@ import numpy as np
 from . import cascade
 from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, \
     fast_mask, grid_groups, mask_words
-from ._base import CacheBase
+from ._base import CacheBase, fast_call_ok
 from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
 from . import persist
@@ -248,8 +248,7 @@ class PagedKVCache(CacheBase):
         the shared-prefix (cascade) path: its result is the same, computed per sequence. Inside
         a vkattn.Graph capture the call is recorded (token_ids not taken there).
         """
-        if (type(causal) is bool and (scale is None or type(scale) is float) and type(rope_q) is bool
-                and lse is None and (return_lse is False or (return_lse is True and out is None))):
+        if fast_call_ok(causal, scale, rope_q, return_lse, out, lse):
             fast = self._fast_forward(seq_ids, q, k, v, n_new, scale, out, window, n_sink, softcap, return_lse,
                                       token_ids, causal, mask, alibi_slopes, rope_q)
             if fast is not None:

@@ -6,6 +6,7 @@ The bare round trip is the floor any Vulkan call from Python pays here: one reco
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -87,13 +88,8 @@ def python_us_interleaved(cases: dict, rounds: int, per: int) -> dict:
     """python_us of each ``name: (fn, reset)`` (submissions stubbed out), as interleaved_ms
     times them: ``rounds`` rounds of a block of ``per`` calls of every case in turn (two untimed
     first), so the machine's drift falls on all cases alike; median us per case."""
-    from vkattn import _kp
-    real = _kp.Recording.run, _kp.Recording.submit
-    _kp.Recording.run = _kp.Recording.submit = lambda self: None
-    try:
+    with stubbed_submissions():
         return {name: ms * 1e3 for name, ms in interleaved_ms(cases, rounds, per).items()}
-    finally:
-        _kp.Recording.run, _kp.Recording.submit = real
 
 
 def calls_path(shape: Shape, device) -> list:
@@ -224,23 +220,31 @@ def attend_row(name: str, L: int, shape: Shape, device) -> Row:
                value=t["median_ms"] / bare["median_ms"], verified=ok, extra={"bare_ms": bare["median_ms"]})
 
 
-def python_us(fn, iters: int, reset=None) -> float:
-    """Median microseconds of ``fn`` with every recorded submission replaced by nothing (run, and
-    a graph's submit): the host code around the device (vkattn's Python, numpy, kp's bindings up
-    to the submit); ``reset`` (untimed) runs after each call."""
+@contextmanager
+def stubbed_submissions():
+    """Every recorded submission (run, and a graph's submit) replaced by nothing inside: what is
+    timed is the host code around the device (vkattn's Python, numpy, kp's bindings up to the
+    submit)."""
     from vkattn import _kp
     real = _kp.Recording.run, _kp.Recording.submit
     _kp.Recording.run = _kp.Recording.submit = lambda self: None
     try:
-        times = []
+        yield
+    finally:
+        _kp.Recording.run, _kp.Recording.submit = real
+
+
+def python_us(fn, iters: int, reset=None) -> float:
+    """Median microseconds of ``fn`` with its submissions stubbed out (stubbed_submissions);
+    ``reset`` (untimed) runs after each call."""
+    times = []
+    with stubbed_submissions():
         for _ in range(iters):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
             if reset is not None:
                 reset()
-    finally:
-        _kp.Recording.run, _kp.Recording.submit = real
     return float(np.median(times)) * 1e6
 
 

@@ -97,6 +97,11 @@ class Variant:
         return ((F_WINDOW if self.window is not None else 0) | (F_SOFTCAP if self.softcap else 0) |
                 (F_ALIBI if self.alibi is not None else 0) | (F_MASK if masked else 0))
 
+    def key(self) -> tuple:
+        """The rules as a comparable tuple (the ALiBi slopes by their bytes): what a plan's kept
+        aux block was written for (AttnPlan.fill_simple, fill_batch)."""
+        return self.window, self.n_sink, self.softcap, None if self.alibi is None else self.alibi.tobytes()
+
 
 _PLAIN = Variant()          # no score variant: check_variant's for the plain call, fill_batch's default
 
@@ -548,7 +553,7 @@ class AttnPlan:
         return x.shape[1]
 
     _simple = None                  # the key (counts, scale, flags, variant) of the aux block fill_simple left
-    _batch_head = None              # fill_batch's last (counts, scale, variant, rows, new rows), its offsets
+    _batch_head = None              # fill_batch's last key (counts, scale, variant, rows, causal, ..), its offsets
     batch_words = None              # fill_batch's last per-sequence words (layout, records, tables, rotary rows)
 
     def fill_simple(self, q, k, v, past: int, scale: float, rope: RoPE | None = None,
@@ -563,9 +568,7 @@ class AttnPlan:
         path; a graph's replay, whose q, k, v are DeviceArrays)."""
         s, n = q.shape[1], 0 if k is None else k.shape[1]
         rows = max(s, n)
-        alibi = variant.alibi
-        key = (s, n, scale, rope, causal, variant.window, variant.n_sink, variant.softcap,
-               None if alibi is None else alibi.tobytes(), None if mask is None else mask.ndim)
+        key = (s, n, scale, rope, causal, variant.key(), None if mask is None else mask.ndim)
         if self._simple != key:
             seq = SeqCall(past=past, n_new=n, q_start=0, q_len=s, mask=mask, rope_pos=past + n - rows)
             self.fill(q, k, v, [seq], causal, scale, variant, rope)
@@ -647,10 +650,8 @@ class AttnPlan:
         configuration (its words name the offsets, split count, window and rotary table)."""
         rows, nn = self._put_inputs(q, k, v)
         aux = self.aux.view()
-        alibi = variant.alibi
         per_head = None if masks is None else masks[0].ndim == 3
-        key = (tuple(counts), scale, variant.window, variant.n_sink, variant.softcap,
-               None if alibi is None else alibi.tobytes(), rows, nn, causal, per_head)
+        key = (tuple(counts), scale, variant.key(), rows, nn, causal, per_head)
         if self._batch_head is not None and self._batch_head[0] == key:
             seq_off, tile_off, free = self._batch_head[1]       # header, tiles, slopes in aux as they were
         else:

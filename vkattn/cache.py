@@ -247,16 +247,15 @@ class KVCache(CacheBase):
             # the keys: so may the aux it needs
             bound = self.capacity if s != 1 else decode_key_bound(total, self.capacity)
             flags = variant.flags(mask is not None) | (self.rope.flags(rope_q) if self.rope is not None else 0)
-            if mask is None:
-                mkey = (hq, s, n, bound, flags)
-            else:
-                mkey = (hq, s, n, bound, flags, aux_bucket(AttnPlan.aux_need(1, row_bucket(s), hq, 0, mask.size)))
+            words = None if mask is None else AttnPlan.aux_need(1, row_bucket(s), hq, 0, mask.size)
+            mkey = (hq, s, n, bound, flags) if words is None else (hq, s, n, bound, flags, aux_bucket(words))
             memo = self._fast_plans
             if memo is None:
                 memo = self._fast_plans = {}
             hit = memo.get(mkey, 0)
             if hit == 0:
-                words = AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0 if mask is None else mask.size)
+                if words is None:
+                    words = AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0)
                 append, plan = self._forward_plans(hq, s, n, flags, words, total)
                 hit = None
                 if not plan._check_width:

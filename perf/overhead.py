@@ -92,11 +92,17 @@ def python_us_interleaved(cases: dict, rounds: int, per: int) -> dict:
         return {name: ms * 1e3 for name, ms in interleaved_ms(cases, rounds, per).items()}
 
 
+LOOP = 48      # a paged decode loop's calls between two truncates (calls_path, paged_path)
+
+
 def calls_path(shape: Shape, device) -> list:
     """vkattn's Python per call (submissions stubbed out, us) of each kind of numpy call at
     length L (VKATTN_PERF_OVERHEAD_CONTEXT, 16) -- KVCache decode forward plain, with a mask
     (hq, 1, L + 1), ALiBi slopes, a window with sinks and a softcap, not causal, with lse; attend;
-    append; PagedKVCache batch decode of one sequence -- timed interleaved (issue 30's budget: 40
+    append; PagedKVCache batch decode of one sequence, truncated back to L after each call (so
+    each takes a block, L being a multiple of 16, on a pool changed since its last call) and in
+    a decode loop (the sequence grows from L for LOOP calls, then is truncated untimed: the calls
+    an engine's steps make) -- timed interleaved (issue 30's budget: 40
     us a numpy call); each call's result checked against the reference first. Rows: python us;
     vkattn ms: the wall ms of the same call, its submission run; numpy ms: the reference's plain
     decode, for scale."""
@@ -111,6 +117,9 @@ def calls_path(shape: Shape, device) -> list:
     pool = vkattn.PagedKVCache(-(-(L + 8) // 16) + 1, 16, hkv, d, dv, dtype=shape.dtype, device=device)
     sid = pool.add_sequence()
     pool.append([sid], k0, v0, n_new=[L])
+    loop = vkattn.PagedKVCache(-(-(L + LOOP) // 16) + 1, 16, hkv, d, dv, dtype=shape.dtype, device=device)
+    lid = loop.add_sequence()
+    loop.append([lid], k0, v0, n_new=[L])
     q = rng.standard_normal((hq, 1, d), dtype=np.float32)
     k = rng.standard_normal((hkv, 1, d), dtype=np.float32)
     v = rng.standard_normal((hkv, 1, dv), dtype=np.float32)
@@ -123,8 +132,10 @@ def calls_path(shape: Shape, device) -> list:
     calls["attend"] = lambda: cache.attend(q)
     calls["append"] = lambda: cache.append(k, v)
     calls["paged forward, B=1"] = lambda: pool.forward([sid], q, k, v)
+    calls["paged forward, B=1, decode loop"] = lambda: loop.forward([lid], q, k, v)
     reset = {name: (lambda: pool.truncate(sid, L)) if name.startswith("paged") else
              (lambda: cache.truncate(L)) for name in calls}
+    reset["paged forward, B=1, decode loop"] = lambda: loop.length(lid) >= L + LOOP and loop.truncate(lid, L)
     ok = True
     for name, fn in calls.items():
         got = fn()
@@ -137,7 +148,8 @@ def calls_path(shape: Shape, device) -> list:
         elif name == "attend":
             ok = ok and check(got, attention(q, *cache.read()), shape.dtype)
         elif name.startswith("paged"):
-            ok = ok and check(got, attention(q, *pool.read(sid)), shape.dtype)
+            c, i = (loop, lid) if name.endswith("loop") else (pool, sid)
+            ok = ok and check(got, attention(q, *c.read(i)), shape.dtype)
         reset[name]()
     ks, vs = cache.read()
     tr = time_calls(lambda: attention(q, ks, vs), iters, 5)["median_ms"]     # numpy's plain decode, for scale
@@ -153,6 +165,7 @@ def calls_path(shape: Shape, device) -> list:
                         metric="python us", value=py[name], verified=ok, extra={"python_us": py[name]}))
     cache.close()
     pool.close()
+    loop.close()
     return rows
 
 
@@ -395,8 +408,9 @@ def paged_path(shape: Shape, device) -> list:
     """A batch decode step of PagedKVCache.forward (numpy in and out, one new token for each of
     B sequences at length L: VKATTN_PERF_OVERHEAD_BATCHES, default 1,4,16; blocks of 16) beside
     a bare kp round trip: wall ms, and vkattn's Python per call with the submission stubbed out
-    (the metric, extra ``python_us``; issue 30's budget for a numpy call is 40 us); the same call
-    with each new token's id (prefix caching; its wall time is the plain call's); and a model's
+    (the metric, extra ``python_us``; issue 30's budget for a numpy call is 40 us), each call
+    truncated back to L (a block taken every call) and in a decode loop (LOOP calls from L, then
+    truncated untimed); the same call with each new token's id (prefix caching; its wall time is the plain call's); and a model's
     step of such caches (paged_layers_row)."""
     L = env_int("VKATTN_PERF_OVERHEAD_CONTEXT", 16)
     tag = f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim}"
@@ -406,7 +420,7 @@ def paged_path(shape: Shape, device) -> list:
     bare = bare_round_trip_ms(device, iters, warmup)
     rows = []
     for b in env_int_list("VKATTN_PERF_OVERHEAD_BATCHES", [1, 4, 16]):
-        blocks = b * (-(-(L + 2) // 16) + 1)
+        blocks = b * (-(-(L + LOOP) // 16) + 1)
         cache = vkattn.PagedKVCache(blocks, 16, hkv, d, dv, dtype=shape.dtype, device=device)
         ids = [cache.add_sequence(token_ids=[]) for _ in range(b)]     # they know their token ids
         cache.append(ids, rng.standard_normal((hkv, b * L, d), dtype=np.float32),
@@ -436,6 +450,14 @@ def paged_path(shape: Shape, device) -> list:
                         vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
                         speedup_vs_numpy=tr / t["median_ms"], metric="python us", value=py,
                         verified=ok, extra={"bare_ms": bare["median_ms"], "python_us": py, "batch": b}))
+        py_loop = python_us(lambda: cache.forward(ids, q, k, v), 10 * iters,
+                            reset=lambda: cache.length(ids[0]) >= L + LOOP and reset())
+        print(f"{tag} paged batch decode B={b} from L={L}, a decode loop ({LOOP} calls, then truncated untimed): "
+              f"vkattn's Python {py_loop:.1f} us per call (submission stubbed out)")
+        rows.append(Row(case=f"paged batch decode B={b} L={L}, numpy, decode loop", kernel="overhead", shape=tag,
+                        vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
+                        speedup_vs_numpy=tr / t["median_ms"], metric="python us", value=py_loop,
+                        verified=ok, extra={"python_us": py_loop, "batch": b}))
         toks = [[7] for _ in ids]          # a prefix-caching engine's call: each new token's id
         py_ids = python_us(lambda: cache.forward(ids, q, k, v, token_ids=toks), 10 * iters, reset=reset)
         print(f"{tag} paged batch decode B={b} L={L} with token ids: vkattn's Python {py_ids:.1f} us per call "

@@ -605,3 +605,36 @@ def test_paged_fast_path_takes_token_ids(device, rng, monkeypatch):
     np_ids = [np.array([7]), [np.int64(8)]]             # numpy ids: the general check's conversion
     fast.forward(ids, q, k, v, token_ids=np_ids)
     assert fast.token_ids(1)[-1] == 8 and type(fast.token_ids(1)[-1]) is int
+
+
+def test_paged_decode_loop_replans_where_its_attention_plan_changes(device, rng, monkeypatch):
+    """A decode loop takes its last step on (_Step.following) and keeps that step's attention
+    plan only while the plan's key would be the same: across the decode key bound (4096 keys:
+    more splits) and across an aux bucket (block tables past 256 words, blocks of 1) it plans
+    anew -- each call's output bit for bit the general path's, every call after the first a
+    continuation."""
+    from vkattn import paged
+    taken = []
+    real = paged._Step.following
+    monkeypatch.setattr(paged._Step, "following",
+                        lambda self, *a: taken.append(real(self, *a)) or taken[-1])
+    for blocks, bs, start, steps in ((80, 64, 4093, 6), (300, 1, 200, 10)):
+        fast, general = (vkattn.PagedKVCache(blocks, bs, 2, 16, dtype="float16", device=device) for _ in range(2))
+        general._fast_forward = lambda *a, **kw: None
+        k, v = rng.standard_normal((2, 2, start, 16), dtype=np.float32)
+        for c in (fast, general):
+            c.add_sequence()
+            c.append([0], k, v, n_new=[start])
+        keys, words = set(), set()
+        taken.clear()
+        for i in range(steps):
+            q, k, v = _batch(rng, 4, 2, [1], 16)
+            got = fast.forward([0], q, k, v)
+            assert np.array_equal(got, general.forward([0], q, k, v)), (bs, i)
+            step = fast._next[0]
+            keys.add(step.key[7])                   # the decode key bound
+            words.add(step.key[6])                  # the aux bucket
+        assert len(taken) == steps - 1 and all(taken), (bs, taken)
+        assert len(keys if bs == 64 else words) == 2, (bs, keys, words)
+        fast.close()
+        general.close()

@@ -142,3 +142,76 @@ def test_paged_fast_path_equals_the_general_path_on_random_calls(device, seed):
                     assert np.array_equal(a, b), (seed, it, sid)
         fast.close()
         general.close()
+
+
+@pytest.mark.parametrize("seed", [31, 32])
+def test_paged_decode_loops_take_the_last_step_on_and_equal_the_general_path(device, seed, monkeypatch):
+    """Decode loops -- the same sequences and counts call after call, as an engine's step does --
+    with the pool changed between some calls (truncate, fork, remove, new token ids, another
+    batch): the fast path takes its last step on (_Step.following) where nothing changed the
+    pool, blocks taken at the boundaries too, and matches the general path bit for bit: results,
+    errors, lengths, block tables (the same blocks picked), token ids and stored rows."""
+    from vkattn import paged
+    taken = []
+    real = paged._Step.following
+
+    def spy(self, *a):
+        step = real(self, *a)
+        if step is not None:
+            taken.append(sum(map(len, step.plan.new_blocks)))
+        return step
+    monkeypatch.setattr(paged._Step, "following", spy)
+    draw = _Draw(seed)
+    for it in range(10):
+        dtype, rope = draw.pick("float32", "float16", "int8", "q4"), draw.pick(ROPE, None)
+        fast, general = (vkattn.PagedKVCache(40, 4, HKV, D, dtype=dtype, device=device, rope=rope)
+                         for _ in range(2))
+        general._fast_forward = lambda *a, **kw: None
+        caches = (fast, general)
+        ids = [fast.add_sequence(token_ids=[]) for _ in range(3)]
+        assert ids == [general.add_sequence(token_ids=[]) for _ in range(3)]
+        seqs, counts = draw.r.sample(ids, draw.pick(1, 2, 3)), None
+        hq = draw.pick(4, 2)
+        kw = {k: v for k, v in draw.variant(hq).items() if k != "return_lse"}
+        for step in range(24):
+            if draw.chance(0.12):           # the pool changed between two calls
+                what, sid = draw.pick("truncate", "fork", "remove", "tokens"), draw.r.choice(ids)
+                if what == "truncate" and fast.length(sid):
+                    n = draw.r.randrange(fast.length(sid))
+                    for c in caches:
+                        c.truncate(sid, n)
+                elif what == "fork":
+                    assert len({c.fork(sid) for c in caches}) == 1
+                elif what == "remove" and len(ids) > 1:
+                    for c in caches:
+                        c.remove_sequence(sid)
+                    ids.remove(sid)
+                    seqs = [s for s in seqs if s != sid] or [ids[0]]
+                elif what == "tokens" and fast.length(sid):
+                    known = fast.token_ids(sid)
+                    for c in caches:
+                        c.set_token_ids(sid, known + list(range(fast.length(sid) - len(known))))
+            if counts is None or draw.chance(0.1):      # another batch
+                seqs = draw.r.sample(ids, min(len(ids), draw.pick(1, 2, 3)))
+                counts = [draw.pick(1, 1, 1, 2) for _ in seqs]
+            rows = sum(counts)
+            q, k, v = draw.array((hq, rows, D)), draw.array((HKV, rows, D)), draw.array((HKV, rows, D))
+            call = dict(kw, n_new=None if set(counts) == {1} and draw.chance(0.7) else list(counts))
+            if draw.chance(0.3):
+                call["token_ids"] = [[draw.r.randrange(1000) for _ in range(c)] for c in counts]
+            if draw.chance(0.03):
+                call["token_ids"] = [[-1] * c for c in counts]
+            with np.errstate(over="ignore"):
+                got, want = (_outcome(lambda c=c: c.forward(list(seqs), q, k, v, **call)) for c in caches)
+            assert _same(got, want) and fast.lengths() == general.lengths(), \
+                (seed, it, step, dtype, call.keys(), got[0], want[0], got[1:] if got[0] == "error" else "")
+            for sid in ids:
+                assert fast.block_table(sid) == general.block_table(sid), (seed, it, step, sid)
+                assert fast.token_ids(sid) == general.token_ids(sid), (seed, it, step, sid)
+        for sid in ids:
+            if fast.length(sid):
+                for a, b in zip(fast.read(sid), general.read(sid)):
+                    assert np.array_equal(a, b), (seed, it, sid)
+        fast.close()
+        general.close()
+    assert len(taken) >= 50 and any(taken), (len(taken), sum(map(bool, taken)))

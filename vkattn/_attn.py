@@ -633,7 +633,7 @@ class AttnPlan:
 
     def fill_batch(self, q, k, v, past: list, counts: list, tables: list, scale: float,
                    rope: RoPE | None = None, variant: Variant = _PLAIN, words=None, causal: bool = True,
-                   masks: list | None = None) -> int:
+                   masks: list | None = None, prior=None) -> int:
         """fill() of a paged batch's common call, the same words in fewer steps: sequence i has
         ``past[i]`` cached keys and brings ``counts[i]`` new rows (fused: the dispatch stores them;
         or, with k and v None, appended first: the dispatch finds them in the cache) and as many
@@ -647,7 +647,10 @@ class AttnPlan:
         ``batch_words``; ``words``: another plan's ``batch_words`` from a call with the same
         ``past``, ``counts`` and ``tables`` (the caller's to know: vkattn.paged's step memo, a
         model's next layer), copied instead of computed where that plan laid out the same
-        configuration (its words name the offsets, split count, window and rotary table)."""
+        configuration (its words name the offsets, split count, window and rotary table);
+        ``prior``: the ``batch_words`` of a call with the same ``counts`` and ``tables`` but other
+        lengths (vkattn.paged's next step of the same sequences): its block-table words are
+        taken where it laid out the same configuration, the records and rotary rows computed."""
         rows, nn = self._put_inputs(q, k, v)
         aux = self.aux.view()
         per_head = None if masks is None else masks[0].ndim == 3
@@ -662,7 +665,11 @@ class AttnPlan:
         splits, window = self.cfg.splits, variant.window
         layout = (free, splits, window, self.rope_dim, rope if self.rope_dim else None, nn == 0)
         if words is None or words[0] != layout:
-            words = (layout,) + self._batch_words(past, counts, tables, splits, window, free, rope, nn == 0)
+            if prior is not None and prior[0] == layout:
+                words = (layout,) + self._batch_words(past, counts, tables, splits, window, free, rope, nn == 0,
+                                                      prior[2])
+            else:
+                words = (layout,) + self._batch_words(past, counts, tables, splits, window, free, rope, nn == 0)
         _, recs, tabs, rtab = words
         aux[seq_off:tile_off] = recs
         aux[free:free + tabs.size] = tabs
@@ -680,10 +687,12 @@ class AttnPlan:
         self.batch_words = words
         return rows
 
-    def _batch_words(self, past, counts, tables, splits, window, free, rope, first: bool = False) -> tuple:
+    def _batch_words(self, past, counts, tables, splits, window, free, rope, first: bool = False,
+                     tabs=None) -> tuple:
         """fill_batch's per-sequence words: (records, block tables) as uint32 arrays and the
         rotary rows (float32, flattened; None without rotation). ``first``: the new rows were
-        appended first (each record's past counts them, its n_new is 0)."""
+        appended first (each record's past counts them, its n_new is 0). ``tabs``: the block
+        tables' words, known (an earlier call's with these tables): not built again."""
         recs, start, bt, least = array("I"), 0, free, MIN_CHUNK
         put = recs.extend
         for p, n, t in zip(past, counts, tables):
@@ -702,8 +711,9 @@ class AttnPlan:
         if self.rope_dim:                   # rows 0 .. rows - 1: the positions p .. p + n - 1 of each
             positions = past if start == len(past) else [i for p, n in zip(past, counts) for i in range(p, p + n)]
             rtab = rope.table(positions, self.rope_dim).ravel()
-        return (np.frombuffer(recs, np.uint32), np.frombuffer(array("I", chain.from_iterable(tables)), np.uint32),
-                rtab)
+        if tabs is None:
+            tabs = np.frombuffer(array("I", chain.from_iterable(tables)), np.uint32)
+        return np.frombuffer(recs, np.uint32), tabs, rtab
 
     def _put_inputs(self, q, k, v) -> tuple:
         """fill()'s numpy q, k, v into the plan's host copies (device arrays are read where they

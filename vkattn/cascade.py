@@ -52,10 +52,16 @@ MERGE_PARAMS = 3        # merge_lse.comp params header: rows (all heads), R, RB
 def cascade_mode() -> str:
     """VKATTN_CASCADE: "off" (0), "on" (1: any group sharing a block), "auto" (unset or empty);
     anything else is a ValueError naming the variable."""
-    env = os.environ.get("VKATTN_CASCADE", "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"VKATTN_CASCADE={env!r}: expected 0 (off) or 1 (on), or unset (automatic)")
-    return {"": "auto", "0": "off", "1": "on"}[env]
+    env = os.environ.get("VKATTN_CASCADE", "")
+    mode = _MODES.get(env)              # every batch call asks: no strip, no dict made, where it is plain
+    if mode is None:
+        mode = _MODES.get(env.strip())
+        if mode is None:
+            raise ValueError(f"VKATTN_CASCADE={env.strip()!r}: expected 0 (off) or 1 (on), or unset (automatic)")
+    return mode
+
+
+_MODES = {"": "auto", "0": "off", "1": "on"}
 
 
 @dataclass(frozen=True)

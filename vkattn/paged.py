@@ -17,7 +17,7 @@ from . import persist
 from .device import Device
 from .errors import CacheFullError
 from .array import DeviceArray
-from .paging import _INT, BlockPool, UnknownSequenceError, _slots_of
+from .paging import _INT, AppendPlan, BlockPool, UnknownSequenceError, _slots_of
 from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, decode_key_bound, kernel_for, own_splits, row_bucket
 
 
@@ -79,6 +79,7 @@ class PagedKVCache(CacheBase):
         family = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.v_head_dim,
                   self.dtype, self.rope)
         self._steps = _STEPS.setdefault(self.device, {}).setdefault(family, [None])    # [the family's last]
+        self._next = None           # (this cache's last fast _Step, its pool's version after it): _step_plan
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -373,7 +374,8 @@ class PagedKVCache(CacheBase):
             plan.evict_cached()                     # before the device writes any block it takes
             if not split:
                 attn.fill_batch(q, k, v, plan.past, counts, plan.tables, scale, self.rope, variant,
-                                None if step is None else step.words, causal, masks)
+                                None if step is None else step.words, causal, masks,
+                                None if step is None else step.prior)
                 if step is not None:
                     self._keep_step(step, attn)
                 if out is not None:
@@ -388,6 +390,8 @@ class PagedKVCache(CacheBase):
             rec.run()
             self._last_rec = rec
             plan.commit()
+            # the next call of the same sequences takes this one's plan a step on (_Step.following)
+            self._next = None if step is None else (step, self._pool._version)
             if out is not None:
                 return out
             if return_lse:                  # numpy only: out and lse copied back
@@ -574,15 +578,22 @@ class PagedKVCache(CacheBase):
 
     def _step_plan(self, seq_ids, n_new, hq: int, flags: int, token_ids=None) -> tuple:
         """(AppendPlan, _Step) of a batch call that fill_batch fills: the family's last step where
-        it applies to this pool (fill_batch copies its words), else planned here (a new _Step
-        without words); ids, counts and token ids checked as _plan_new checks them. Then
-        _step_attn, and after fill_batch, _keep_step."""
+        it applies to this pool (fill_batch copies its words; a model's later layers), else this
+        cache's last fast step moved on by its counts where nothing has changed the pool since
+        (_Step.following; a decode loop: fill_batch computes the records, the block tables are
+        the last step's), else planned here (a new _Step without words); ids, counts and token
+        ids checked as _plan_new checks them. Then _step_attn, and after fill_batch, _keep_step."""
         step = self._steps[0]
         plan = None if step is None else step.plan_for(self._pool, seq_ids, n_new, hq, flags, token_ids)
-        if plan is None:
-            plan = self._plan_new(seq_ids, n_new, token_ids)
-            step = _Step(plan, hq, flags)       # its attention plan's key: at _step_attn; words: at _keep_step
-        return plan, step
+        if plan is not None:
+            return plan, step
+        last = self._next               # this cache's last step, where nothing has changed the pool since
+        if last is not None and last[1] == self._pool._version:
+            step = last[0].following(self._pool, seq_ids, n_new, hq, flags, token_ids, self.slots)
+            if step is not None:
+                return step.plan, step
+        plan = self._plan_new(seq_ids, n_new, token_ids)
+        return plan, _Step(plan, hq, flags)     # its attention plan's key: at _step_attn; words: at _keep_step
 
     def _step_attn(self, plan, step) -> AttnPlan:
         """The AttnPlan of a _step_plan (built here on a miss of the LRU)."""
@@ -680,11 +691,12 @@ class _Step:
     them again: the same words, compared, not assumed. ``pool``: the id of the pool that used it
     last (its state has moved on: no match there). It keeps no pool or cache alive."""
 
-    __slots__ = ("ids", "hq", "flags", "before", "picks", "plan", "key", "args", "words", "pool")
+    __slots__ = ("ids", "hq", "flags", "before", "picks", "plan", "key", "args", "words", "pool", "prior")
 
     def __init__(self, plan, hq, flags):
         self.plan, self.hq, self.flags = plan, hq, flags
         self.ids = self.before = self.picks = self.words = self.pool = self.key = self.args = None  # ids..: at the first test
+        self.prior = None           # following: the step before's words, where the tables are the same
 
     def plan_for(self, pool, seq_ids, n_new, hq, flags, token_ids=None):
         """This step's AppendPlan, made current for ``pool``, where the call (its token ids too:
@@ -727,6 +739,58 @@ class _Step:
         if self.picks and pool._picks(len(self.picks)) != self.picks:
             return None
         return self.plan._rebased(pool)
+
+
+    def following(self, pool, seq_ids, n_new, hq, flags, token_ids, slots: int):
+        """The step of the call after this one on the pool that ran it, where nothing has changed
+        that pool since (the caller compared its version, so its lengths and tables are this
+        step's plan's after commit): the same sequences (plain ints), counts (n_new None: this
+        step's were all 1) and flags, any token ids (checked as plan_append checks them). Its
+        AppendPlan is this one's with each length moved on by its count, the blocks it needs
+        picked as plan_append picks them; its attention plan's key this one's where the tables
+        and the decode key bound (``slots``: the pool's) are unchanged. A new _Step, words not
+        yet written; None where any of that fails or the blocks do not fit: the caller plans
+        (and raises what plan_append raises)."""
+        if hq != self.hq or flags != self.flags:
+            return None
+        prev = self.plan
+        counts, ids = prev.n_new, prev.seq_ids
+        if type(seq_ids) is list:
+            if seq_ids != ids:
+                return None
+        elif type(seq_ids) is not tuple or list(seq_ids) != ids:
+            return None
+        if set(map(type, seq_ids)) != _INT:
+            return None
+        if n_new is None:
+            if counts.count(1) != len(counts):
+                return None
+        elif type(n_new) is not list and type(n_new) is not tuple or list(n_new) != counts \
+                or set(map(type, n_new)) != _INT:
+            return None
+        tokens = pool._check_plan_tokens(token_ids, counts)
+        bs, tables = pool._block_size, prev.tables
+        past = list(map(add, prev.past, counts))
+        need = [(p + n + bs - 1) // bs - len(t) for p, n, t in zip(past, counts, tables)]
+        total = sum(need)
+        if total:                           # plan_append's picks, in its order
+            if total > pool.free_blocks:
+                return None
+            picks, at, new_blocks, tables = pool._picks(total), 0, [], []
+            for t, k in zip(prev.tables, need):
+                new_blocks.append(picks[at:at + k])
+                tables.append(t + picks[at:at + k])
+                at += k
+        else:
+            new_blocks = [[] for _ in ids]
+        step = _Step(AppendPlan._of(ids, past, counts, tables, new_blocks, tokens, pool), hq, flags)
+        if not total:
+            step.prior = self.words
+        key = self.key
+        if not total and key is not None and (key[7] == slots or sum(counts) != len(counts)
+                                              or decode_key_bound(max(map(add, past, counts)), slots) == key[7]):
+            step.key, step.args = key, self.args       # _batch_plan_args: the same (its bound at index 7)
+        return step
 
 
 _LIST_OR_NONE = {list, type(None)}

@@ -276,9 +276,14 @@ def test_graph_timestamps_time_each_command_and_change_no_result(device, rng):
 
 
 @pytest.mark.parametrize("dtype,variant", [("float16", False), ("int8", False), ("float16", True)])
-def test_paged_batches_on_device_arrays_equal_the_numpy_path_and_replay(device, rng, dtype, variant):
+def test_paged_batches_on_device_arrays_equal_the_numpy_path_and_replay(device, rng, dtype, variant, monkeypatch):
     """A ragged prefill and a batch decode captured once and replayed, on device arrays: bit for
-    bit the numpy path; ``variant``: with ALiBi slopes and not causal."""
+    bit the numpy path; ``variant``: with ALiBi slopes and not causal. Each step after the
+    first takes the one before it on (vkattn.paged._Step.following), new blocks included."""
+    from vkattn import paged
+    taken = []
+    real = paged._Step.following
+    monkeypatch.setattr(paged._Step, "following", lambda self, *a: taken.append(real(self, *a)) or taken[-1])
     hkv, g, d = 2, 2, 32
     hq = hkv * g
     kw = dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32), causal=False) if variant else {}
@@ -305,6 +310,9 @@ def test_paged_batches_on_device_arrays_equal_the_numpy_path_and_replay(device, 
         graph.run()
         assert np.array_equal(od.host_view(), pools[0].forward(ids[0], q1, k1, v1, **kw)), step
     assert [pools[1].length(s) for s in ids[1]] == [25, 60, 21] and graph.recordings == 1
+    # each step after the first: one twin takes the step before it on, the other takes that
+    # twin's (the family's, _Step.plan_for: their pools agree)
+    assert len(taken) == 19 and all(taken), [t is not None for t in taken]
     for a, b in zip(pools[0].read(ids[0][1]), pools[1].read(ids[1][1])):
         assert np.array_equal(a, b)
 

@@ -414,6 +414,7 @@ class PagedKVCache(CacheBase):
 
         class Step:
             plan = step = None
+            plain = False
 
             def prepare(self):
                 cache._check_open()
@@ -423,7 +424,7 @@ class PagedKVCache(CacheBase):
                     plan = cache._plan_new(seq_ids, counts)
                 self.plan = plan
                 split = cache._split(plan)
-                plain = common and not split
+                self.plain = plain = common and not split
                 if plain:
                     attn = cache._step_attn(plan, self.step)
                 else:
@@ -457,6 +458,8 @@ class PagedKVCache(CacheBase):
             def commit(self):
                 self.plan.evict_cached()
                 self.plan.commit()
+                if self.plain:              # the next step (a replay's first layer) takes this one on
+                    cache._next = (self.step, cache._pool._version)
 
         self._graph_step_check(seq_ids)
         self.device._graph.add_cache_call(self, Step())

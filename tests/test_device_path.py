@@ -497,3 +497,24 @@ def test_paged_device_masks_equal_numpy_masks_bit_for_bit(device, rng):
                  vkattn.to_device(wide[2], device)]
         got = pools[1].forward(ids[1], q, k, v, n_new=counts, mask=masks)
         assert np.array_equal(got, want), counts
+
+
+def test_a_graph_whose_array_was_closed_refuses_its_replay(device, rng):
+    """An array a captured call reads or writes, closed before a replay: the replay is a
+    CacheClosedError naming it, nothing is submitted and the cache keeps its length."""
+    hkv, d = 2, 16
+    cache = vkattn.KVCache(40, hkv, d, dtype="float16", device=device)
+    cache.append(_data(rng, hkv, 5, d), _data(rng, hkv, 5, d))
+    arrays = [vkattn.empty(s, device) for s in ((4, 1, d), (hkv, 1, d), (hkv, 1, d), (4, 1, d))]
+    graph = vkattn.Graph(device)
+    with graph.capture():
+        cache.forward(*arrays[:3], out=arrays[3])
+    graph.run()
+    assert cache.length == 6
+    for a in (arrays[3], arrays[0]):
+        a.close()
+        with pytest.raises(vkattn.CacheClosedError, match="DeviceArray is closed"):
+            graph.run()
+        assert cache.length == 6 and graph.submissions == 1
+    graph.close()
+    cache.close()

@@ -388,9 +388,13 @@ class AttnPlan:
         plan, least recently used dropped): a caller that reuses its arrays binds once."""
         key = (q, nk, nv, out, lse)
         hit = self._binds.get(key)
-        if hit is not None and all(b is None or b._t is not None for b in key):
-            self._binds.move_to_end(key)
-            return hit
+        if hit is not None:
+            for b in key:                   # every buffer still allocated (a loop: no generator a call)
+                if b is not None and b._t is None:
+                    break
+            else:
+                self._binds.move_to_end(key)
+                return hit
         if hit is not None:
             self._drop_bind(key)
         c, be = self.c, self.c.device.backend
@@ -577,7 +581,13 @@ class AttnPlan:
         for i, x in enumerate((q, k, v)):
             if type(x) is np.ndarray:    # a DeviceArray is read where it lies (AttnPlan.bound)
                 self._put_input(i, x)
-        kstart, chunk = split_keys(past + n, s, variant.window, self.cfg.splits, 0)
+        if variant.window is None:       # split_keys with key_lo 0, inlined
+            kstart, span = 0, max(past + n, 1)
+            chunk = -(-span // self.cfg.splits)
+            if chunk < MIN_CHUNK:
+                chunk = MIN_CHUNK if span > MIN_CHUNK else span
+        else:
+            kstart, chunk = split_keys(past + n, s, variant.window, self.cfg.splits, 0)
         aux = self.aux.view()
         at = HEADER                      # the one sequence record: past, n_new, .., chunk, bt, kstart, mask
         aux[at] = past

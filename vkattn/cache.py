@@ -360,9 +360,10 @@ class KVCache(CacheBase):
                     seqs = [cache._seq_call(s, fused, total, call["mask"])]
                     plan.fill(q, kk, vv, seqs, call["causal"], call["scale"], call["variant"], cache.rope)
                     copies = plan.mask_programs(seqs)
-                prog, _, up = plan.bound(q.buffer, None if kk is None else kk.buffer,
-                                         None if vv is None else vv.buffer, call["out"].buffer,
-                                         None if call["lse"] is None else call["lse"].buffer)
+                # each array's buffer: DeviceArray.buffer's test of the device is _check_open's
+                # above, so only a closed array takes the property (which raises)
+                prog, _, up = plan.bound(*[None if a is None else a.buffer if a._buf is None else a._buf
+                                           for a in (q, kk, vv, call["out"], call["lse"])])
                 if copies:                  # a device mask: copied into aux after its upload
                     work += [(copies[0], up)] + [(c, []) for c in copies[1:]]
                     up = []

@@ -190,10 +190,16 @@ class Graph:
                 self._handle.wait()
             if be.pending is not None:
                 be.pending.wait()
-            work = []
+            # the cache calls' programs for their lengths now: the recording is kept while they are
+            # the same (the other items are fixed at capture); one program a call, mostly
+            work, progs = [], []
             for kind, item in self._items:
-                work.append(item.prepare() if kind == "cache" else item)
-            progs = [tuple(p for p, _ in w) if kind == "cache" else w for (kind, _), w in zip(self._items, work)]
+                if kind == "cache":
+                    w = item.prepare()
+                    progs.append(w[0][0] if len(w) == 1 else tuple([p for p, _ in w]))
+                    work.append(w)
+                else:
+                    work.append(item)
             if self._rec is None or progs != self._progs:
                 self._destroy_rec()
                 rec = be.recording()

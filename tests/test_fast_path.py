@@ -638,3 +638,35 @@ def test_paged_decode_loop_replans_where_its_attention_plan_changes(device, rng,
         assert len(keys if bs == 64 else words) == 2, (bs, keys, words)
         fast.close()
         general.close()
+
+
+def test_paged_chunked_prefill_then_decode_take_each_step_on(device, rng, monkeypatch):
+    """A chunked prefill (chunks of 32, 32, 17 rows) and then decode steps of two sequences: every
+    call after the first takes the one before it on whatever its counts, each output bit for bit
+    the general path's; a bad count after them is the general path's error, nothing changed."""
+    from vkattn import paged
+    taken = []
+    real = paged._Step.following
+    monkeypatch.setattr(paged._Step, "following", lambda self, *a: taken.append(real(self, *a)) or taken[-1])
+    fast, general = (vkattn.PagedKVCache(40, 16, 2, 16, dtype="float16", device=device) for _ in range(2))
+    general._fast_forward = lambda *a, **kw: None
+    for c in (fast, general):
+        c.add_sequence()
+        c.add_sequence()
+    steps = [[32, 5], [32, 3], (17, 1)] + [None] * 4 + [[1, 2]]
+    for counts in steps:
+        rows = [1, 1] if counts is None else list(counts)
+        q, k, v = _batch(rng, 4, 2, rows, 16)
+        got = fast.forward([0, 1], q, k, v, n_new=counts)
+        assert np.array_equal(got, general.forward([0, 1], q, k, v, n_new=counts)), counts
+    assert len(taken) == len(steps) - 1 and all(taken), [t is not None for t in taken]
+    before = fast.lengths()
+    q, k, v = _batch(rng, 4, 2, [1, 1], 16)
+    for bad, err in (([1, 1.0], TypeError), ([1, 0], ValueError), ([1], ValueError)):
+        with pytest.raises(err) as fe:
+            fast.forward([0, 1], q, k, v, n_new=bad)
+        with pytest.raises(err) as ge:
+            general.forward([0, 1], q, k, v, n_new=bad)
+        assert str(fe.value) == str(ge.value) and fast.lengths() == before, bad
+    fast.close()
+    general.close()

@@ -194,9 +194,14 @@ def test_paged_decode_loops_take_the_last_step_on_and_equal_the_general_path(dev
             if counts is None or draw.chance(0.1):      # another batch
                 seqs = draw.r.sample(ids, min(len(ids), draw.pick(1, 2, 3)))
                 counts = [draw.pick(1, 1, 1, 2) for _ in seqs]
+            elif draw.chance(0.15):                     # the same sequences, other counts (chunks)
+                counts = [draw.pick(1, 2, 3, 5) for _ in seqs]
             rows = sum(counts)
             q, k, v = draw.array((hq, rows, D)), draw.array((HKV, rows, D)), draw.array((HKV, rows, D))
-            call = dict(kw, n_new=None if set(counts) == {1} and draw.chance(0.7) else list(counts))
+            call = dict(kw, n_new=None if set(counts) == {1} and draw.chance(0.7) else
+                        draw.pick(list(counts), tuple(counts)))
+            if draw.chance(0.03):
+                call["n_new"] = draw.pick([0] * len(counts), [1.0] * len(counts), list(counts) + [1])
             if draw.chance(0.3):
                 call["token_ids"] = [[draw.r.randrange(1000) for _ in range(c)] for c in counts]
             if draw.chance(0.03):

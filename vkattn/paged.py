@@ -747,17 +747,18 @@ class _Step:
     def following(self, pool, seq_ids, n_new, hq, flags, token_ids, slots: int):
         """The step of the call after this one on the pool that ran it, where nothing has changed
         that pool since (the caller compared its version, so its lengths and tables are this
-        step's plan's after commit): the same sequences (plain ints), counts (n_new None: this
-        step's were all 1) and flags, any token ids (checked as plan_append checks them). Its
-        AppendPlan is this one's with each length moved on by its count, the blocks it needs
-        picked as plan_append picks them; its attention plan's key this one's where the tables
-        and the decode key bound (``slots``: the pool's) are unchanged. A new _Step, words not
-        yet written; None where any of that fails or the blocks do not fit: the caller plans
-        (and raises what plan_append raises)."""
+        step's plan's after commit): the same sequences (plain ints) and flags, any counts
+        (plain ints >= 1; n_new None: 1 each -- a chunked prefill's chunks, then its decode), any
+        token ids (checked as plan_append checks them). Its AppendPlan is this one's with each
+        length moved on by this one's count, the blocks it needs picked as plan_append picks
+        them; its attention plan's key this one's where the counts, the tables and the decode
+        key bound (``slots``: the pool's) are unchanged. A new _Step, words not yet written;
+        None where any of that fails or the blocks do not fit: the caller plans (and raises what
+        plan_append raises)."""
         if hq != self.hq or flags != self.flags:
             return None
         prev = self.plan
-        counts, ids = prev.n_new, prev.seq_ids
+        last, ids = prev.n_new, prev.seq_ids
         if type(seq_ids) is list:
             if seq_ids != ids:
                 return None
@@ -766,14 +767,16 @@ class _Step:
         if set(map(type, seq_ids)) != _INT:
             return None
         if n_new is None:
-            if counts.count(1) != len(counts):
+            counts = last if last.count(1) == len(last) else [1] * len(ids)
+        elif type(n_new) is list or type(n_new) is tuple:
+            counts = list(n_new)
+            if len(counts) != len(ids) or set(map(type, counts)) != _INT or min(counts) < 1:
                 return None
-        elif type(n_new) is not list and type(n_new) is not tuple or list(n_new) != counts \
-                or set(map(type, n_new)) != _INT:
+        else:
             return None
         tokens = pool._check_plan_tokens(token_ids, counts)
         bs, tables = pool._block_size, prev.tables
-        past = list(map(add, prev.past, counts))
+        past = list(map(add, prev.past, last))
         need = [(p + n + bs - 1) // bs - len(t) for p, n, t in zip(past, counts, tables)]
         total = sum(need)
         if total:                           # plan_append's picks, in its order
@@ -788,10 +791,11 @@ class _Step:
             new_blocks = [[] for _ in ids]
         step = _Step(AppendPlan._of(ids, past, counts, tables, new_blocks, tokens, pool), hq, flags)
         if not total:
-            step.prior = self.words
+            step.prior = self.words     # the same block tables (fill_batch checks the layout)
         key = self.key
-        if not total and key is not None and (key[7] == slots or sum(counts) != len(counts)
-                                              or decode_key_bound(max(map(add, past, counts)), slots) == key[7]):
+        if not total and key is not None and counts == last \
+                and (key[7] == slots or sum(counts) != len(counts)
+                     or decode_key_bound(max(map(add, past, counts)), slots) == key[7]):
             step.key, step.args = key, self.args       # _batch_plan_args: the same (its bound at index 7)
         return step
 

@@ -443,29 +443,23 @@ def paged_path(shape: Shape, device) -> list:
             cache.forward(ids, q, k, v)
             reset()
         t = time_calls(call, iters, warmup)
-        py = python_us(lambda: cache.forward(ids, q, k, v), 10 * iters, reset=reset)
-        print(f"{tag} paged batch decode B={b} L={L}: vkattn's Python {py:.1f} us per call (submission stubbed out), "
-              f"wall {t['median_ms']:.4f} ms, bare round trip {bare['median_ms']:.4f} ms")
-        rows.append(Row(case=f"paged batch decode B={b} L={L}, numpy", kernel="overhead", shape=tag,
-                        vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
-                        speedup_vs_numpy=tr / t["median_ms"], metric="python us", value=py,
-                        verified=ok, extra={"bare_ms": bare["median_ms"], "python_us": py, "batch": b}))
-        py_loop = python_us(lambda: cache.forward(ids, q, k, v), 10 * iters,
-                            reset=lambda: cache.length(ids[0]) >= L + LOOP and reset())
-        print(f"{tag} paged batch decode B={b} from L={L}, a decode loop ({LOOP} calls, then truncated untimed): "
-              f"vkattn's Python {py_loop:.1f} us per call (submission stubbed out)")
-        rows.append(Row(case=f"paged batch decode B={b} L={L}, numpy, decode loop", kernel="overhead", shape=tag,
-                        vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
-                        speedup_vs_numpy=tr / t["median_ms"], metric="python us", value=py_loop,
-                        verified=ok, extra={"python_us": py_loop, "batch": b}))
+
+        def python_row(what: str, fn, reset_fn, **extra) -> float:
+            """vkattn's Python per call of ``fn`` (what: the row's case suffix), printed and kept."""
+            py = python_us(fn, 10 * iters, reset=reset_fn)
+            print(f"{tag} paged batch decode B={b} L={L}{what}: vkattn's Python {py:.1f} us per call "
+                  f"(submission stubbed out), wall {t['median_ms']:.4f} ms, bare round trip {bare['median_ms']:.4f} ms")
+            rows.append(Row(case=f"paged batch decode B={b} L={L}, numpy{what}", kernel="overhead", shape=tag,
+                            vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
+                            speedup_vs_numpy=tr / t["median_ms"], metric="python us", value=py,
+                            verified=ok, extra=dict(extra, python_us=py, batch=b)))
+            return py
+        python_row("", lambda: cache.forward(ids, q, k, v), reset, bare_ms=bare["median_ms"])
+        # a decode loop: LOOP calls from L (each takes the one before it on), then truncated untimed
+        python_row(", decode loop", lambda: cache.forward(ids, q, k, v),
+                   lambda: cache.length(ids[0]) >= L + LOOP and reset())
         toks = [[7] for _ in ids]          # a prefix-caching engine's call: each new token's id
-        py_ids = python_us(lambda: cache.forward(ids, q, k, v, token_ids=toks), 10 * iters, reset=reset)
-        print(f"{tag} paged batch decode B={b} L={L} with token ids: vkattn's Python {py_ids:.1f} us per call "
-              f"(submission stubbed out)")
-        rows.append(Row(case=f"paged batch decode B={b} L={L}, numpy, token ids", kernel="overhead", shape=tag,
-                        vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
-                        speedup_vs_numpy=tr / t["median_ms"], metric="python us", value=py_ids,
-                        verified=ok, extra={"python_us": py_ids, "batch": b}))
+        python_row(", token ids", lambda: cache.forward(ids, q, k, v, token_ids=toks), reset)
         rows.append(paged_layers_row(cache, ids, L, b, shape, tag, iters, rng, tr))
         cache.close()
     return rows

@@ -102,16 +102,35 @@ def test_kvcache_fast_path_equals_the_general_path_on_random_calls(device, seed)
         general.close()
 
 
+def _paged_twins(device, draw, blocks: int, **add) -> tuple:
+    """(fast, general, ids): two PagedKVCaches of ``blocks`` blocks of 4 in a format and RoPE
+    drawn, the second always on the general path, the same 3 sequences in each (``add``: the
+    add_sequence keywords)."""
+    dtype, rope = draw.pick("float32", "float16", "int8", "q4"), draw.pick(ROPE, None)
+    fast, general = (vkattn.PagedKVCache(blocks, 4, HKV, D, dtype=dtype, device=device, rope=rope)
+                     for _ in range(2))
+    general._fast_forward = lambda *a, **kw: None
+    ids = [fast.add_sequence(**add) for _ in range(3)]
+    assert ids == [general.add_sequence(**add) for _ in range(3)]
+    return fast, general, ids
+
+
+def _same_rows_then_close(fast, general, ids, seed, it) -> None:
+    """Every sequence's stored rows equal in both caches, bit for bit; then both closed."""
+    for sid in ids:
+        if fast.length(sid):
+            for a, b in zip(fast.read(sid), general.read(sid)):
+                assert np.array_equal(a, b), (seed, it, sid)
+    fast.close()
+    general.close()
+
+
 @pytest.mark.parametrize("seed", [21, 22])
 def test_paged_fast_path_equals_the_general_path_on_random_calls(device, seed):
     draw = _Draw(seed)
     for it in range(20):
-        dtype, rope = draw.pick("float32", "float16", "int8", "q4"), draw.pick(ROPE, None)
-        fast, general = (vkattn.PagedKVCache(12, 4, HKV, D, dtype=dtype, device=device, rope=rope)
-                         for _ in range(2))
-        general._fast_forward = lambda *a, **kw: None
-        ids = [fast.add_sequence() for _ in range(3)]
-        assert ids == [general.add_sequence() for _ in range(3)]
+        fast, general, ids = _paged_twins(device, draw, 12)
+        dtype = fast.dtype
         for step in range(7):
             seqs = draw.r.sample(ids, draw.pick(1, 2, 3))
             if draw.chance(0.05):
@@ -136,12 +155,7 @@ def test_paged_fast_path_equals_the_general_path_on_random_calls(device, seed):
                 got, want = (_outcome(lambda c=c: c.forward(seqs, q, k, v, **kw)) for c in (fast, general))
             assert _same(got, want) and fast.lengths() == general.lengths(), \
                 (seed, it, step, dtype, kw.keys(), got[0], want[0], got[1:] if got[0] == "error" else "")
-        for sid in ids:
-            if fast.length(sid):
-                for a, b in zip(fast.read(sid), general.read(sid)):
-                    assert np.array_equal(a, b), (seed, it, sid)
-        fast.close()
-        general.close()
+        _same_rows_then_close(fast, general, ids, seed, it)
 
 
 @pytest.mark.parametrize("seed", [31, 32])
@@ -163,13 +177,8 @@ def test_paged_decode_loops_take_the_last_step_on_and_equal_the_general_path(dev
     monkeypatch.setattr(paged._Step, "following", spy)
     draw = _Draw(seed)
     for it in range(10):
-        dtype, rope = draw.pick("float32", "float16", "int8", "q4"), draw.pick(ROPE, None)
-        fast, general = (vkattn.PagedKVCache(40, 4, HKV, D, dtype=dtype, device=device, rope=rope)
-                         for _ in range(2))
-        general._fast_forward = lambda *a, **kw: None
-        caches = (fast, general)
-        ids = [fast.add_sequence(token_ids=[]) for _ in range(3)]
-        assert ids == [general.add_sequence(token_ids=[]) for _ in range(3)]
+        fast, general, ids = _paged_twins(device, draw, 40, token_ids=[])
+        caches, dtype = (fast, general), fast.dtype
         seqs, counts = draw.r.sample(ids, draw.pick(1, 2, 3)), None
         hq = draw.pick(4, 2)
         kw = {k: v for k, v in draw.variant(hq).items() if k != "return_lse"}
@@ -213,10 +222,5 @@ def test_paged_decode_loops_take_the_last_step_on_and_equal_the_general_path(dev
             for sid in ids:
                 assert fast.block_table(sid) == general.block_table(sid), (seed, it, step, sid)
                 assert fast.token_ids(sid) == general.token_ids(sid), (seed, it, step, sid)
-        for sid in ids:
-            if fast.length(sid):
-                for a, b in zip(fast.read(sid), general.read(sid)):
-                    assert np.array_equal(a, b), (seed, it, sid)
-        fast.close()
-        general.close()
+        _same_rows_then_close(fast, general, ids, seed, it)
     assert len(taken) >= 50 and any(taken), (len(taken), sum(map(bool, taken)))

@@ -161,6 +161,13 @@ class DeviceArray:
         return f"DeviceArray(shape={self.shape}, dtype=float32, device={state!r})"
 
 
+def buffers(*arrays) -> list:
+    """Each array's buffer (DeviceArray.buffer; None for None) for a caller that has tested the
+    device already (a graph step, after its cache's _check_open): only a closed array takes the
+    property, which raises; the others cost an attribute read, not a call and two tests."""
+    return [None if a is None else a.buffer if a._buf is None else a._buf for a in arrays]
+
+
 def empty(shape, device: Device | None = None) -> DeviceArray:
     """A DeviceArray of ``shape`` whose contents are unspecified (zeros today)."""
     return DeviceArray(shape, device)

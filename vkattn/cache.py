@@ -10,7 +10,7 @@ from . import persist
 from .errors import CacheFullError
 from .tuning import FUSED_APPEND_MAX_ROWS, decode_key_bound, row_bucket
 from ._attn import AttnPlan, RoPE, SeqCall, aux_bucket, check_mask, check_variant, fast_mask, mask_words
-from .array import DeviceArray
+from .array import DeviceArray, buffers
 
 
 
@@ -360,10 +360,7 @@ class KVCache(CacheBase):
                     seqs = [cache._seq_call(s, fused, total, call["mask"])]
                     plan.fill(q, kk, vv, seqs, call["causal"], call["scale"], call["variant"], cache.rope)
                     copies = plan.mask_programs(seqs)
-                # each array's buffer: DeviceArray.buffer's test of the device is _check_open's
-                # above, so only a closed array takes the property (which raises)
-                prog, _, up = plan.bound(*[None if a is None else a.buffer if a._buf is None else a._buf
-                                           for a in (q, kk, vv, call["out"], call["lse"])])
+                prog, _, up = plan.bound(*buffers(q, kk, vv, call["out"], call["lse"]))  # device tested above
                 if copies:                  # a device mask: copied into aux after its upload
                     work += [(copies[0], up)] + [(c, []) for c in copies[1:]]
                     up = []

@@ -16,7 +16,7 @@ from .compiler import compile_shader
 from . import persist
 from .device import Device
 from .errors import CacheFullError
-from .array import DeviceArray
+from .array import DeviceArray, buffers
 from .paging import _INT, AppendPlan, BlockPool, UnknownSequenceError, _slots_of
 from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, decode_key_bound, kernel_for, own_splits, row_bucket
 
@@ -436,7 +436,7 @@ class PagedKVCache(CacheBase):
                     kk = vv = None
                 if plain:
                     attn.fill_batch(q, kk, vv, plan.past, counts, plan.tables, call["scale"], cache.rope, variant,
-                                    self.step.words, call["causal"])
+                                    self.step.words, call["causal"], prior=self.step.prior)
                     cache._keep_step(self.step, attn)
                 elif common:                # appended first: no SeqCall records either
                     attn.fill_batch(q, None, None, plan.past, counts, plan.tables, call["scale"], cache.rope,
@@ -446,9 +446,7 @@ class PagedKVCache(CacheBase):
                     seqs = _seq_calls(plan, masks, split)
                     attn.fill(q, kk, vv, seqs, call["causal"], call["scale"], variant, cache.rope)
                     copies = attn.mask_programs(seqs)
-                prog, _, up = attn.bound(q.buffer, None if kk is None else kk.buffer,
-                                         None if vv is None else vv.buffer, out.buffer,
-                                         None if lse is None else lse.buffer)
+                prog, _, up = attn.bound(*buffers(q, kk, vv, out, lse))     # the device tested above
                 if copies:                  # device masks: copied into aux after its upload
                     work += [(copies[0], up)] + [(c, []) for c in copies[1:]]
                     up = []

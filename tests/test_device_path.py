@@ -499,22 +499,35 @@ def test_paged_device_masks_equal_numpy_masks_bit_for_bit(device, rng):
         assert np.array_equal(got, want), counts
 
 
-def test_a_graph_whose_array_was_closed_refuses_its_replay(device, rng):
-    """An array a captured call reads or writes, closed before a replay: the replay is a
-    CacheClosedError naming it, nothing is submitted and the cache keeps its length."""
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_graph_whose_array_was_closed_refuses_its_replay(device, rng, paged):
+    """An array a captured call reads or writes, closed before a replay (of a KVCache's call or a
+    PagedKVCache's): the replay is a CacheClosedError naming it, nothing is submitted and the
+    cache keeps its length."""
     hkv, d = 2, 16
-    cache = vkattn.KVCache(40, hkv, d, dtype="float16", device=device)
-    cache.append(_data(rng, hkv, 5, d), _data(rng, hkv, 5, d))
+    k, v = _data(rng, hkv, 5, d), _data(rng, hkv, 5, d)
+    if paged:
+        cache = vkattn.PagedKVCache(8, 4, hkv, d, dtype="float16", device=device)
+        sid = cache.add_sequence()
+        cache.append([sid], k, v, n_new=[5])
+        length = lambda: cache.length(sid)
+    else:
+        cache = vkattn.KVCache(40, hkv, d, dtype="float16", device=device)
+        cache.append(k, v)
+        length = lambda: cache.length
     arrays = [vkattn.empty(s, device) for s in ((4, 1, d), (hkv, 1, d), (hkv, 1, d), (4, 1, d))]
     graph = vkattn.Graph(device)
     with graph.capture():
-        cache.forward(*arrays[:3], out=arrays[3])
+        if paged:
+            cache.forward([sid], *arrays[:3], out=arrays[3])
+        else:
+            cache.forward(*arrays[:3], out=arrays[3])
     graph.run()
-    assert cache.length == 6
+    assert length() == 6
     for a in (arrays[3], arrays[0]):
         a.close()
         with pytest.raises(vkattn.CacheClosedError, match="DeviceArray is closed"):
             graph.run()
-        assert cache.length == 6 and graph.submissions == 1
+        assert length() == 6 and graph.submissions == 1
     graph.close()
     cache.close()

@@ -444,7 +444,7 @@ def paged_path(shape: Shape, device) -> list:
             reset()
         t = time_calls(call, iters, warmup)
 
-        def python_row(what: str, fn, reset_fn, **extra) -> float:
+        def python_row(what: str, fn, reset_fn, **extra) -> None:
             """vkattn's Python per call of ``fn`` (what: the row's case suffix), printed and kept."""
             py = python_us(fn, 10 * iters, reset=reset_fn)
             print(f"{tag} paged batch decode B={b} L={L}{what}: vkattn's Python {py:.1f} us per call "
@@ -453,7 +453,6 @@ def paged_path(shape: Shape, device) -> list:
                             vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr,
                             speedup_vs_numpy=tr / t["median_ms"], metric="python us", value=py,
                             verified=ok, extra=dict(extra, python_us=py, batch=b)))
-            return py
         python_row("", lambda: cache.forward(ids, q, k, v), reset, bare_ms=bare["median_ms"])
         # a decode loop: LOOP calls from L (each takes the one before it on), then truncated untimed
         python_row(", decode loop", lambda: cache.forward(ids, q, k, v),

@@ -609,8 +609,8 @@ def test_paged_fast_path_takes_token_ids(device, rng, monkeypatch):
 
 def test_paged_decode_loop_replans_where_its_attention_plan_changes(device, rng, monkeypatch):
     """A decode loop takes its last step on (_Step.following) and keeps that step's attention
-    plan only while the plan's key would be the same: across the decode key bound (4096 keys:
-    more splits) and across an aux bucket (block tables past 256 words, blocks of 1) it plans
+    plan only while the plan's key would be the same: across the decode key bound (4096 keys,
+    inside a block: more splits) and across an aux bucket (block tables past 256 words, blocks of 1) it plans
     anew -- each call's output bit for bit the general path's, every call after the first a
     continuation."""
     from vkattn import paged
@@ -618,7 +618,7 @@ def test_paged_decode_loop_replans_where_its_attention_plan_changes(device, rng,
     real = paged._Step.following
     monkeypatch.setattr(paged._Step, "following",
                         lambda self, *a: taken.append(real(self, *a)) or taken[-1])
-    for blocks, bs, start, steps in ((80, 64, 4093, 6), (300, 1, 200, 10)):
+    for blocks, bs, start, steps in ((90, 48, 4093, 6), (300, 1, 200, 10)):     # 4096: inside a block of 48
         fast, general = (vkattn.PagedKVCache(blocks, bs, 2, 16, dtype="float16", device=device) for _ in range(2))
         general._fast_forward = lambda *a, **kw: None
         k, v = rng.standard_normal((2, 2, start, 16), dtype=np.float32)
@@ -631,11 +631,11 @@ def test_paged_decode_loop_replans_where_its_attention_plan_changes(device, rng,
             q, k, v = _batch(rng, 4, 2, [1], 16)
             got = fast.forward([0], q, k, v)
             assert np.array_equal(got, general.forward([0], q, k, v)), (bs, i)
-            step = fast._next[0]
+            step = fast._next
             keys.add(step.key[7])                   # the decode key bound
             words.add(step.key[6])                  # the aux bucket
         assert len(taken) == steps - 1 and all(taken), (bs, taken)
-        assert len(keys if bs == 64 else words) == 2, (bs, keys, words)
+        assert len(keys if bs == 48 else words) == 2, (bs, keys, words)
         fast.close()
         general.close()
 
@@ -643,7 +643,8 @@ def test_paged_decode_loop_replans_where_its_attention_plan_changes(device, rng,
 def test_paged_chunked_prefill_then_decode_take_each_step_on(device, rng, monkeypatch):
     """A chunked prefill (chunks of 32, 32, 17 rows) and then decode steps of two sequences: every
     call after the first takes the one before it on whatever its counts, each output bit for bit
-    the general path's; a bad count after them is the general path's error, nothing changed."""
+    the general path's; a bad count after them is the general path's error, nothing changed, and
+    so is a call on a sequence removed since."""
     from vkattn import paged
     taken = []
     real = paged._Step.following
@@ -668,5 +669,12 @@ def test_paged_chunked_prefill_then_decode_take_each_step_on(device, rng, monkey
         with pytest.raises(err) as ge:
             general.forward([0, 1], q, k, v, n_new=bad)
         assert str(fe.value) == str(ge.value) and fast.lengths() == before, bad
+    for c in (fast, general):                          # a sequence gone since the last call
+        c.remove_sequence(1)
+    with pytest.raises(vkattn.UnknownSequenceError) as fe:
+        fast.forward([0, 1], q, k, v)
+    with pytest.raises(vkattn.UnknownSequenceError) as ge:
+        general.forward([0, 1], q, k, v)
+    assert str(fe.value) == str(ge.value)
     fast.close()
     general.close()

@@ -581,13 +581,7 @@ class AttnPlan:
         for i, x in enumerate((q, k, v)):
             if type(x) is np.ndarray:    # a DeviceArray is read where it lies (AttnPlan.bound)
                 self._put_input(i, x)
-        if variant.window is None:       # split_keys with key_lo 0, inlined
-            kstart, span = 0, max(past + n, 1)
-            chunk = -(-span // self.cfg.splits)
-            if chunk < MIN_CHUNK:
-                chunk = MIN_CHUNK if span > MIN_CHUNK else span
-        else:
-            kstart, chunk = split_keys(past + n, s, variant.window, self.cfg.splits, 0)
+        kstart, chunk = split_keys(past + n, s, variant.window, self.cfg.splits, 0)
         aux = self.aux.view()
         at = HEADER                      # the one sequence record: past, n_new, .., chunk, bt, kstart, mask
         aux[at] = past
@@ -675,11 +669,8 @@ class AttnPlan:
         splits, window = self.cfg.splits, variant.window
         layout = (free, splits, window, self.rope_dim, rope if self.rope_dim else None, nn == 0)
         if words is None or words[0] != layout:
-            if prior is not None and prior[0] == layout:
-                words = (layout,) + self._batch_words(past, counts, tables, splits, window, free, rope, nn == 0,
-                                                      prior[2])
-            else:
-                words = (layout,) + self._batch_words(past, counts, tables, splits, window, free, rope, nn == 0)
+            tabs = prior[2] if prior is not None and prior[0] == layout else None
+            words = (layout,) + self._batch_words(past, counts, tables, splits, window, free, rope, nn == 0, tabs)
         _, recs, tabs, rtab = words
         aux[seq_off:tile_off] = recs
         aux[free:free + tabs.size] = tabs

@@ -17,7 +17,7 @@ from . import persist
 from .device import Device
 from .errors import CacheFullError
 from .array import DeviceArray, buffers
-from .paging import _INT, AppendPlan, BlockPool, UnknownSequenceError, _slots_of
+from .paging import _INT, BlockPool, UnknownSequenceError, _slots_of
 from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, decode_key_bound, kernel_for, own_splits, row_bucket
 
 
@@ -79,7 +79,7 @@ class PagedKVCache(CacheBase):
         family = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.v_head_dim,
                   self.dtype, self.rope)
         self._steps = _STEPS.setdefault(self.device, {}).setdefault(family, [None])    # [the family's last]
-        self._next = None           # (this cache's last fast _Step, its pool's version after it): _step_plan
+        self._next = None           # this cache's last fast _Step (_step_plan: _Step.following)
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -390,8 +390,7 @@ class PagedKVCache(CacheBase):
             rec.run()
             self._last_rec = rec
             plan.commit()
-            # the next call of the same sequences takes this one's plan a step on (_Step.following)
-            self._next = None if step is None else (step, self._pool._version)
+            self._next = step               # the next call of the same sequences: _Step.following
             if out is not None:
                 return out
             if return_lse:                  # numpy only: out and lse copied back
@@ -456,8 +455,8 @@ class PagedKVCache(CacheBase):
             def commit(self):
                 self.plan.evict_cached()
                 self.plan.commit()
-                if self.plain:              # the next step (a replay's first layer) takes this one on
-                    cache._next = (self.step, cache._pool._version)
+                if self.plain:              # the next step (a replay's first layer) follows this one
+                    cache._next = self.step
 
         self._graph_step_check(seq_ids)
         self.device._graph.add_cache_call(self, Step())
@@ -579,8 +578,8 @@ class PagedKVCache(CacheBase):
 
     def _step_plan(self, seq_ids, n_new, hq: int, flags: int, token_ids=None) -> tuple:
         """(AppendPlan, _Step) of a batch call that fill_batch fills: the family's last step where
-        it applies to this pool (fill_batch copies its words; a model's later layers), else this
-        cache's last fast step moved on by its counts where nothing has changed the pool since
+        it applies to this pool (fill_batch copies its words; a model's later layers), else the
+        step after this cache's last fast one where the call is on the same sequences
         (_Step.following; a decode loop: fill_batch computes the records, the block tables are
         the last step's), else planned here (a new _Step without words); ids, counts and token
         ids checked as _plan_new checks them. Then _step_attn, and after fill_batch, _keep_step."""
@@ -588,9 +587,9 @@ class PagedKVCache(CacheBase):
         plan = None if step is None else step.plan_for(self._pool, seq_ids, n_new, hq, flags, token_ids)
         if plan is not None:
             return plan, step
-        last = self._next               # this cache's last step, where nothing has changed the pool since
-        if last is not None and last[1] == self._pool._version:
-            step = last[0].following(self._pool, seq_ids, n_new, hq, flags, token_ids, self.slots)
+        last = self._next
+        if last is not None:
+            step = last.following(self._pool, seq_ids, n_new, hq, flags, token_ids, self.slots)
             if step is not None:
                 return step.plan, step
         plan = self._plan_new(seq_ids, n_new, token_ids)
@@ -743,16 +742,16 @@ class _Step:
 
 
     def following(self, pool, seq_ids, n_new, hq, flags, token_ids, slots: int):
-        """The step of the call after this one on the pool that ran it, where nothing has changed
-        that pool since (the caller compared its version, so its lengths and tables are this
-        step's plan's after commit): the same sequences (plain ints) and flags, any counts
-        (plain ints >= 1; n_new None: 1 each -- a chunked prefill's chunks, then its decode), any
-        token ids (checked as plan_append checks them). Its AppendPlan is this one's with each
-        length moved on by this one's count, the blocks it needs picked as plan_append picks
-        them; its attention plan's key this one's where the counts, the tables and the decode
-        key bound (``slots``: the pool's) are unchanged. A new _Step, words not yet written;
-        None where any of that fails or the blocks do not fit: the caller plans (and raises what
-        plan_append raises)."""
+        """The step of a call on ``pool`` -- the one this step's call ran on -- with the same
+        sequences (plain ints, all still there) and flags as this one's, any counts (plain ints
+        >= 1; n_new None: 1 each -- a chunked prefill's chunks, then its decode) and token ids.
+        Planned by the pool's plan_append less the checks this one's call made
+        (BlockPool._plan_checked, from the pool's state now: the token ids checked, the blocks
+        picked, CacheFullError where they do not fit). Where its block tables are this one's (a
+        decode loop, nothing else having changed them), this one's block-table words are kept
+        for fill_batch and, with the same counts and decode key bound (``slots``: the pool's),
+        the attention plan's key. A new _Step, words not yet written; None where the call is
+        not such a one: the caller plans."""
         if hq != self.hq or flags != self.flags:
             return None
         prev = self.plan
@@ -764,6 +763,10 @@ class _Step:
             return None
         if set(map(type, seq_ids)) != _INT:
             return None
+        known = pool._tables
+        for s in ids:
+            if s not in known:          # removed since: the caller raises
+                return None
         if n_new is None:
             counts = last if last.count(1) == len(last) else [1] * len(ids)
         elif type(n_new) is list or type(n_new) is tuple:
@@ -772,28 +775,15 @@ class _Step:
                 return None
         else:
             return None
-        tokens = pool._check_plan_tokens(token_ids, counts)
-        bs, tables = pool._block_size, prev.tables
-        past = list(map(add, prev.past, last))
-        need = [(p + n + bs - 1) // bs - len(t) for p, n, t in zip(past, counts, tables)]
-        total = sum(need)
-        if total:                           # plan_append's picks, in its order
-            if total > pool.free_blocks:
-                return None
-            picks, at, new_blocks, tables = pool._picks(total), 0, [], []
-            for t, k in zip(prev.tables, need):
-                new_blocks.append(picks[at:at + k])
-                tables.append(t + picks[at:at + k])
-                at += k
-        else:
-            new_blocks = [[] for _ in ids]
-        step = _Step(AppendPlan._of(ids, past, counts, tables, new_blocks, tokens, pool), hq, flags)
-        if not total:
-            step.prior = self.words     # the same block tables (fill_batch checks the layout)
+        plan = pool._plan_checked(ids, counts, pool._check_plan_tokens(token_ids, counts))
+        step = _Step(plan, hq, flags)
+        if plan.tables != prev.tables:
+            return step                 # other tables: their words and the plan's key computed anew
+        step.prior = self.words         # fill_batch checks the layout
         key = self.key
-        if not total and key is not None and counts == last \
-                and (key[7] == slots or sum(counts) != len(counts)
-                     or decode_key_bound(max(map(add, past, counts)), slots) == key[7]):
+        if key is not None and counts == last and (key[7] == slots or sum(counts) != len(counts)
+                                                   or decode_key_bound(max(map(add, plan.past, counts)), slots)
+                                                   == key[7]):
             step.key, step.args = key, self.args       # _batch_plan_args: the same (its bound at index 7)
         return step
 

@@ -584,12 +584,17 @@ class BlockPool:
             counts = n_new
         else:
             counts = [check_int(f"n_new[{i}]", n, 0) for i, n in enumerate(n_new)]
-        tokens = self._check_plan_tokens(token_ids, counts)
+        return self._plan_checked(ids, counts, self._check_plan_tokens(token_ids, counts))
 
-        bs, lengths = self._block_size, self._lengths
+    def _plan_checked(self, ids: list, counts: list, tokens: list) -> AppendPlan:
+        """plan_append once its arguments are checked: ``ids`` known, distinct plain ints,
+        ``counts`` plain ints >= 0, ``tokens`` as _check_plan_tokens gives them (vkattn.paged's
+        next step of the same sequences comes here directly). CacheFullError where the blocks do
+        not fit; nothing changes."""
+        bs, lengths, known = self._block_size, self._lengths, self._tables
         need = [(lengths[s] + n + bs - 1) // bs - len(known[s]) for s, n in zip(ids, counts)]
         total = sum(need)
-        if total > self.free_blocks:
+        if total and total > self.free_blocks:
             short = ", ".join(f"{s}: {k}" for s, k in zip(ids, need) if k)
             raise CacheFullError(
                 f"plan_append: the batch needs {total} new blocks, {self._describe_free()}; "

@@ -81,7 +81,10 @@ def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype, loads
     # the device's default layout of linear.comp (CPU drivers: one lane per 8 rows, 8 a workgroup; GPUs: 16 lanes a row)
     kind = "cpu" if device.is_software else "gpu"
     assert (m._wg, m._lanes, m._rows) == DeviceLlama.LAYOUTS[kind]
-    assert (m._prompt_rows, m._tile) == DeviceLlama.PROMPT_LAYOUTS[kind][weight_dtype]
+    rows, tiles = DeviceLlama.PROMPT_LAYOUTS[kind][weight_dtype]
+    assert (m._prompt_rows, m._tiles) == (rows, tiles if isinstance(tiles, tuple) else (tiles,))
+    if kind == "cpu":           # the prompts below take both tiles: 9 tokens one of 16, 37 five of 8
+        assert m._tiles == (8, 16) and [m.prompt_tile_for(t) for t in (9, 37)] == [16, 8]
     try:
         for prompt, new in (([5, 17, 250, 3, 99, 42, 7, 300, 0], 20), ([11], 6), (list(range(40, 77)), 12)):
             got, got_logits = m.generate(prompt, new, return_logits=True)
@@ -273,54 +276,72 @@ def test_each_token_is_one_submission_and_only_the_token_id_comes_back(device, s
 
 
 def test_a_prompt_of_the_last_length_replays_its_graph(device, small):
-    """A prompt as long as the last one replays the last prompt's graph with its own ids (no
-    recording, no allocation); its tokens are eager's all the same. Another length, or logits
-    asked for where they were not, records a graph of its own."""
+    """A prompt as long as the last one of its tile replays that prompt's graph with its own ids
+    (no recording, no allocation); its tokens are eager's all the same. Another length, or
+    logits asked for where they were not, records a graph of its own; the last prompt of another
+    tile keeps its graph."""
     cfg, sd = small
     eager = eager_model(cfg, sd)
     m = DeviceLlama(cfg, sd, capacity=40, device=device)
     a, b = [5, 17, 250, 3, 99, 42, 7], [8, 1, 60, 2, 77, 13, 300]
+    tile = m.prompt_tile_for(len(a))
     try:
         got_a = m.generate(a, 6)
-        g = m._prompt_graph
+        g = m._prompts[tile].graph
         got_b = m.generate(b, 6)
-        assert m._prompt_graph is g and g.recordings == 1 and g.submissions == 2
+        assert m._prompts[tile].graph is g and g.recordings == 1 and g.submissions == 2
         assert got_a == eager_generate(eager, a, 6)[0] and got_b == eager_generate(eager, b, 6)[0]
         assert got_a != got_b                       # the replay read b's ids, not a's
         assert m.generate(a, 6) == got_a and g.submissions == 3
         _, logits = m.generate(b, 2, return_logits=True)       # logits downloaded: a graph of its own
-        assert m._prompt_graph is not g and logits.shape == (2, cfg.vocab_size)
+        assert m._prompts[tile].graph is not g and logits.shape == (2, cfg.vocab_size)
         assert m.generate(a[:4], 3) == eager_generate(eager, a[:4], 3)[0]
         assert m.prompt_submissions == 5
+        if len(m._tiles) > 1:                       # a prompt of the other tile keeps this one's graph
+            longer = [(7 * i) % 300 for i in range(1, 12)]
+            assert m.prompt_tile_for(len(longer)) != m.prompt_tile_for(4)
+            g4 = m._prompts[m.prompt_tile_for(4)].graph
+            assert m.generate(longer, 3) == eager_generate(eager, longer, 3)[0]
+            assert m.generate(a[:4], 3) == eager_generate(eager, a[:4], 3)[0]
+            assert m._prompts[m.prompt_tile_for(4)].graph is g4 and g4.submissions == 2
     finally:
         m.close()
-    assert m._prompt_graph is None and m._prompt_kept == ((), None, None)
+    assert m._prompts == {}
 
 
 def test_a_new_prompt_builds_no_pipeline(device, small, monkeypatch):
-    """A prompt's algorithms are kept until the next prompt's exist, so the prompt pipelines (kp
-    shares one per SPIR-V and spec constants and frees it with its last holder; lavapipe re-JITs
-    a freed one: 80-106 ms of every SmolLM2 prompt before) outlive the prompt. A prompt of another
-    length then builds none, and its tokens are the first run's."""
+    """A prompt's algorithms are kept until the next prompt's of its tile exist, so the prompt
+    pipelines (kp shares one per SPIR-V and spec constants and frees it with its last holder;
+    lavapipe re-JITs a freed one: 80-106 ms of every SmolLM2 prompt before) outlive the prompt.
+    Once a prompt of each tile has run, a prompt of any other length builds none, whichever tiles
+    the prompts between took, and its tokens are the first run's."""
     cfg, sd = small
     m = DeviceLlama(cfg, sd, capacity=40, device=device)
     be = device.backend
     if be.pipeline_count() is None:
         pytest.skip("kp without scripts/kp-0.9.0-features.patch: no shared pipelines to count")
+    lengths = {}                                    # a prompt length per tile, 2..32 tokens
+    for t in range(2, 33):
+        lengths.setdefault(m.prompt_tile_for(t), []).append(t)
     try:
         first = m.generate([9, 8, 7, 6, 5], 4)
+        for ts in lengths.values():
+            m.generate(list(range(1, ts[0] + 1)), 2)
         seen = []
         real = DeviceLlama._release_prompt
         monkeypatch.setattr(DeviceLlama, "_release_prompt",
-                            lambda self: (seen.append(be.pipeline_count()), real(self), seen.append(be.pipeline_count())))
+                            lambda self, tile: (seen.append(be.pipeline_count()), real(self, tile),
+                                                seen.append(be.pipeline_count())))
         alive = be.pipeline_count()
-        m.generate([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 3)      # another length: its own algorithms
+        for ts in list(lengths.values()) * 2:       # other lengths, each tile in turn: their own algorithms
+            m.generate(list(range(3, ts[-1] + 3)), 2)
+            ts.reverse()
         # no pipeline built beside the old ones, none freed with them
-        assert seen == [alive, alive] and be.pipeline_count() == alive
+        assert seen == [alive] * len(seen) and len(seen) == 4 * len(lengths) and be.pipeline_count() == alive
         assert m.generate([9, 8, 7, 6, 5], 4) == first
     finally:
         m.close()
-    assert m._prompt_kept == ((), None, None)
+    assert m._prompts == {}
 
 
 def test_bad_input_raises_typed_errors(device, small, monkeypatch):
@@ -346,7 +367,9 @@ def test_bad_input_raises_typed_errors(device, small, monkeypatch):
     with pytest.raises(ModelInputError, match="interleave"):            # 4 lanes a row: no lane owns rows
         DeviceLlama(cfg, sd, lanes=4, interleave=True, device=device)
     for kw, what in ((dict(prompt_rows=0), "prompt_rows"), (dict(prompt_rows=True), "prompt_rows"),
-                     (dict(rows=33), "rows"), (dict(prompt_tile=True), "prompt_tile")):
+                     (dict(rows=33), "rows"), (dict(prompt_tile=True), "prompt_tile"),
+                     (dict(prompt_tile=()), "prompt_tile"), (dict(prompt_tile=(8, 33)), "prompt_tile"),
+                     (dict(prompt_tile=[8, 16]), "prompt_tile")):
         with pytest.raises(ModelInputError, match=what):
             DeviceLlama(cfg, sd, device=device, **kw)
     with pytest.raises(ModelInputError, match="multiple of 32"):          # intermediate 200: no q4_1 blocks

@@ -103,6 +103,15 @@ class _Acts:
             a.close()
 
 
+class _Prompt:
+    """A recorded prompt kept by DeviceLlama: its graph, (length, return_logits), the algorithms
+    the graph dispatches, its activations and its token-id buffer."""
+    __slots__ = ("graph", "key", "algos", "acts", "idbuf")
+
+    def __init__(self, graph, key, algos, acts, idbuf):
+        self.graph, self.key, self.algos, self.acts, self.idbuf = graph, key, algos, acts, idbuf
+
+
 class DeviceLlama:
     """A Llama-architecture model (transformers' LlamaConfig fields; a config object or dict) on
     a Vulkan device.
@@ -122,7 +131,9 @@ class DeviceLlama:
     ``wg`` invocations per workgroup, ``lanes`` invocations per output row, ``rows`` output rows
     per group of lanes (None: :data:`LAYOUTS`' for the device, CPU drivers or GPUs);
     ``prompt_rows`` and ``prompt_tile`` the rows and tokens per group of lanes in the prompt's
-    matmuls (None: :data:`PROMPT_LAYOUTS`' for the device and weight_dtype); ``xshare`` x and the
+    matmuls (None: :data:`PROMPT_LAYOUTS`' for the device and weight_dtype); ``prompt_tile`` may
+    be a tuple of token counts, of which each prompt takes the one that pads its length least
+    (the larger on a tie: :meth:`prompt_tile_for`); ``xshare`` x and the
     norm gains shared by subgroup shuffles where the device allows (Device.lane_subgroup():
     lavapipe): the subgroup's lanes load a piece between them (storage loads), or fetch the tile's
     pieces between them, several per fetch (texel loads: SmolLM2's float16 prompt 11% faster,
@@ -150,12 +161,16 @@ class DeviceLlama:
     # CPU layout gave them 2-3 and 192 (the H100's 19 ms of device time per float16 token, session
     # 21, 14 GB/s; this layout is not timed on a GPU yet)
     LAYOUTS = {"cpu": (8, 1, 8), "gpu": (128, 16, 1)}
-    # (rows, tokens) per group of lanes in the prompt's matmuls, by weight_dtype. CPU drivers,
-    # measured on lavapipe (perf/RESULTS.md session 26): with float weights 8 rows x 8 tokens
-    # (the tile's loops unrolled, linear.comp TILE_LOOP) took 0.73-0.81x the matmuls' device time
-    # of 16 x 8; q4_1 8 x 4, its loops unrolled too (session 33: 0.75x the time of 16 x 4
+    # (rows, tokens) per group of lanes in the prompt's matmuls, by weight_dtype (tokens: one
+    # count, or the counts a prompt picks from, prompt_tile_for). CPU drivers, measured on
+    # lavapipe: with float weights 8 rows x 8 tokens (the tile's loops unrolled, linear.comp
+    # TILE_LOOP) took 0.73-0.81x the matmuls' device time of 16 x 8 (perf/RESULTS.md session
+    # 26); 8 x 16, with linear.comp's token-by-token order, 0.88-0.92x the time of 8 x 8 a token
+    # computed (session 37, AVX2; 8 x 12 the same as 16, 4 x 16 and 16 x 8 slower), so where 16
+    # pads a prompt no more than 8 does (37 tokens: 40 rows at 8, 48 at 16; 45: 48 either way)
+    # it takes 16; q4_1 8 x 4, its loops unrolled too (session 33: 0.75x the time of 16 x 4
     # rolled, alternated; 16 x 8 unrolled spills). GPUs: the decode's rows, 8 tokens (not timed on a GPU)
-    PROMPT_LAYOUTS = {"cpu": {"float32": (8, 8), "float16": (8, 8), "q4_1": (8, 4)},
+    PROMPT_LAYOUTS = {"cpu": {"float32": (8, (8, 16)), "float16": (8, (8, 16)), "q4_1": (8, 4)},
                       "gpu": {"float32": (1, 8), "float16": (1, 8), "q4_1": (1, 8)}}
 
     def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",
@@ -176,8 +191,9 @@ class DeviceLlama:
         if not (isinstance(wg, int) and isinstance(lanes, int) and wg > 0 and lanes > 0 and wg & (wg - 1) == 0
                 and lanes & (lanes - 1) == 0 and lanes <= wg and wg <= 256):
             raise ModelInputError(f"wg / lanes: powers of two with lanes <= wg <= 256, got {wg} / {lanes}")
-        if isinstance(prompt_tile, bool) or not (isinstance(prompt_tile, int) and 1 <= prompt_tile <= 32):
-            raise ModelInputError(f"prompt_tile: an int in 1..32, got {prompt_tile!r}")
+        tiles = prompt_tile if isinstance(prompt_tile, tuple) else (prompt_tile,)
+        if not tiles or any(isinstance(v, bool) or not (isinstance(v, int) and 1 <= v <= 32) for v in tiles):
+            raise ModelInputError(f"prompt_tile: an int in 1..32 or a non-empty tuple of them, got {prompt_tile!r}")
         for name, v in (("rows", rows), ("prompt_rows", prompt_rows)):
             if isinstance(v, bool) or not (isinstance(v, int) and 1 <= v <= 32):
                 raise ModelInputError(f"{name}: an int in 1..32, got {v!r}")
@@ -185,7 +201,7 @@ class DeviceLlama:
         self.device = device
         self.weight_dtype, self.cache_dtype = weight_dtype, cache_dtype
         self.capacity = int(capacity)
-        self._wg, self._lanes, self._rows, self._tile = wg, lanes, rows, prompt_tile
+        self._wg, self._lanes, self._rows, self._tiles = wg, lanes, rows, tuple(sorted(set(tiles)))
         self._prompt_rows = prompt_rows
         self._f16 = weight_dtype == "float16"
         # x pieces shared by shuffles within a subgroup (linear.comp XSHARE): where the device's
@@ -219,8 +235,7 @@ class DeviceLlama:
         self._dec_algos = None
         self._graphs = {}                                  # return_logits -> the decode graph
         self.prompt_submissions = 0
-        self._prompt_kept = ((), None, None)               # the last prompt's (algorithms, activations, ids)
-        self._prompt_graph = self._prompt_key = None       # its graph, and (length, return_logits)
+        self._prompts = {}                                 # prompt tile -> the last such prompt's _Prompt
 
     # ------------------------------------------------------------------ weights
     def _load(self, sd):
@@ -349,10 +364,16 @@ class DeviceLlama:
             self._spv[key] = compile_shader(name, defines, src_dir=SHADERS)
         return self._spv[key]
 
+    def prompt_tile_for(self, t: int) -> int:
+        """The tokens per tile of a ``t``-token prompt's matmuls: of the ``prompt_tile`` counts,
+        the one whose tiles cover the fewest token rows (ceil(t / tile) * tile), the larger on a
+        tie (fewer, larger tiles: fewer weight loads a token)."""
+        return min(self._tiles, key=lambda tt: (-(-t // tt) * tt, -tt))
+
     def _linear(self, w, x, y, *, n, k, t, tx=None, t0=0, in_hd=None, out_hd=None, norm=None,
                 acc=False, glu=False, qkv=None):
         """An algorithm of linear.comp (its header says what it computes)."""
-        tile, rpl = (1, self._rows) if t == 1 else (self._tile, self._prompt_rows)
+        tile, rpl = (1, self._rows) if t == 1 else (self.prompt_tile_for(t), self._prompt_rows)
         defines = dict(WG=self._wg, LANES=self._lanes, RPL=rpl, TT=tile)
         if self._texel:
             defines["X_TEXEL"] = 1
@@ -426,9 +447,9 @@ class DeviceLlama:
         return int(self.tok.host_view().reshape(-1).view(np.uint32)[0])
 
     def generate(self, prompt_ids, max_new_tokens: int, return_logits: bool = False, eos_token_id=None):
-        """Greedy decoding: the caches are reset, the prompt runs as one submission (a prompt of
-        the last one's length as a replay of its graph: nothing recorded), each further token as
-        one replay of the decode graph. Returns the new token ids (a list), and with
+        """Greedy decoding: the caches are reset, the prompt runs as one submission (a prompt as
+        long as the last one of its tile (:meth:`prompt_tile_for`) as a replay of that one's
+        graph: nothing recorded), each further token as one replay of the decode graph. Returns the new token ids (a list), and with
         ``return_logits`` also their logits ((n, vocab) float32: row i gave token i). Stops
         after ``eos_token_id`` where one is given. ``last_times``: (seconds of the prompt's
         submission, seconds of the decode steps) of this call."""
@@ -449,17 +470,19 @@ class DeviceLlama:
         t0 = time.perf_counter()
         s = int(ids.size)
         key = (s, bool(return_logits))
-        if self._prompt_graph is None or self._prompt_key != key:
-            self._record_prompt(s, return_logits)
-        # the prompt's graph, recorded for this length or replayed from the last prompt (the
-        # caches count from their length, 0 again): its ids uploaded at the submission
-        _, acts, idbuf = self._prompt_kept
+        tile = self.prompt_tile_for(s) if s > 1 else 1
+        if tile not in self._prompts or self._prompts[tile].key != key:
+            self._record_prompt(s, return_logits, tile)
+        # the prompt's graph, recorded for this length or replayed from the last prompt of its
+        # tile (the caches count from their length, 0 again): its ids uploaded at the submission
+        p = self._prompts[tile]
         try:
-            idbuf.host_view().reshape(-1).view(np.uint32)[:s] = ids.astype(np.uint32)
-            self._prompt_graph.run()
+            p.idbuf.host_view().reshape(-1).view(np.uint32)[:s] = ids.astype(np.uint32)
+            p.graph.run()
         except BaseException:
-            self._release_prompt()
+            self._release_prompt(tile)
             raise
+        acts = p.acts
         self.prompt_submissions += 1
         out = [self._token()]
         logits = [acts.logits.host_view().copy()] if return_logits else None
@@ -473,9 +496,10 @@ class DeviceLlama:
         self.last_times = (t1 - t0, time.perf_counter() - t1)
         return (out, np.stack(logits)) if return_logits else out
 
-    def _record_prompt(self, s: int, return_logits: bool):
-        """Record a prompt graph of ``s`` tokens (its activations, id buffer and algorithms new)
-        and keep it in place of the last prompt's."""
+    def _record_prompt(self, s: int, return_logits: bool, tile: int):
+        """Record a prompt graph of ``s`` tokens (its activations, id buffer and algorithms new),
+        whose matmuls take ``tile`` tokens a tile, and keep it in place of the last prompt's of
+        that tile."""
         acts, idbuf, g = _Acts(self.d, s, self.device), vkattn.empty((s,), self.device), vkattn.Graph(self.device)
         algos = []
         try:
@@ -491,28 +515,28 @@ class DeviceLlama:
             raise
         # the previous prompt's algorithms go only now that this prompt's exist: they held the
         # prompt pipelines (kp shares a VkPipeline among algorithms of the same SPIR-V and spec
-        # constants and frees it with the last holder; lavapipe re-JITs a freed one)
-        self._release_prompt()
-        self._prompt_kept = (algos, acts, idbuf)
-        self._prompt_graph, self._prompt_key = g, (s, bool(return_logits))
+        # constants and frees it with the last holder; lavapipe re-JITs a freed one). One prompt
+        # is kept per tile, so that prompts whose lengths take different tiles do not free each
+        # other's pipelines
+        self._release_prompt(tile)
+        self._prompts[tile] = _Prompt(g, (s, bool(return_logits)), algos, acts, idbuf)
 
-    def _release_prompt(self):
-        """Destroy the last prompt's graph, algorithms and activations (kept until the next
-        prompt's algorithms exist, so that their pipelines stay built, and replayed by a prompt
-        of the same length)."""
-        algos, acts, idbuf = self._prompt_kept
-        self._prompt_kept = ((), None, None)
-        if self._prompt_graph is not None:
-            self._prompt_graph.close()
-        self._prompt_graph = self._prompt_key = None
-        for a in algos:
+    def _release_prompt(self, tile: int):
+        """Destroy the graph, algorithms and activations of the last prompt of ``tile`` (kept
+        until the next prompt of that tile exists, so that their pipelines stay built, and
+        replayed by a prompt of the same length)."""
+        p = self._prompts.pop(tile, None)
+        if p is None:
+            return
+        p.graph.close()
+        for a in p.algos:
             a.destroy()
-        for a in (acts, idbuf):
-            if a is not None:
-                a.close()
+        p.acts.close()
+        p.idbuf.close()
 
     def close(self):
-        self._release_prompt()
+        for tile in list(self._prompts):
+            self._release_prompt(tile)
         for g in self._graphs.values():
             g.close()
             for a in g._algos:

@@ -237,6 +237,36 @@ void main() {
                 xs[j] = prep_x(xv[j]);
             }
 #endif
+#if TT > 1 && UNIT == 8
+            // a prompt's tile, float weights: every row's piece loaded and converted first, then
+            // token by token -- one token's x piece in registers against the rows' weights, which
+            // a CPU compiler then reads as memory operands. The same sums as the rows-first order
+            // below (each accumulator's terms in the same order), in another instruction order:
+            // lavapipe's LLVM kept fewer values on the stack so (session 37, AVX2: stack moves a
+            // piece 1322 -> 670 in float16's gate/up, 0.93-0.94x the matmuls' time). Not for the
+            // block formats: q4_1's 4-token tile took 1.07x the time so (their codes are 4x as many)
+            vec4 wq[RPL][V4];
+            vec2 dm[RPL];
+#ifdef GLU
+            vec4 uq[RPL][V4];
+            vec2 um[RPL];
+#endif
+            TILE_LOOP for (uint r = 0; r < RPL; r++) {
+                const uint n = min(n0 + r, ROWS - 1);       // rows past the end: computed, not stored
+                dm[r] = load_codes(n, c, wq[r]);
+#ifdef GLU
+                um[r] = load_codes(n + N, c, uq[r]);
+#endif
+            }
+            TILE_LOOP for (uint j = 0; j < TT; j++) {
+                TILE_LOOP for (uint r = 0; r < RPL; r++) {
+                    acc[r * TT + j] += codes_dot(wq[r], dm[r], xv[j], xs[j]);
+#ifdef GLU
+                    acc2[r * TT + j] += codes_dot(uq[r], um[r], xv[j], xs[j]);
+#endif
+                }
+            }
+#else
             TILE_LOOP for (uint r = 0; r < RPL; r++) {
                 const uint n = min(n0 + r, ROWS - 1);       // rows past the end: computed, not stored
                 vec4 wq[V4];
@@ -252,6 +282,7 @@ void main() {
 #endif
                 }
             }
+#endif
         }
     }
 #if defined(NORM) && defined(XSHARE) && !defined(X_TEXEL)

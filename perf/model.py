@@ -10,7 +10,9 @@ submission (eager: its first forward): the device replays the last prompt's grap
 is as long (each run after the warm-up); "recorded" is the same prompt after one of another
 length, its graph recorded and its activations allocated anew (what a new prompt length costs);
 decode tok/s = (new - 1) / the time of the remaining
-steps (each one replay of the decode graph; eager: one forward each). Tokens are compared too
+steps (each one replay of the decode graph; eager: one forward each); generate tok/s = new / (the
+prompt's time + the steps'), the rate a caller of generate() sees (the replayed prompt's run).
+Tokens are compared too
 (a run whose tokens differ from eager's is flagged). Needs `make model`.
 
     python -m perf model [--weights float32 float16 q4_1] [--new 16] [--runs 3]
@@ -95,14 +97,16 @@ def main(argv=None) -> int:
                          blocks=load_blocks() if wd == "q4_1" else None, **args.layout_kw)
         dm.generate(ids, args.new)
         eager_generate(eager, ids, args.new)
-        ep, ed, dp, dd, dr, same = [], [], [], [], [], True
+        ep, ed, dp, dd, dr, eg, dg, same = [], [], [], [], [], [], [], True
         for _ in range(args.runs):
             want, _, (tp, td) = eager_generate(eager, ids, args.new)
             ep.append(len(ids) / tp)
             ed.append((args.new - 1) / td)
+            eg.append(args.new / (tp + td))
             got = dm.generate(ids, args.new)                  # the prompt's graph replayed
             dp.append(len(ids) / dm.last_times[0])
             dd.append((args.new - 1) / dm.last_times[1])
+            dg.append(args.new / sum(dm.last_times))
             same = same and got == want
             dm.generate(ids[:-1], 1)                           # another length, then ids recorded again
             same = same and dm.generate(ids, 1) == want[:1]
@@ -112,22 +116,26 @@ def main(argv=None) -> int:
                          device_prompt_tps=statistics.median(dp), device_prompt_recorded_tps=statistics.median(dr),
                          device_decode_tps=statistics.median(dd),
                          eager_prompt_tps=statistics.median(ep), eager_decode_tps=statistics.median(ed),
+                         device_generate_tps=statistics.median(dg), eager_generate_tps=statistics.median(eg),
                          tokens_equal=same, graph_recordings=g.recordings, graph_submissions=g.submissions,
                          runs=dict(device_prompt=dp, device_prompt_recorded=dr, device_decode=dd, eager_prompt=ep,
-                                   eager_decode=ed)))
+                                   eager_decode=ed, device_generate=dg, eager_generate=eg)))
         dm.close()
         del eager
     print(f"SmolLM2-135M-Instruct, prompt {len(ids)} tokens, {args.new} new, median of {args.runs} runs")
     print(f"device: {dev.name}; CPU: {cpu_name()}; torch {torch.__version__} on {torch.get_num_threads()} threads")
     print("| weights | MB on device | device prompt tok/s (replayed / recorded) | eager prompt tok/s "
-          "| prompt device / eager | device decode tok/s | eager decode tok/s | decode device / eager | tokens equal |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "| prompt device / eager | device decode tok/s | eager decode tok/s | decode device / eager "
+          "| generate tok/s device / eager | tokens equal |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         print(f"| {r['weights']} | {r['weight_mb']:.0f} | {r['device_prompt_tps']:.2f} / "
               f"{r['device_prompt_recorded_tps']:.2f} | {r['eager_prompt_tps']:.2f} "
               f"| {r['device_prompt_tps'] / r['eager_prompt_tps']:.2f} "
               f"| {r['device_decode_tps']:.2f} | {r['eager_decode_tps']:.2f} "
-              f"| {r['device_decode_tps'] / r['eager_decode_tps']:.2f} | {r['tokens_equal']} |")
+              f"| {r['device_decode_tps'] / r['eager_decode_tps']:.2f} "
+              f"| {r['device_generate_tps']:.2f} / {r['eager_generate_tps']:.2f} "
+              f"({r['device_generate_tps'] / r['eager_generate_tps']:.2f}) | {r['tokens_equal']} |")
     out = pathlib.Path(__file__).resolve().parent / "out"
     out.mkdir(exist_ok=True)
     (out / "model.json").write_text(json.dumps(dict(device=dev.name, cpu=cpu_name(), rows=rows), indent=1))

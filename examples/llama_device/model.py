@@ -169,7 +169,8 @@ class DeviceLlama:
     # computed (session 37, AVX2; 8 x 12 the same as 16, 4 x 16 and 16 x 8 slower), so where 16
     # pads a prompt no more than 8 does (37 tokens: 40 rows at 8, 48 at 16; 45: 48 either way)
     # it takes 16; q4_1 8 x 4, its loops unrolled too (session 33: 0.75x the time of 16 x 4
-    # rolled, alternated; 16 x 8 unrolled spills). GPUs: the decode's rows, 8 tokens (not timed on a GPU)
+    # rolled, alternated; 16 x 8 unrolled spills; session 37, a code word at a time: 8 x 8
+    # unrolled no faster than 8 x 4). GPUs: the decode's rows, 8 tokens (not timed on a GPU)
     PROMPT_LAYOUTS = {"cpu": {"float32": (8, (8, 16)), "float16": (8, (8, 16)), "q4_1": (8, 4)},
                       "gpu": {"float32": (1, 8), "float16": (1, 8), "q4_1": (1, 8)}}
 

@@ -11,7 +11,8 @@
 // must be a constant declared before the include. piece c of row `row` is weights
 // c*UNIT .. c*UNIT+UNIT-1.
 //   load_piece(row, c, wv)       numpy: wv = W[row, c*UNIT:(c+1)*UNIT].reshape(UNIT // 4, 4)
-//   prep_x(xv) -> xs; load_codes(row, c, wq) -> dm; codes_dot(wq, dm, xv, xs)
+//   prep_x(xv) -> xs; load_codes(row, c, wq) -> dm; codes_dot(wq, dm, xv, xs) (or
+//   codes_sum(dm, s, xs) over the sum s of wq[i] . xv[i] taken in order elsewhere)
 //                                numpy: W[row, c*UNIT:(c+1)*UNIT] @ x_piece (xv: x_piece as
 //                                vec4s, prepared once per token and piece for every row; wq, dm
 //                                the row's piece, loaded once for every token)
@@ -155,10 +156,9 @@ void load_piece(uint row, uint c, out vec4 wv[V4]) {
 #endif
 }
 
-// W[row, piece] @ x_piece from load_codes' (wq, dm) and prep_x's (xv, xs)
-float codes_dot(vec4 wq[V4], vec2 dm, vec4 xv[V4], float xs) {
-    float s = 0.0;
-    [[unroll]] for (uint i = 0; i < V4; i++) s += dot(wq[i], xv[i]);
+// W[row, piece] @ x_piece from the piece's sum of codes times x, s = sum(wq[i] . xv[i]) over i
+// in order, and load_codes' dm and prep_x's xs
+float codes_sum(vec2 dm, float s, float xs) {
 #if defined(W_Q4_1)
     return fma(dm.x, s, dm.y * xs);
 #elif defined(W_Q8_0)
@@ -166,4 +166,11 @@ float codes_dot(vec4 wq[V4], vec2 dm, vec4 xv[V4], float xs) {
 #else
     return s;
 #endif
+}
+
+// W[row, piece] @ x_piece from load_codes' (wq, dm) and prep_x's (xv, xs)
+float codes_dot(vec4 wq[V4], vec2 dm, vec4 xv[V4], float xs) {
+    float s = 0.0;
+    [[unroll]] for (uint i = 0; i < V4; i++) s += dot(wq[i], xv[i]);
+    return codes_sum(dm, s, xs);
 }

@@ -450,10 +450,11 @@ class DeviceLlama:
     def generate(self, prompt_ids, max_new_tokens: int, return_logits: bool = False, eos_token_id=None):
         """Greedy decoding: the caches are reset, the prompt runs as one submission (a prompt as
         long as the last one of its tile (:meth:`prompt_tile_for`) as a replay of that one's
-        graph: nothing recorded), each further token as one replay of the decode graph. Returns the new token ids (a list), and with
-        ``return_logits`` also their logits ((n, vocab) float32: row i gave token i). Stops
-        after ``eos_token_id`` where one is given. ``last_times``: (seconds of the prompt's
-        submission, seconds of the decode steps) of this call."""
+        graph: nothing recorded), each further token as one replay of the decode graph. Returns
+        the new token ids (a list), and with ``return_logits`` also their logits ((n, vocab)
+        float32: row i gave token i). Stops after ``eos_token_id`` where one is given.
+        ``last_times``: (seconds of the prompt's submission, seconds of the decode steps) of
+        this call."""
         d = self.d
         ids = np.asarray(prompt_ids)
         if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":

@@ -100,14 +100,21 @@ def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype, loads
         m.close()
 
 
-@pytest.mark.parametrize("texel", [None, False])
+@pytest.mark.parametrize("texel", [None, False, "gpu"])
 def test_q4_1_blocks_equal_eager_on_their_dequantised_weights(device, texel):
     """q4_1: the layers' matrices as Q4_1 blocks, the (tied) embedding as Q8_0, quantised here;
     eager holds the blocks' dequantised values (reference_state_dict). texel None: the device's
-    choice (CPU drivers: the blocks' words read from four-word texel views), False: storage."""
+    choice (CPU drivers: the blocks' words read from four-word texel views), False: storage;
+    "gpu": storage in the GPUs' layout (16 lanes a row summing through shared memory, a prompt
+    tile of 1 row x 8 tokens: linear.comp's block path with LANES > 1, its loops rolled)."""
     cfg = _config(intermediate_size=224)
     sd = _state_dict(cfg, seed=5)
-    m = DeviceLlama(cfg, sd, weight_dtype="q4_1", capacity=48, device=device, texel=texel)
+    kw = dict(texel=texel)
+    if texel == "gpu":
+        kw = dict(zip(("wg", "lanes", "rows"), DeviceLlama.LAYOUTS["gpu"]), texel=False,
+                  prompt_rows=DeviceLlama.PROMPT_LAYOUTS["gpu"]["q4_1"][0],
+                  prompt_tile=DeviceLlama.PROMPT_LAYOUTS["gpu"]["q4_1"][1])
+    m = DeviceLlama(cfg, sd, weight_dtype="q4_1", capacity=48, device=device, **kw)
     try:
         ref = m.reference_state_dict()
         assert set(ref) == set(sd)

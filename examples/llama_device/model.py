@@ -366,15 +366,18 @@ class DeviceLlama:
         return self._spv[key]
 
     def prompt_tile_for(self, t: int) -> int:
-        """The tokens per tile of a ``t``-token prompt's matmuls: of the ``prompt_tile`` counts,
-        the one whose tiles cover the fewest token rows (ceil(t / tile) * tile), the larger on a
-        tie (fewer, larger tiles: fewer weight loads a token)."""
+        """The tokens per tile of the matmuls of a step of ``t`` tokens: 1 for one token (the
+        decode's layout), else of the ``prompt_tile`` counts the one whose tiles cover the fewest
+        token rows (ceil(t / tile) * tile), the larger on a tie (fewer, larger tiles: fewer
+        weight loads a token)."""
+        if t == 1:
+            return 1
         return min(self._tiles, key=lambda tt: (-(-t // tt) * tt, -tt))
 
     def _linear(self, w, x, y, *, n, k, t, tx=None, t0=0, in_hd=None, out_hd=None, norm=None,
                 acc=False, glu=False, qkv=None):
         """An algorithm of linear.comp (its header says what it computes)."""
-        tile, rpl = (1, self._rows) if t == 1 else (self.prompt_tile_for(t), self._prompt_rows)
+        tile, rpl = self.prompt_tile_for(t), (self._rows if t == 1 else self._prompt_rows)
         defines = dict(WG=self._wg, LANES=self._lanes, RPL=rpl, TT=tile)
         if self._texel:
             defines["X_TEXEL"] = 1
@@ -472,7 +475,7 @@ class DeviceLlama:
         t0 = time.perf_counter()
         s = int(ids.size)
         key = (s, bool(return_logits))
-        tile = self.prompt_tile_for(s) if s > 1 else 1
+        tile = self.prompt_tile_for(s)
         if tile not in self._prompts or self._prompts[tile].key != key:
             self._record_prompt(s, return_logits, tile)
         # the prompt's graph, recorded for this length or replayed from the last prompt of its

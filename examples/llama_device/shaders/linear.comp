@@ -237,14 +237,16 @@ void main() {
                 xs[j] = prep_x(xv[j]);
             }
 #endif
-#if TT > 1 && UNIT == 32
-            // a prompt's tile, block formats: as the float formats' order below, a code word (8
-            // of the piece's 32 features) at a time -- a token's 8 x values against every row's
-            // word, the rows' partial sums kept per (row, token) -- and the block's d * s + m *
-            // sum(x) once the piece's 4 words are summed: codes_dot's sums in its order, one
-            // token's 8 x values live instead of 32 (a whole piece spilled both operands:
-            // session 37, AVX2, q4_1's gate/up: stack moves a piece 2940 -> 1792, instructions
-            // 9586 -> 8421, 0.86-0.91x the matmuls' time)
+#if TT > 1
+            // a prompt's tile: every row's piece loaded (and converted) first, then summed token
+            // by token a code word (8 features: a float format's whole piece, a block format's
+            // quarter) at a time -- one token's 8 x values in registers against every row's
+            // word, which a CPU compiler then reads as memory operands -- each (row, token) sum
+            // kept apart until the piece's last word, then codes_sum (a block's d * s + m *
+            // sum(x)): codes_dot's sums in its order, so the rows-first order below gives the
+            // same bits. Lavapipe's LLVM keeps far fewer values on the stack so (session 37,
+            // AVX2: stack moves a piece 1322 -> 670 in float16's gate/up, 2940 -> 1750 in
+            // q4_1's; the matmuls 0.93-0.94x and 0.86-0.91x the time)
             vec4 wq[RPL][V4];
             vec2 dm[RPL];
             float sw[RPL * TT];
@@ -269,50 +271,20 @@ void main() {
             [[unroll]] for (uint h = 0; h < V4; h += 2) {
                 TILE_LOOP for (uint j = 0; j < TT; j++) {
                     TILE_LOOP for (uint r = 0; r < RPL; r++) {
-                        sw[r * TT + j] += dot(wq[r][h], xv[j][h]);
-                        sw[r * TT + j] += dot(wq[r][h + 1], xv[j][h + 1]);
+                        const uint i = r * TT + j;
+                        sw[i] += dot(wq[r][h], xv[j][h]);
+                        sw[i] += dot(wq[r][h + 1], xv[j][h + 1]);
 #ifdef GLU
-                        su[r * TT + j] += dot(uq[r][h], xv[j][h]);
-                        su[r * TT + j] += dot(uq[r][h + 1], xv[j][h + 1]);
+                        su[i] += dot(uq[r][h], xv[j][h]);
+                        su[i] += dot(uq[r][h + 1], xv[j][h + 1]);
 #endif
+                        if (h + 2 == V4) {                  // the piece's last word: its sums done
+                            acc[i] += codes_sum(dm[r], sw[i], xs[j]);
+#ifdef GLU
+                            acc2[i] += codes_sum(um[r], su[i], xs[j]);
+#endif
+                        }
                     }
-                }
-            }
-            TILE_LOOP for (uint j = 0; j < TT; j++) {
-                TILE_LOOP for (uint r = 0; r < RPL; r++) {
-                    acc[r * TT + j] += codes_sum(dm[r], sw[r * TT + j], xs[j]);
-#ifdef GLU
-                    acc2[r * TT + j] += codes_sum(um[r], su[r * TT + j], xs[j]);
-#endif
-                }
-            }
-#elif TT > 1 && UNIT == 8
-            // a prompt's tile, float weights: every row's piece loaded and converted first, then
-            // token by token -- one token's x piece in registers against the rows' weights, which
-            // a CPU compiler then reads as memory operands. The same sums as the rows-first order
-            // below (each accumulator's terms in the same order), in another instruction order:
-            // lavapipe's LLVM kept fewer values on the stack so (session 37, AVX2: stack moves a
-            // piece 1322 -> 670 in float16's gate/up, 0.93-0.94x the matmuls' time). The block
-            // formats go the same way a code word (8 features) at a time (below)
-            vec4 wq[RPL][V4];
-            vec2 dm[RPL];
-#ifdef GLU
-            vec4 uq[RPL][V4];
-            vec2 um[RPL];
-#endif
-            TILE_LOOP for (uint r = 0; r < RPL; r++) {
-                const uint n = min(n0 + r, ROWS - 1);       // rows past the end: computed, not stored
-                dm[r] = load_codes(n, c, wq[r]);
-#ifdef GLU
-                um[r] = load_codes(n + N, c, uq[r]);
-#endif
-            }
-            TILE_LOOP for (uint j = 0; j < TT; j++) {
-                TILE_LOOP for (uint r = 0; r < RPL; r++) {
-                    acc[r * TT + j] += codes_dot(wq[r], dm[r], xv[j], xs[j]);
-#ifdef GLU
-                    acc2[r * TT + j] += codes_dot(uq[r], um[r], xv[j], xs[j]);
-#endif
                 }
             }
 #else

@@ -240,10 +240,23 @@ float key_scale(bool is_k, uint row) {
 #endif
 }
 
+// cache_row's words, loaded once (main): the key loop reads no aux word at an address every lane
+// shares (llvmpipe loads those lane by lane, through memory: 3% of a float16 decode's time when
+// each block re-read aux[4], L=4096 32/8 d128, session 38)
+uint head_row;      // hh * aux[4]: kv head hh's first row (of the cache, or of each block: paged)
+uint blk_size;      // paged: aux[6], the block size
+uint blk_rows;      // paged: aux[5], the rows one block spans
+
+// cache_row(sq.bt, hh, j) from those words
+uint head_cache_row(uint j) {
+    if (!HAS(F_PAGED)) return head_row + j;
+    return aux[sq.bt + j / blk_size] * blk_rows + head_row + j % blk_size;
+}
+
 // cache row of key j (non-paged: arithmetic; paged: lane b looked key j0+b up, shuffled to all)
 uint key_row(uint j, uint b, uint row_l) {
     if (HAS(F_PAGED)) return subgroupShuffle(row_l, b);
-    return cache_row(sq.bt, hh, j);
+    return head_cache_row(j);
 }
 
 // keys j0 .. j0+WG-1 (those >= k1 masked): scores, online softmax update, V accumulation.
@@ -256,7 +269,7 @@ uint key_row(uint j, uint b, uint row_l) {
 void consume_block(uint j0, uint k1) {
     const uint lane = gl_LocalInvocationID.x;
     const uint kl = max(k1, 1u) - 1u;   // the row keys past k1 read (weight 0)
-    const uint row_l = HAS(F_PAGED) ? cache_row(sq.bt, hh, min(j0 + lane, kl)) : 0u;
+    const uint row_l = HAS(F_PAGED) ? head_cache_row(min(j0 + lane, kl)) : 0u;
     float d[NQ][WG];
     [[unroll]] for (uint b = 0u; b < WG; ++b) {
         const uint j = min(j0 + b, kl);
@@ -294,7 +307,7 @@ void consume_block(uint j0, uint k1) {
     }
     const uint jl = j0 + lane;          // the key whose scores this lane ends up with
     // its row's scales (int8; fp8: the head's), applied to its scores and weights
-    const uint row_own = KV_I8 == 0 ? 0u : (HAS(F_PAGED) ? row_l : cache_row(sq.bt, hh, min(jl, kl)));
+    const uint row_own = KV_I8 == 0 ? 0u : (HAS(F_PAGED) ? row_l : head_cache_row(min(jl, kl)));
     const float ks_own = key_scale(true, row_own), vs_own = key_scale(false, row_own);
     float pl[NQ], alpha[NQ];
     [[unroll]] for (uint qv = 0u; qv < NQ; ++qv) {
@@ -442,6 +455,9 @@ void main() {
     }
 #endif
 
+    head_row = h * aux[4];
+    blk_size = HAS(F_PAGED) ? aux[6] : 1u;
+    blk_rows = HAS(F_PAGED) ? aux[5] : 0u;
 #if KV_FP8
     // once, not per key: a load at a subgroup-uniform address is llvmpipe's slowest (perf loads)
     head_ks = FP8_RESTORE * kscale[h];

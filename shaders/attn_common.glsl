@@ -48,6 +48,16 @@
 
 #define HAS(f) ((FLAGS & (f)) != 0u)
 
+// header words the score and visibility rules below read. A kernel may define AUX_WINDOW (and the
+// three others) before including this file, naming copies it loaded once (attn_lane.comp: llvmpipe
+// loads a word every lane shares lane by lane, through memory, where the key loop would read it)
+#ifndef AUX_WINDOW
+#define AUX_WINDOW aux[7]
+#define AUX_SINKS aux[8]
+#define AUX_SOFTCAP aux[9]
+#define AUX_MASK_HEADS aux[16]
+#endif
+
 #define SEQ_WORDS 12u
 
 struct Seq {
@@ -74,7 +84,7 @@ uint cache_row(uint bt, uint h, uint j) {
 // j must be a key of the sequence (< past + n_new), so the read never leaves the sequence's mask
 float mask_at(Seq sq, uint hq, uint r, uint j) {
     const uint r_in = min(r, sq.q_len - 1u);
-    const uint row = aux[16] != 0u ? min(hq, gl_NumWorkGroups.z * G - 1u) * sq.q_len + r_in : r_in;
+    const uint row = AUX_MASK_HEADS != 0u ? min(hq, gl_NumWorkGroups.z * G - 1u) * sq.q_len + r_in : r_in;
     return uintBitsToFloat(aux[sq.mask + row * (sq.past + sq.n_new) + j]) * LOG2E;
 }
 
@@ -93,13 +103,13 @@ float softcap_score(float s, float c) {
 
 // score transforms; s in log2 units, already scaled
 float shape_score(float s, float alibi, uint j, uint p) {
-    if (HAS(F_SOFTCAP)) s = softcap_score(s, uintBitsToFloat(aux[9]));
+    if (HAS(F_SOFTCAP)) s = softcap_score(s, uintBitsToFloat(AUX_SOFTCAP));
     if (HAS(F_ALIBI)) s += alibi * (float(j) - float(p));
     return s;
 }
 
 bool key_visible(uint j, uint p, bool causal) {
     if (causal && j > p) return false;
-    if (HAS(F_WINDOW) && !(j > p || p - j < aux[7] || j < aux[8])) return false;
+    if (HAS(F_WINDOW) && !(j > p || p - j < AUX_WINDOW || j < AUX_SINKS)) return false;
     return true;
 }

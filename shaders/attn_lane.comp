@@ -68,6 +68,12 @@ layout(std430, binding = 10) readonly buffer ROPE { vec4 rope_tab[]; };
 layout(std430, binding = 11) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row; KV_FP8: of each kv head
 layout(std430, binding = 12) buffer VS { float vscale[]; };
 
+// the header words attn_common.glsl's score and visibility rules read, loaded once (main)
+uint aux_window, aux_sinks, aux_softcap, aux_mask_heads;
+#define AUX_WINDOW aux_window
+#define AUX_SINKS aux_sinks
+#define AUX_SOFTCAP aux_softcap
+#define AUX_MASK_HEADS aux_mask_heads
 #include "attn_common.glsl"
 #include "rope.glsl"
 
@@ -455,6 +461,10 @@ void main() {
     }
 #endif
 
+    aux_window = aux[7];
+    aux_sinks = aux[8];
+    aux_softcap = aux[9];
+    aux_mask_heads = aux[16];
     head_row = h * aux[4];
     blk_size = HAS(F_PAGED) ? aux[6] : 1u;
     blk_rows = HAS(F_PAGED) ? aux[5] : 0u;

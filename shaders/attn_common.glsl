@@ -51,6 +51,9 @@
 // header words the score and visibility rules below read. A kernel may define AUX_WINDOW (and the
 // three others) before including this file, naming copies it loaded once (attn_lane.comp: llvmpipe
 // loads a word every lane shares lane by lane, through memory, where the key loop would read it)
+#ifndef AUX_LANE
+#define AUX_LANE(i) aux[i]   // a word at each lane's own address (a mask value, a block table entry)
+#endif
 #ifndef AUX_WINDOW
 #define AUX_WINDOW aux[7]
 #define AUX_SINKS aux[8]
@@ -85,7 +88,7 @@ uint cache_row(uint bt, uint h, uint j) {
 float mask_at(Seq sq, uint hq, uint r, uint j) {
     const uint r_in = min(r, sq.q_len - 1u);
     const uint row = AUX_MASK_HEADS != 0u ? min(hq, gl_NumWorkGroups.z * G - 1u) * sq.q_len + r_in : r_in;
-    return uintBitsToFloat(aux[sq.mask + row * (sq.past + sq.n_new) + j]) * LOG2E;
+    return uintBitsToFloat(AUX_LANE(sq.mask + row * (sq.past + sq.n_new) + j)) * LOG2E;
 }
 
 // c * tanh(s / c), finite for every s (c > 0, a normal float: the host checks the softcap). GLSL

@@ -68,6 +68,19 @@ layout(std430, binding = 10) readonly buffer ROPE { vec4 rope_tab[]; };
 layout(std430, binding = 11) buffer KS { float kscale[]; };   // KV_I8: scale of each cache row; KV_FP8: of each kv head
 layout(std430, binding = 12) buffer VS { float vscale[]; };
 
+#ifndef AUX_TEXEL
+#define AUX_TEXEL 0
+#endif
+#if AUX_TEXEL
+// AUX_TEXEL: aux (binding 5) once more as a uniform texel buffer of four words a texel, for the
+// words each lane reads at its own address in the key loop -- a mask's values, a block table's
+// entries: a CPU driver gathers those from a texel view and loads them lane by lane from a
+// storage buffer (vkattn.tuning.texel_aux). aux is not written where they lie (the split
+// counters follow every word the host writes)
+layout(binding = 13) uniform usamplerBuffer auxt;
+#define AUX_LANE(i) aux_lane(i)
+uint aux_lane(uint i) { return texelFetch(auxt, int(i / 4u))[i & 3u]; }
+#endif
 // the header words attn_common.glsl's score and visibility rules read, loaded once (main)
 uint aux_window, aux_sinks, aux_softcap, aux_mask_heads;
 #define AUX_WINDOW aux_window
@@ -256,7 +269,7 @@ uint blk_rows;      // paged: aux[5], the rows one block spans
 // cache_row(sq.bt, hh, j) from those words
 uint head_cache_row(uint j) {
     if (!HAS(F_PAGED)) return head_row + j;
-    return aux[sq.bt + j / blk_size] * blk_rows + head_row + j % blk_size;
+    return AUX_LANE(sq.bt + j / blk_size) * blk_rows + head_row + j % blk_size;
 }
 
 // cache row of key j (non-paged: arithmetic; paged: lane b looked key j0+b up, shuffled to all)

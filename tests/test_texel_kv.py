@@ -293,3 +293,55 @@ def test_the_paged_fast_path_appends_first_too(lane_texel, rng, monkeypatch, dty
     finally:
         fast.close()
         general.close()
+
+
+def _aux_texel_plans(cache):
+    """AUX_TEXEL of each attention plan the cache holds."""
+    return [p._pipe.defines.get("AUX_TEXEL", 0) for p in cache._plans.values()
+            if getattr(getattr(p, "_pipe", None), "shader", "") == "attn_lane"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "q4"])
+def test_masks_and_block_tables_are_gathered_from_an_aux_texel_view(lane_texel, rng, monkeypatch, dtype):
+    """attn_lane.comp gathers a mask's values and a paged block table's entries from a texel view
+    of aux (AUX_TEXEL, tuning.texel_aux) and an unmasked KVCache call does not bind one; the
+    results equal the storage path's bit for bit and the reference. Odd sizes: 3 kv heads, d 40,
+    5 query heads a group, 23 + 2 keys in blocks of 7 (a block table of 4 entries), a per-head
+    mask and a 2-D one."""
+    results = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("VKATTN_TEXEL_KV", mode)
+        r = np.random.default_rng(5)
+        cache = vkattn.KVCache(40, 3, 40, dtype=dtype, device=lane_texel)
+        pool = vkattn.PagedKVCache(12, 7, 3, 40, dtype=dtype, device=lane_texel)
+        mirror = Mirror(cache)
+        try:
+            k, v = rand_kv(r, cache, 23)
+            cache.append(k, v)
+            mirror.append(k, v)
+            a, b = pool.add_sequence(), pool.add_sequence()
+            pool.append([a, b], np.concatenate([k, k[:, :9]], 1), np.concatenate([v, v[:, :9]], 1), n_new=[23, 9])
+            plain = cache.attend(rand_q(r, cache, 5, 1))
+            assert _aux_texel_plans(cache) == [0]
+            q = rand_q(r, cache, 5, 2)
+            m3 = r.standard_normal((15, 2, 23)).astype(np.float32)
+            m2 = r.standard_normal((2, 23)).astype(np.float32)
+            o3, o2 = cache.attend(q, mask=m3), cache.attend(q, mask=m2)
+            assert_close(o3, vkattn.reference.attention(q, mirror.k, mirror.v, mask=m3), dtype)
+            assert_close(o2, vkattn.reference.attention(q, mirror.k, mirror.v, mask=m2), dtype)
+            k2, v2 = rand_kv(r, cache, 2)
+            qp = rand_q(r, cache, 5, 2)
+            op = pool.forward([a, b], qp, k2, v2)
+            for i, sid in enumerate((a, b)):
+                ks, vs = pool.read(sid)
+                assert_close(op[:, i:i + 1], vkattn.reference.attention(qp[:, i:i + 1], ks, vs), dtype)
+            want = int(mode)
+            # the plain plan binds none; the two masked plans (per head, 2-D) one where texels are on
+            assert sorted(_aux_texel_plans(cache)) == [0, want, want], _aux_texel_plans(cache)
+            assert want in _aux_texel_plans(pool), _aux_texel_plans(pool)
+            results[mode] = (plain, o3, o2, op)
+        finally:
+            cache.close()
+            pool.close()
+    for x, y in zip(results["1"], results["0"]):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))

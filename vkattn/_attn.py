@@ -26,7 +26,7 @@ from .errors import DeviceLimitError
 from .formats import FORMATS
 from .reference import bfloat16_to_float32, fp8_to_float32, q4_words_to_float32
 from .tuning import MIN_CHUNK, WORKGROUP, attention_config, coopmat_fixed_trips, coopmat_stage_batch, \
-    texel_kv, tile_merge_batch, tile_v_early
+    texel_aux, texel_kv, tile_merge_batch, tile_v_early
 
 _LOG2E = 1.4426950408889634
 HEADER = 32
@@ -246,7 +246,7 @@ ATTN_BINDINGS = 13      # kc vc nk nv q aux out part ml lse rope ks vs (attn.com
 
 
 def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, key_bound: int,
-                  decode: bool, rope_dim: int = 0, splits: int | None = None):
+                  decode: bool, rope_dim: int = 0, splits: int | None = None, aux_words: int | None = None):
     """(AttnConfig, Pipeline) of the attention dispatch for ``hq`` heads, ``rows`` packed query
     rows, ``nn`` new rows (fused append: a per-call value, not a specialisation), ``nseq`` sequences, on ``dev`` (a Device, or anything with
     its planning attributes) for the storage format ``fmt`` (a cache: _dk4, _dv4, _ch,
@@ -264,10 +264,18 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
         raise DeviceLimitError(f"q: {rows} rows need {grid[1]} workgroups in y; the device allows "
                                f"{dev.max_workgroup_count[1]}")
     spec = cfg.spec(group, fmt._dk4, fmt._dv4, fmt.v_head_dim, flags, rope_dim)
+    bindings = ATTN_BINDINGS
     if cfg.kernel == "lane":
         shader, defines = "attn_lane", dict(fmt._defines)
         if texel_kv(dev, cfg.kernel, nn, fmt):
             defines["KV_TEXEL"] = 1
+        # aux also as a texel view (binding 13) where the key loop gathers from it: an AttnPlan's
+        # (aux_words known; the split counters follow them)
+        counters = hkv * grid[1] if cfg.splits > 1 else 0
+        if aux_words is not None and texel_aux(dev, cfg.kernel, bool(flags & (F_MASK | F_PAGED)),
+                                               aux_words + counters):
+            defines["AUX_TEXEL"] = 1
+            bindings += 1
         if (defines.get("KV_F16") or defines.get("KV_FP8")) and dev.half_native():   # its exact half conversion
             defines["HALF_NATIVE"] = 1
     elif cfg.kernel == "coopmat":
@@ -281,7 +289,7 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
             defines["TILE_MERGE_BATCH"] = merge_batch
         if tile_v_early():                        # .. or VKATTN_TILE_V_EARLY
             defines["TILE_V_EARLY"] = 1
-    return cfg, Pipeline(shader, shader, defines, tuple(spec), grid, ATTN_BINDINGS)
+    return cfg, Pipeline(shader, shader, defines, tuple(spec), grid, bindings)
 
 
 class AttnPlan:
@@ -302,7 +310,9 @@ class AttnPlan:
         c = store
         be, hkv = c.device.backend, c.num_kv_heads
         self.c, self.hq, self.rows, self.nn, self.flags = c, hq, rows, nn, flags
-        cfg, pipe = attn_pipeline(c.device, c, hq, rows, nn, nseq, flags, key_bound, decode, rope_dim, splits)
+        aux_words = -(-aux_words // 4) * 4         # whole texels: a texel view of it reaches every word
+        cfg, pipe = attn_pipeline(c.device, c, hq, rows, nn, nseq, flags, key_bound, decode, rope_dim, splits,
+                                  aux_words)
         self.cfg = cfg
         pv4 = c._dv4 * c._ch * 4
         nrows = hq * rows
@@ -328,7 +338,7 @@ class AttnPlan:
         inputs = [self.q, self.aux] + ([self.nk, self.nv] if nn else []) + ([self.rope] if rope_dim else [])
         self.inputs = inputs                        # what a call uploads (a recording of several plans too)
         bindings = [c._k, c._v, self.nk, self.nv, self.q, self.aux, self.out, self.part, self.ml, self.lse,
-                    self.rope, c._ks, c._vs]
+                    self.rope, c._ks, c._vs] + [self.aux] * (pipe.bindings - ATTN_BINDINGS)
         # the subgroup width the kernel's shuffles assume (attn.comp clusters of cfg.ds, attn_lane.comp
         # one subgroup of cfg.wg): pinned where the device can (a required subgroup size, full
         # subgroups), else checked on the real pipeline after each run (see run)
@@ -399,7 +409,8 @@ class AttnPlan:
             self._drop_bind(key)
         c, be = self.c, self.c.device.backend
         bindings = [c._k, c._v, nk or self.nk, nv or self.nv, q or self.q, self.aux, out or self.out,
-                    self.part, self.ml, lse or self.lse, self.rope, c._ks, c._vs]
+                    self.part, self.ml, lse or self.lse, self.rope, c._ks, c._vs] + \
+            [self.aux] * (self._pipe.bindings - ATTN_BINDINGS)
         prog = be.program(self._spirv, bindings, self._pipe.groups, self._pipe.spec, writes=self._writes,
                           name=self._pipe.shader, subgroup=self.subgroup)
         up = [b for b in self.inputs if b not in (self.q, self.nk, self.nv)] + \

@@ -291,6 +291,21 @@ def texel_kv(device, kernel: str, nn: int, store) -> bool:
     return k is None or k.nbytes // 16 <= device.info.max_texel_buffer_elements
 
 
+def texel_aux(device, kernel: str, lane_words: bool, aux_words: int) -> bool:
+    """Whether attn_lane.comp also reads its aux buffer through a uniform texel view (AUX_TEXEL):
+    where its key loop reads aux words at each lane's own address -- a mask's values, a paged
+    block table (``lane_words``) -- which llvmpipe loads lane by lane from a storage buffer and
+    gathers from a texel view (perf lpjit, session 38: 15% of a masked decode's samples, 4% of a
+    paged one's). A device that binds texel buffers and an aux of ``aux_words`` (its split
+    counters included) within its maxTexelBufferElements, four words a texel; VKATTN_TEXEL_KV=0
+    turns it off with the K/V views."""
+    if kernel != "lane" or not lane_words or os.environ.get("VKATTN_TEXEL_KV", "1").strip() == "0":
+        return False
+    if not getattr(device, "texel_buffers", False):
+        return False
+    return -(-aux_words // 4) <= device.info.max_texel_buffer_elements
+
+
 def coopmat_wanted(device) -> bool:
     """Whether prefill and chunks (more than one query row) go to attn_coopmat.comp.
 

@@ -48,9 +48,10 @@
 
 #define HAS(f) ((FLAGS & (f)) != 0u)
 
-// header words the score and visibility rules below read. A kernel may define AUX_WINDOW (and the
-// three others) before including this file, naming copies it loaded once (attn_lane.comp: llvmpipe
-// loads a word every lane shares lane by lane, through memory, where the key loop would read it)
+// aux words the rules below read. A kernel may define these before including this file: AUX_LANE
+// as another way to read a word at each lane's own address, AUX_WINDOW (with the three after it)
+// as copies of the header words it loaded once -- attn_lane.comp, for llvmpipe, which loads a
+// storage word lane by lane through memory even where every lane reads the same address
 #ifndef AUX_LANE
 #define AUX_LANE(i) aux[i]   // a word at each lane's own address (a mask value, a block table entry)
 #endif

@@ -260,8 +260,8 @@ float key_scale(bool is_k, uint row) {
 }
 
 // cache_row's words, loaded once (main): the key loop reads no aux word at an address every lane
-// shares (llvmpipe loads those lane by lane, through memory: 3% of a float16 decode's time when
-// each block re-read aux[4], L=4096 32/8 d128, session 38)
+// shares (llvmpipe loads those lane by lane, through memory: 5% of a float16 decode's samples when
+// each block re-read aux[4], L=4096 32/8 d128, python -m perf lpjit, session 38)
 uint head_row;      // hh * aux[4]: kv head hh's first row (of the cache, or of each block: paged)
 uint blk_size;      // paged: aux[6], the block size
 uint blk_rows;      // paged: aux[5], the rows one block spans

@@ -100,3 +100,7 @@ def test_planned_variants_cover_every_shader_the_runtime_builds():
     assert shipped - names == set()
     assert ("attn_coopmat", {"KV_F16": 1, "KV_I8": 0, "COOPMAT_UNROLL": 1, "COOPMAT_FIXED_TRIPS": 1,
                              "COOPMAT_STAGE_BATCH": 1}) in spirv_audit.planned_variants()
+    # masks and block tables through a texel view of aux (tuning.texel_aux), with either K/V path
+    for kv in ({}, {"KV_TEXEL": 1}):
+        assert ("attn_lane", dict({"KV_F16": 1, "KV_I8": 0, "HALF_NATIVE": 1, "AUX_TEXEL": 1}, **kv)) \
+            in spirv_audit.planned_variants()

@@ -34,7 +34,7 @@ COOPMAT_FORMATS = tuple(name for name, f in STORAGE.items() if f.matrices)
 
 def planned_variants() -> list:
     """(shader, defines) of every pipeline the runtime builds: per storage format the append,
-    attn.comp (with and without its subgroup shuffles), attn_lane.comp (storage and texel K/V) and, for the formats its
+    attn.comp (with and without its subgroup shuffles), attn_lane.comp (storage and texel K/V, aux through a texel view or not) and, for the formats its
     matrices hold (float16, int8, fp8), attn_coopmat.comp (loops rolled or unrolled, COOPMAT_FIXED_TRIPS and COOPMAT_STAGE_BATCH either way); the paged and persistence copies; the split
     merge; the subgroup probe and the half-conversion probe."""
     out = []
@@ -43,10 +43,11 @@ def planned_variants() -> list:
         out += [("attn", dict(d, TILE_SHUFFLE=s)) for s in (0, 1)]
         out.append(("attn", dict(d, TILE_SHUFFLE=1, TILE_MERGE_BATCH=0)))     # VKATTN_TILE_MERGE_BATCH=0
         out.append(("attn", dict(d, TILE_SHUFFLE=1, TILE_V_EARLY=1)))         # VKATTN_TILE_V_EARLY=1
-        out.append(("attn_lane", dict(d)))
-        out.append(("attn_lane", dict(d, KV_TEXEL=1)))       # K/V from texel views (tuning.texel_kv)
+        lane = [dict(d), dict(d, KV_TEXEL=1)]               # K/V from texel views (tuning.texel_kv)
         if d.get("KV_F16") or d.get("KV_FP8"):               # the device's exact half conversion (Device.half_native)
-            out += [("attn_lane", dict(d, HALF_NATIVE=1)), ("attn_lane", dict(d, KV_TEXEL=1, HALF_NATIVE=1))]
+            lane += [dict(d, HALF_NATIVE=1), dict(d, KV_TEXEL=1, HALF_NATIVE=1)]
+        # each also with masks and block tables from a texel view of aux (tuning.texel_aux)
+        out += [("attn_lane", x) for x in lane] + [("attn_lane", dict(x, AUX_TEXEL=1)) for x in lane]
         if fmt in COOPMAT_FORMATS:
             out += [("attn_coopmat", dict(d, COOPMAT_UNROLL=u, COOPMAT_FIXED_TRIPS=t, COOPMAT_STAGE_BATCH=b))
                     for u in (0, 1) for t in (0, 1) for b in (0, 1)]

@@ -337,8 +337,8 @@ class AttnPlan:
         self.ml = buf(cfg.splits * nrows * 2 if split else 2, np.float32, host_visible=False, name="max_sum")
         inputs = [self.q, self.aux] + ([self.nk, self.nv] if nn else []) + ([self.rope] if rope_dim else [])
         self.inputs = inputs                        # what a call uploads (a recording of several plans too)
-        bindings = [c._k, c._v, self.nk, self.nv, self.q, self.aux, self.out, self.part, self.ml, self.lse,
-                    self.rope, c._ks, c._vs] + [self.aux] * (pipe.bindings - ATTN_BINDINGS)
+        self._pipe = pipe
+        bindings = self._bindings()
         # the subgroup width the kernel's shuffles assume (attn.comp clusters of cfg.ds, attn_lane.comp
         # one subgroup of cfg.wg): pinned where the device can (a required subgroup size, full
         # subgroups), else checked on the real pipeline after each run (see run)
@@ -390,6 +390,13 @@ class AttnPlan:
                 .download(self.out).build(c.timestamps)
         return self._rec_out
 
+    def _bindings(self, q=None, nk=None, nv=None, out=None, lse=None) -> list:
+        """The dispatch's buffers in binding order (ATTN_BINDINGS; AUX_TEXEL: aux once more), the
+        given ones in place of the plan's own."""
+        c = self.c
+        return [c._k, c._v, nk or self.nk, nv or self.nv, q or self.q, self.aux, out or self.out, self.part,
+                self.ml, lse or self.lse, self.rope, c._ks, c._vs] + [self.aux] * (self._pipe.bindings - ATTN_BINDINGS)
+
     def bound(self, q=None, nk=None, nv=None, out=None, lse=None) -> tuple:
         """(program, recording) of this plan with the given buffers (vkattn._kp.Buffer of device
         arrays; None: the plan's own) bound in place of q, the new K/V rows, out and lse. The
@@ -407,19 +414,16 @@ class AttnPlan:
                 return hit
         if hit is not None:
             self._drop_bind(key)
-        c, be = self.c, self.c.device.backend
-        bindings = [c._k, c._v, nk or self.nk, nv or self.nv, q or self.q, self.aux, out or self.out,
-                    self.part, self.ml, lse or self.lse, self.rope, c._ks, c._vs] + \
-            [self.aux] * (self._pipe.bindings - ATTN_BINDINGS)
-        prog = be.program(self._spirv, bindings, self._pipe.groups, self._pipe.spec, writes=self._writes,
-                          name=self._pipe.shader, subgroup=self.subgroup)
+        be = self.c.device.backend
+        prog = be.program(self._spirv, self._bindings(q, nk, nv, out, lse), self._pipe.groups, self._pipe.spec,
+                          writes=self._writes, name=self._pipe.shader, subgroup=self.subgroup)
         up = [b for b in self.inputs if b not in (self.q, self.nk, self.nv)] + \
              [own for own, user in ((self.q, q), (self.nk, nk), (self.nv, nv)) if own in self.inputs and user is None]
         down = self._downloads(out, lse)
         rec = be.recording().upload(*up).dispatch(prog)
         if down:
             rec.download(*down)
-        hit = self._binds[key] = (prog, rec.build(c.timestamps), up)
+        hit = self._binds[key] = (prog, rec.build(self.c.timestamps), up)
         while len(self._binds) > 4:
             self._drop_bind(next(iter(self._binds)))
         return hit

@@ -283,12 +283,21 @@ def texel_kv(device, kernel: str, nn: int, store) -> bool:
     Lavapipe gathers a texel fetch with vector instructions and runs a storage load as a per-lane
     loop (0.125 against 0.416 ns a word, python -m perf loads). VKATTN_TEXEL_KV=0 turns it off
     (the storage path, as with a plain kp)."""
-    if kernel != "lane" or nn or os.environ.get("VKATTN_TEXEL_KV", "1").strip() == "0":
-        return False
-    if not getattr(device, "texel_buffers", False):          # a planning device: never
+    if nn:
         return False
     k = getattr(store, "_k", None)      # None: a format planned without buffers (perf's traffic models)
-    return k is None or k.nbytes // 16 <= device.info.max_texel_buffer_elements
+    return _texel_views(device, kernel, None if k is None else k.nbytes // 16)
+
+
+def _texel_views(device, kernel: str, texels: int | None) -> bool:
+    """The lane kernel, texel views not turned off (VKATTN_TEXEL_KV=0), a device that binds them
+    (a planning device: never) and a view of ``texels`` (four words each; None: not known yet)
+    within its maxTexelBufferElements."""
+    if kernel != "lane" or os.environ.get("VKATTN_TEXEL_KV", "1").strip() == "0":
+        return False
+    if not getattr(device, "texel_buffers", False):
+        return False
+    return texels is None or texels <= device.info.max_texel_buffer_elements
 
 
 def texel_aux(device, kernel: str, lane_words: bool, aux_words: int) -> bool:
@@ -299,11 +308,7 @@ def texel_aux(device, kernel: str, lane_words: bool, aux_words: int) -> bool:
     paged one's). A device that binds texel buffers and an aux of ``aux_words`` (its split
     counters included) within its maxTexelBufferElements, four words a texel; VKATTN_TEXEL_KV=0
     turns it off with the K/V views."""
-    if kernel != "lane" or not lane_words or os.environ.get("VKATTN_TEXEL_KV", "1").strip() == "0":
-        return False
-    if not getattr(device, "texel_buffers", False):
-        return False
-    return -(-aux_words // 4) <= device.info.max_texel_buffer_elements
+    return lane_words and _texel_views(device, kernel, -(-aux_words // 4))
 
 
 def coopmat_wanted(device) -> bool:

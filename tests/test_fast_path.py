@@ -551,6 +551,7 @@ def test_paged_fast_path_takes_token_ids(device, rng, monkeypatch):
     token ids raise the general path's errors and change nothing; a model's layers passing the
     same ids share the step's plan."""
     from vkattn import paged
+    monkeypatch.setattr(paged._Steady, "of", classmethod(lambda cls, *a: None))     # every step planned
     fast, general, layer = (vkattn.PagedKVCache(30, 4, 2, 16, dtype="float16", device=device) for _ in range(3))
     general._fast_forward = lambda *a, **kw: None
     fills = []
@@ -618,6 +619,7 @@ def test_paged_decode_loop_replans_where_its_attention_plan_changes(device, rng,
     real = paged._Step.following
     monkeypatch.setattr(paged._Step, "following",
                         lambda self, *a: taken.append(real(self, *a)) or taken[-1])
+    monkeypatch.setattr(paged._Steady, "of", classmethod(lambda cls, *a: None))     # every step planned
     for blocks, bs, start, steps in ((90, 48, 4093, 6), (300, 1, 200, 10)):     # 4096: inside a block of 48
         fast, general = (vkattn.PagedKVCache(blocks, bs, 2, 16, dtype="float16", device=device) for _ in range(2))
         general._fast_forward = lambda *a, **kw: None
@@ -649,6 +651,7 @@ def test_paged_chunked_prefill_then_decode_take_each_step_on(device, rng, monkey
     taken = []
     real = paged._Step.following
     monkeypatch.setattr(paged._Step, "following", lambda self, *a: taken.append(real(self, *a)) or taken[-1])
+    monkeypatch.setattr(paged._Steady, "of", classmethod(lambda cls, *a: None))     # every step planned
     fast, general = (vkattn.PagedKVCache(40, 16, 2, 16, dtype="float16", device=device) for _ in range(2))
     general._fast_forward = lambda *a, **kw: None
     for c in (fast, general):
@@ -676,5 +679,270 @@ def test_paged_chunked_prefill_then_decode_take_each_step_on(device, rng, monkey
     with pytest.raises(vkattn.UnknownSequenceError) as ge:
         general.forward([0, 1], q, k, v)
     assert str(fe.value) == str(ge.value)
+    fast.close()
+    general.close()
+
+
+def _aux_as_planned(cache) -> None:
+    """The aux words of the step a PagedKVCache's _Steady just ran are the words fill_batch
+    computes for that step (_batch_words: records, block tables, rotary rows)."""
+    m = cache._steady
+    attn, n = m.attn, len(m.ids)
+    seq_off, _, free = attn._batch_head[1]
+    past = [cache.length(s) - 1 for s in m.ids]
+    recs, tabs, rtab = attn._batch_words(past, [1] * n, [cache.block_table(s) for s in m.ids], attn.cfg.splits,
+                                         None, free, cache.rope)
+    aux = attn.aux.view()
+    assert np.array_equal(aux[seq_off:seq_off + recs.size], recs)
+    assert np.array_equal(aux[free:free + tabs.size], tabs)
+    if rtab is not None:
+        assert np.array_equal(attn.rope.view()[:rtab.size], rtab)
+
+
+def _failing_run(monkeypatch):
+    """A context in which every recording's run raises (a device lost mid-call)."""
+    import contextlib
+    from vkattn import _kp
+
+    @contextlib.contextmanager
+    def failing():
+        real = _kp.Recording.run
+
+        def boom(self, *a, **kw):
+            raise RuntimeError("device lost (injected)")
+        monkeypatch.setattr(_kp.Recording, "run", boom)
+        try:
+            yield
+        finally:
+            monkeypatch.setattr(_kp.Recording, "run", real)
+    return failing
+
+
+def _steady_spy(monkeypatch) -> list:
+    """A list that gets, per _Steady.step that ran a step, the blocks it took."""
+    from vkattn import paged
+    hits, real = [], paged._Steady.step
+
+    def spy(self, cache, *a):
+        free = cache._pool.free_blocks
+        got = real(self, cache, *a)
+        if got is not None:
+            hits.append(free - cache._pool.free_blocks)
+        return got
+    monkeypatch.setattr(paged._Steady, "step", spy)
+    return hits
+
+
+@pytest.mark.parametrize("dtype,rope,variant", [("float16", "none", {}), ("q4", "neox", dict(rope_q=True)),
+                                                ("int8", "gptj partial", dict(softcap=4.0, causal=False)),
+                                                ("float32", "none", dict(alibi=True))])
+def test_paged_steady_decode_runs_its_last_step_again(device, rng, dtype, rope, variant, monkeypatch):
+    """A batch decode loop of five sequences of staggered lengths in blocks of 4: every step after
+    the first runs the last one's attention plan again (vkattn.paged._Steady), the sequences whose
+    row starts a block taking the blocks the planned way takes -- cached blocks of the prefix
+    cache evicted in its order once the unused ones are gone -- and each output (lse too, device
+    arrays too) is bit for bit the general path's; lengths, block tables and cached blocks agree,
+    and both pools keep their invariants."""
+    hits = _steady_spy(monkeypatch)
+    hkv, d, hq = 2, 40, 6
+    if variant.pop("alibi", False):
+        variant["alibi_slopes"] = np.array([0.5, 0.25, 0.125, 0.0625, 0.03, 0.01], np.float32)
+    fast, general = (vkattn.PagedKVCache(31, 4, hkv, d, dtype=dtype, device=device, rope=ROPES[rope])
+                     for _ in range(2))
+    general._fast_forward = lambda *a, **kw: None
+    lengths = [1, 3, 4, 6, 9]
+    for c in (fast, general):                       # a prompt of 12 tokens whose 3 blocks stay cached
+        tmp = c.add_sequence(token_ids=list(range(12)))
+        k, v = rng.standard_normal((2, hkv, 12, d), dtype=np.float32)
+        c.forward([tmp], rng.standard_normal((hq, 12, d), dtype=np.float32), k, v, n_new=[12],
+                  token_ids=[list(range(12))])
+        c.remove_sequence(tmp)
+        assert c.cached_blocks == 3
+    ids = [fast.add_sequence() for _ in lengths]
+    assert ids == [general.add_sequence() for _ in lengths]
+    for sid, n in zip(ids, lengths):
+        k, v = rng.standard_normal((2, hkv, n, d), dtype=np.float32)
+        for c in (fast, general):
+            c.append([sid], k, v, n_new=[n])
+    steps, failed, failing = 18, False, _failing_run(monkeypatch)
+    for step in range(steps):
+        q, k, v = _batch(rng, hq, hkv, [1] * 5, d)
+        grow = sum(fast.length(s) % 4 == 0 for s in ids)
+        if step and not failed and grow > len(fast._pool._free):
+            # the step takes a cached block and fails on the device: the block is evicted before
+            # the device writes it (no stale hash left), as the planned way does, nothing else changes
+            failed, before = True, fast.lengths()
+            for c in (fast, general):
+                with failing(), pytest.raises(RuntimeError, match="injected"):
+                    c.forward(ids, q, k, v, **variant)
+            assert fast.lengths() == before == general.lengths()
+            assert fast.cached_blocks == general.cached_blocks < 3
+            assert fast.match_prefix(list(range(13))) == general.match_prefix(list(range(13)))
+        lse = step % 5 == 3
+        got = fast.forward(ids, q, k, v, return_lse=lse, **variant)
+        want = general.forward(ids, q, k, v, return_lse=lse, **variant)
+        if lse:
+            assert np.array_equal(got[1], want[1]), step
+            got, want = got[0], want[0]
+        assert np.array_equal(got, want), step
+        assert fast.lengths() == general.lengths() and fast.cached_blocks == general.cached_blocks, step
+        assert [fast.block_table(s) for s in ids] == [general.block_table(s) for s in ids], step
+        if step:
+            _aux_as_planned(fast)
+    assert failed and len(hits) == steps - 1 and sum(hits) >= 15, (failed, hits)
+    assert fast.cached_blocks < 3                   # the prefix cache's blocks were taken too
+    for c in (fast, general):
+        c._pool.check()
+    if d % (4 * fast._ch) == 0:                     # device arrays in and out take it too
+        q, k, v = _batch(rng, hq, hkv, [1] * 5, d)
+        out = vkattn.empty((hq, 5, d), device)
+        got = fast.forward(ids, *(vkattn.to_device(x, device) for x in (q, k, v)), out=out, **variant)
+        assert got is out and len(hits) == steps
+        assert np.array_equal(out.numpy(), general.forward(ids, q, k, v, **variant))
+    fast.close()
+    general.close()
+
+
+def test_paged_steady_decode_replans_after_any_change(device, rng, monkeypatch):
+    """A steady decode step (vkattn.paged._Steady) runs only where nothing changed since the last
+    one: after a truncate, a fork, a sequence added or removed, token ids set, the prefix cache
+    evicted, another scale, head count or variant, token ids other than one plain int each, its
+    plan built again by plan(), its plan dropped from the LRU, or its plan's aux filled for
+    another batch between a planned call and the next (a graph's prepare), the next call plans (and the
+    one after it is steady again); new tokens' ids are learnt as the planned way learns them; every output is bit for bit the general path's, and a batch that no longer fits is
+    the general path's CacheFullError with nothing changed."""
+    hits = _steady_spy(monkeypatch)
+    monkeypatch.setenv("VKATTN_CASCADE", "0")      # a forked prefix attended per sequence (below: by cascade)
+    hkv, d = 2, 16
+    fast, general = (vkattn.PagedKVCache(72, 4, hkv, d, dtype="float16", device=device) for _ in range(2))
+    general._fast_forward = lambda *a, **kw: None
+    caches = (fast, general)
+    ids = [fast.add_sequence() for _ in range(3)]
+    assert ids == [general.add_sequence() for _ in range(3)]
+    for sid, n in zip(ids, (2, 5, 7)):
+        k, v = rng.standard_normal((2, hkv, n, d), dtype=np.float32)
+        for c in caches:
+            c.append([sid], k, v, n_new=[n], token_ids=[list(range(n))])
+
+    def call(hq=4, expect=None, **kw):
+        q, k, v = _batch(rng, hq, hkv, [1] * 3, d)
+        before = len(hits)
+        got = fast.forward(ids, q, k, v, **kw)
+        assert np.array_equal(got, general.forward(ids, q, k, v, **kw)), kw
+        assert fast.lengths() == general.lengths()
+        if expect is not None:
+            assert len(hits) - before == expect, (kw, expect)
+
+    call()
+    call(expect=1)
+    block = rng.standard_normal((2, hkv, 4, d), dtype=np.float32)
+
+    def cache_a_block(c):                           # a full block with token ids, left in the prefix cache
+        s = c.add_sequence()
+        c.append([s], *block, n_new=[4], token_ids=[[100, 101, 102, 103]])
+        c.remove_sequence(s)
+        assert c.cached_blocks == 1
+    changes = [lambda c: c.truncate(ids[0], c.length(ids[0]) - 1), lambda c: c.fork(ids[1]),
+               lambda c: c.add_sequence(), lambda c: c.remove_sequence(max(c.sequences)),
+               lambda c: c.set_token_ids(ids[2], c.token_ids(ids[2]) + [0] * (c.length(ids[2]) - len(c.token_ids(ids[2])))),
+               cache_a_block, lambda c: c.evict_cached()]
+    for change in changes:
+        for c in caches:
+            change(c)
+        call(expect=0)
+        call(expect=1)
+    for ids_ in ([[1], [2], [3]], ([4], [5], [6]), [[7], [8], [9]]):    # each new token's id: learnt, as planned
+        call(expect=1, token_ids=ids_)
+        assert [fast.token_ids(s) for s in ids] == [general.token_ids(s) for s in ids]
+        assert fast._pool._index == general._pool._index
+    call(expect=0, token_ids=[[1], None, [3]])      # anything but a list of one plain int each: planned
+    call(expect=1)
+    call(expect=0, token_ids=[[1], [np.int64(2)], [3]])
+    call(expect=1)
+    for kw in (dict(scale=0.3), dict(hq=6), dict(softcap=2.0), dict(alibi_slopes=np.full(4, 0.5, np.float32)),
+               dict(alibi_slopes=np.full(4, 0.25, np.float32)), dict(causal=False), dict(window=3)):
+        call(expect=0, **kw)
+        call(expect=0 if "window" in kw else 1, **kw)
+        call(expect=0)
+        call(expect=1)
+    fast.plan(ids, 4)                               # the same plan built or fetched again: it filled its aux
+    call()
+    call(expect=1)
+    for hq in (6, 8, 10, 12, 14, 16, 18, 20, 22):   # as many other plans as the LRU holds: ours dropped
+        fast.plan(ids, hq)
+    call(expect=0)
+    call(expect=1)
+    call(expect=0, hq=6)                            # a planned call, then its plan's aux filled for another
+    q, k, v = _batch(rng, 6, hkv, [1] * 3, d)       # batch before the next call (as a graph's prepare does)
+    fast._plans[fast._steady_next[2]].fill_batch(q, k, v, [1, 2, 3], [1, 1, 1], [[7], [8], [9]], 0.25)
+    call(expect=0, hq=6)
+    call(expect=1, hq=6)
+    for c in caches:                                # a shared first block: with cascade allowed
+        c.fork(ids[0])
+    call(expect=0)
+    call(expect=1)
+    monkeypatch.setenv("VKATTN_CASCADE", "1")       # ... the next step is the cascade's
+    call(expect=0)
+    call(expect=0)
+    monkeypatch.setenv("VKATTN_CASCADE", "0")
+    for c in caches:
+        c.remove_sequence(max(c.sequences))
+    call(expect=0)
+    call(expect=1)
+    while len([s for s in ids if fast.length(s) % 4 == 0]) <= fast.free_blocks:
+        call()                                      # the pool filled: the last steps take every block
+    assert fast.free_blocks < 3
+    before = fast.lengths()
+    q, k, v = _batch(rng, 4, hkv, [1] * 3, d)
+    with pytest.raises(vkattn.CacheFullError) as fe:
+        fast.forward(ids, q, k, v)
+    with pytest.raises(vkattn.CacheFullError) as ge:
+        general.forward(ids, q, k, v)
+    assert str(fe.value) == str(ge.value) and fast.lengths() == before
+    fast.close()
+    general.close()
+
+
+def test_paged_steady_decode_across_the_key_bound_and_after_a_failed_call(device, rng, monkeypatch):
+    """One sequence of 4090 keys and two short ones (their chunks the shortest a split takes; the
+    tile kernel, 8 splits):
+    the steady steps (vkattn.paged._Steady) stop where the longest passes the plan's decode key
+    bound (4096: more splits, planned again) and go on after it; a call of three other sequences
+    on the same attention plan that fails on the device (nothing committed, the pool unchanged),
+    after a planned step or a steady one, leaves that plan's aux theirs, so the next step plans
+    (before the bound: the same plan key). Each output bit for bit the general
+    path's, each steady step's aux words the planned way's."""
+    hits, failing = _steady_spy(monkeypatch), _failing_run(monkeypatch)
+    monkeypatch.setenv("VKATTN_KERNEL", "tile")     # split keys (the lane kernel's one split a CPU core)
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "8")
+    hkv, d = 2, 16
+    fast, general = (vkattn.PagedKVCache(100, 48, hkv, d, dtype="float16", device=device) for _ in range(2))
+    general._fast_forward = lambda *a, **kw: None
+    lengths = [4090, 5, 30, 7, 8, 9]
+    ids = [fast.add_sequence() for _ in lengths]
+    assert ids == [general.add_sequence() for _ in lengths]
+    for sid, n in zip(ids, lengths):
+        k, v = rng.standard_normal((2, hkv, n, d), dtype=np.float32)
+        for c in (fast, general):
+            c.append([sid], k, v, n_new=[n])
+    batch, bounds = ids[:3], []
+    for step in range(12):
+        q, k, v = _batch(rng, 4, hkv, [1] * 3, d)
+        if step in (1, 4):                          # three others on the same plan, failing on the device
+            key = fast._steady.key if step == 4 else fast._steady_next[2]     # after a steady step / a planned one
+            with failing(), pytest.raises(RuntimeError, match="injected"):
+                fast.forward(ids[3:], q, k, v)
+            assert fast._plans[key]._batch_head is not None and fast.lengths() == general.lengths()
+        before = len(hits)
+        got = fast.forward(batch, q, k, v)
+        assert np.array_equal(got, general.forward(batch, q, k, v)), step
+        last = fast._steady_next                    # a planned call's, for the next call; else the step's own
+        bounds.append((fast._steady.key if last is None else last[2])[7])     # the plan's decode key bound
+        if len(hits) > before:
+            _aux_as_planned(fast)
+        else:
+            assert step in (0, 1, 4, 6), step       # the first, after the failed calls, past 4096 keys
+    assert len(hits) == 8 and bounds[5] == 4096 and bounds[6] > 4096, (hits, bounds)
+    assert fast._steady.attn.cfg.splits > 1
     fast.close()
     general.close()

@@ -108,13 +108,17 @@ def may_share(cache, plan) -> bool:
     another (a shared prefix is shared blocks: forks and the prefix cache hold them twice). A
     cheap test, without the table copies shared_groups makes: plan_groups starts with it, and
     PagedKVCache's fast path takes it alone."""
-    if len(plan.seq_ids) < 2:
-        return False
-    mode = cascade_mode()
-    if mode == "off" or (mode == "auto" and not cache.device.is_software):
+    if len(plan.seq_ids) < 2 or not may_share_blocks(cache):
         return False
     refs = cache._pool._refs
     return any(refs[t[0]] > 1 for t in plan.tables if t)
+
+
+def may_share_blocks(cache) -> bool:
+    """Whether VKATTN_CASCADE lets ``cache`` attend shared blocks by cascade at all: not off,
+    and on, or automatic on a software device."""
+    mode = cascade_mode()
+    return mode == "on" or (mode == "auto" and cache.device.is_software)
 
 
 def plan_groups(cache, plan, hq: int, variant, masked: bool, rope_q: bool) -> list:

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import weakref
-from itertools import chain
-from operator import add
+from array import array
+from itertools import accumulate, chain
+from operator import add, ge
 
 import numpy as np
 
 from . import cascade
 from ._attn import F_PAGED, AttnPlan, Pipeline, RoPE, SeqCall, aux_bucket, check_mask, check_variant, destroy, \
-    fast_mask, grid_groups, mask_words
+    fast_mask, grid_groups, mask_words, _PLAIN
 from ._base import CacheBase, fast_call_ok
 from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
@@ -17,7 +18,7 @@ from . import persist
 from .device import Device
 from .errors import CacheFullError
 from .array import DeviceArray, buffers
-from .paging import _INT, BlockPool, UnknownSequenceError, _slots_of
+from .paging import _INT, _LIST, BlockPool, UnknownSequenceError, _plain_ids, _slots_of
 from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, decode_key_bound, kernel_for, own_splits, row_bucket
 
 
@@ -80,6 +81,8 @@ class PagedKVCache(CacheBase):
                   self.dtype, self.rope)
         self._steps = _STEPS.setdefault(self.device, {}).setdefault(family, [None])    # [the family's last]
         self._next = None           # this cache's last fast _Step (_step_plan: _Step.following)
+        self._steady = None         # the batch decode a next step may take on (_Steady)
+        self._steady_next = None    # what _Steady.of takes of the last planned fast call
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -350,6 +353,17 @@ class PagedKVCache(CacheBase):
             except (TypeError, ValueError):
                 return None         # the general path raises it, or an error it checks first (the ids')
             flags = F_PAGED | variant.flags(mask is not None) | (self.rope.flags(rope_q) if self.rope is not None else 0)
+            if mask is None:        # the last fast call's step run again, where the pool is as it left it
+                version, steady = self._pool._version, self._steady
+                if steady is None or steady.version != version:
+                    last = self._steady_next
+                    steady = None if last is None or last[0] != version else _Steady.of(self, last)
+                    self._steady, self._steady_next = steady, None
+                if steady is not None:
+                    got = steady.step(self, seq_ids, n_new, q, k, v, hq, total, flags, variant, scale, causal, out,
+                                      return_lse, token_ids)
+                    if got is not None:
+                        return got
             if mask is None:        # ids, counts, token ids checked
                 plan, step = self._step_plan(seq_ids, n_new, hq, flags, token_ids)
             else:
@@ -391,6 +405,8 @@ class PagedKVCache(CacheBase):
             self._last_rec = rec
             plan.commit()
             self._next = step               # the next call of the same sequences: _Step.following
+            self._steady_next = None if split or step is None or masks is not None else \
+                (self._pool._version, plan, step.key, attn, variant, scale, causal, attn._batch_head, attn.batch_words)
             if out is not None:
                 return out
             if return_lse:                  # numpy only: out and lse copied back
@@ -789,6 +805,128 @@ class _Step:
 
 
 _LIST_OR_NONE = {list, type(None)}
+
+
+class _Steady:
+    """A batch decode a PagedKVCache's next call may take on without planning: the last fast call
+    was one new token for each of the same sequences (no window, no mask, rows fused into the
+    dispatch), and nothing has changed the pool since (its version). While the decode key bound
+    and the choice to append first hold, the blocks rows need are free and the tables fit in the
+    aux, and the attention plan is still the cache's with the aux that call left, the next step
+    is that plan run again with the words that change written (AttnPlan.fill_decode_step): no
+    AppendPlan, no _Step, no per-sequence records built (vkattn's Python of a batch decode loop).
+    A row that starts a block takes the block _take would give (the same tables as the planned
+    way), and every table's words are written again; each new token's id, where given, is
+    learnt as the planned way learns it. Anything else -- another variant, scale or head count,
+    a pool changed by anyone -- goes the planned way, which makes a new memo."""
+
+    __slots__ = ("pool", "version", "ids", "ids_t", "ones", "past", "caps", "live", "bound", "hq", "flags", "vkey",
+                 "scale", "causal", "key", "attn", "head", "words", "shared", "result")
+
+    @classmethod
+    def of(cls, cache, last: tuple):
+        """The memo of the last planned fast call (PagedKVCache._steady_next: the pool's version
+        after its commit, its AppendPlan, the attention plan's LRU key, the attention plan, its
+        variant, scale and causality, and the plan's fill_batch header and words that call
+        left), made at the next call, which found the pool at that version -- a call after a
+        truncate or another change pays only that test; None where its next step could not take
+        on: not a decode of one row per sequence, a window, an output width to check."""
+        version, plan, key, attn, variant, scale, causal, head, words = last
+        counts = plan.n_new
+        if key is None or variant.window is not None or attn._check_width or head is None \
+                or counts.count(1) != len(counts):
+            return None
+        m = object.__new__(cls)
+        pool = cache._pool
+        m.pool, m.version, m.key, m.attn, m.scale, m.causal = pool, version, key, attn, scale, causal
+        m.head, m.words = head, words       # step() finds them still the plan's, or plans
+        m.ids, m.ids_t, m.ones = list(plan.seq_ids), tuple(plan.seq_ids), counts[:]
+        m.past = list(map(add, plan.past, counts))          # the lengths now: the next call's past
+        bs = cache.block_size
+        m.caps = [len(t) * bs for t in plan.tables]
+        m.live = list(map(pool._tables.__getitem__, m.ids))     # the pool's own tables (the version guards them)
+        m.bound, m.hq, m.flags, m.vkey = key[7], attn.hq, key[5], variant.key()
+        refs = pool._refs                   # a first block held twice: the cascade's to consider (may_share)
+        m.shared = len(counts) > 1 and any(refs[t[0]] > 1 for t in plan.tables if t)
+        m.result = None
+        return m
+
+    def step(self, cache, seq_ids, n_new, q, k, v, hq, total, flags, variant, scale, causal, out, return_lse,
+             token_ids=None):
+        """The next step, run and committed (its output, as PagedKVCache._fast_forward returns
+        it), or None where it does not take on (nothing changed: the caller plans). token_ids:
+        None, or each new token's id as a list of one plain int (anything else is planned)."""
+        pool = cache._pool
+        if pool is not self.pool or hq != self.hq or flags != self.flags or scale != self.scale \
+                or causal is not self.causal or total != len(self.ones):
+            return None
+        if type(seq_ids) is list:
+            if seq_ids != self.ids:
+                return None
+        elif seq_ids != self.ids_t:
+            return None
+        if n_new is not None and ((type(n_new) is not list and type(n_new) is not tuple)
+                                  or list(n_new) != self.ones or set(map(type, n_new)) != _INT):
+            return None
+        if set(map(type, seq_ids)) != _INT or (variant is not _PLAIN and variant.key() != self.vkey):
+            return None
+        if token_ids is not None and ((type(token_ids) is not list and type(token_ids) is not tuple)
+                                      or set(map(type, token_ids)) != _LIST or list(map(len, token_ids)) != self.ones
+                                      or not _plain_ids(list(chain.from_iterable(token_ids)))):
+            return None
+        past, caps = self.past, self.caps
+        if max(past) >= self.bound or cache._appends_first(1, key_bound=sum(past) + total):
+            return None                     # the plan's key bound passed, or the rows go first
+        if self.shared and out is None and cascade.may_share_blocks(cache):
+            return None
+        attn = cache._plans.get(self.key)
+        if attn is not self.attn or attn._batch_head is not self.head or attn.batch_words is not self.words:
+            return None                     # the plan was dropped, or another call filled its aux
+        grow = tables = None
+        if any(map(ge, past, caps)):        # rows that start a block (past == its table's slots)
+            grow = [i for i, (p, c) in enumerate(zip(past, caps)) if p >= c]
+            if len(grow) > pool.free_blocks:
+                return None                 # the planned way raises CacheFullError
+            picks = pool._picks(len(grow))
+            grown = self.live[:]
+            for i, b in zip(grow, picks):
+                grown[i] = grown[i] + [b]
+            words = array("I", chain.from_iterable(grown))
+            offsets = list(accumulate(map(len, grown), initial=self.head[1][2]))
+            if offsets[-1] > attn._counters:
+                return None                 # outgrew the plan's aux: the planned way sizes a new one
+            tables = words, offsets[:-1]
+            for b in picks:                 # before the device writes them (AppendPlan.evict_cached)
+                if b in pool._cached:
+                    pool._evict(b)
+        cache._plans.move_to_end(self.key)
+        ends = [p + 1 for p in past]
+        attn.fill_decode_step(q, k, v, past, ends, cache.rope, tables)
+        if out is not None:
+            rec = attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
+        else:
+            rec = attn.rec if return_lse else attn.out_only()
+        rec.run()
+        cache._last_rec = rec
+        ids = self.ids
+        if grow is None:
+            pool._advance(ids, None, token_ids, past)
+        else:
+            pool._advance(ids, [(ids[i], b) for i, b in zip(grow, picks)], token_ids, past)
+            bs = cache.block_size
+            for i in grow:
+                caps[i] += bs
+        self.version = pool._version
+        self.past = ends
+        if out is not None:
+            return out
+        if return_lse:
+            return attn.result(total)
+        result = self.result
+        if result is None:
+            dv = cache.v_head_dim
+            result = self.result = attn.out.view()[:hq * total * dv].reshape(hq, total, dv)
+        return result.copy()
 
 
 def _new_rows(plan, block_size: int) -> tuple:

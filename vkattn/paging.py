@@ -636,6 +636,29 @@ class BlockPool:
                 self._learn(s, tokens)
         self._version += 1
 
+    def _advance(self, ids: list, grown=None, tokens=None, past=None) -> None:
+        """_apply_append of a plan of one new token for each of ``ids`` (known, distinct), which
+        takes a block for the sequences of ``grown`` only: (seq_id, block) pairs, the blocks
+        _picks gave, in batch order (vkattn.paged's steady decode step, which checked they
+        exist). Each length one more, a new version; ``tokens``: None, or each new token's id (a
+        list of one plain int per sequence), learnt where the sequence knew the ids of all its
+        ``past`` positions (its length before)."""
+        if grown:
+            tables = self._tables
+            for _, block in grown:
+                self._claim(block)
+            for s, block in grown:
+                tables[s].append(block)
+        lengths = self._lengths
+        for s in ids:
+            lengths[s] += 1
+        if tokens is not None:
+            known = self._tokens
+            for s, t, p in zip(ids, tokens, past):
+                if len(known[s]) == p:
+                    self._learn(s, t)
+        self._version += 1
+
     # ------------------------------------------------------------------ addressing & debugging
 
     def slots(self, seq_id: int, start: int, stop: int) -> np.ndarray:

@@ -410,8 +410,9 @@ def paged_path(shape: Shape, device) -> list:
     a bare kp round trip: wall ms, and vkattn's Python per call with the submission stubbed out
     (the metric, extra ``python_us``; issue 30's budget for a numpy call is 40 us), each call
     truncated back to L (a block taken every call) and in a decode loop (LOOP calls from L, then
-    truncated untimed); the same call with each new token's id (prefix caching; its wall time is the plain call's); and a model's
-    step of such caches (paged_layers_row)."""
+    truncated untimed); the same call with each new token's id (prefix caching; its wall time is the plain call's); a model's
+    step of such caches (paged_layers_row); and, for B > 1, a decode loop of staggered lengths
+    (staggered_row)."""
     L = env_int("VKATTN_PERF_OVERHEAD_CONTEXT", 16)
     tag = f"hq={shape.heads} hkv={shape.kv_heads} d={shape.head_dim}"
     iters, warmup = max(shape.iters, 50), max(shape.warmup, 10)
@@ -461,7 +462,47 @@ def paged_path(shape: Shape, device) -> list:
         python_row(", token ids", lambda: cache.forward(ids, q, k, v, token_ids=toks), reset)
         rows.append(paged_layers_row(cache, ids, L, b, shape, tag, iters, rng, tr))
         cache.close()
+        if b > 1:
+            rows.append(staggered_row(b, L, shape, tag, device, iters, rng, bare["median_ms"]))
     return rows
+
+
+def staggered_row(b: int, L: int, shape: Shape, tag: str, device, iters: int, rng, bare_ms: float) -> Row:
+    """A decode loop of B sequences of staggered lengths (L + 7i mod 16, blocks of 16: some
+    sequence starts a block at almost every step, as in an engine's batch): vkattn's Python per
+    call (submissions stubbed; LOOP calls from the lengths, then truncated untimed), the first
+    call's output checked against the reference; wall ms of the same loop."""
+    hq, hkv, d, dv = shape.heads, shape.kv_heads, shape.head_dim, shape.v_head_dim
+    lens = [L + (7 * i) % 16 for i in range(b)]
+    cache = vkattn.PagedKVCache(b * (-(-(L + 16 + LOOP) // 16) + 1), 16, hkv, d, dv, dtype=shape.dtype, device=device)
+    ids = [cache.add_sequence() for _ in range(b)]
+    for sid, n in zip(ids, lens):
+        cache.append([sid], rng.standard_normal((hkv, n, d), dtype=np.float32),
+                     rng.standard_normal((hkv, n, dv), dtype=np.float32), n_new=[n])
+    q = rng.standard_normal((hq, b, d), dtype=np.float32)
+    k = rng.standard_normal((hkv, b, d), dtype=np.float32)
+    v = rng.standard_normal((hkv, b, dv), dtype=np.float32)
+
+    def reset():
+        if cache.length(ids[0]) >= lens[0] + LOOP:
+            for sid, n in zip(ids, lens):
+                cache.truncate(sid, n)
+    got = cache.forward(ids, q, k, v)
+    kv = [cache.read(sid) for sid in ids]
+    ok = all(check(got[:, i:i + 1], attention(q[:, i:i + 1], *kv[i]), shape.dtype) for i in range(b))
+    tr = time_calls(lambda: [attention(q[:, i:i + 1], *kv[i]) for i in range(b)], iters, 3)["median_ms"]
+
+    def call():
+        cache.forward(ids, q, k, v)
+        reset()
+    t = time_calls(call, iters, 10)
+    py = python_us(lambda: cache.forward(ids, q, k, v), 10 * iters, reset=reset)
+    cache.close()
+    print(f"{tag} paged batch decode B={b} L={L}, staggered decode loop: vkattn's Python {py:.1f} us per call "
+          f"(submission stubbed out), wall {t['median_ms']:.4f} ms, bare round trip {bare_ms:.4f} ms")
+    return Row(case=f"paged batch decode B={b} L={L}, numpy, staggered decode loop", kernel="overhead", shape=tag,
+               vkattn_ms=t["median_ms"], vkattn_min_ms=t["min_ms"], numpy_ms=tr, speedup_vs_numpy=tr / t["median_ms"],
+               metric="python us", value=py, verified=ok, extra={"python_us": py, "batch": b, "bare_ms": bare_ms})
 
 
 def paged_layers_row(first, ids: list, L: int, b: int, shape: Shape, tag: str, iters: int, rng, numpy_ms) -> Row:

@@ -94,6 +94,23 @@ def skip_or_fail_coopmat(problem: str) -> None:
 
 
 @pytest.fixture
+def steady_hits(monkeypatch) -> list:
+    """A list that gets, per step vkattn.paged._Steady ran (a steady batch decode step), the
+    blocks that step took."""
+    from vkattn import paged
+    hits, real = [], paged._Steady.step
+
+    def spy(self, cache, *a):
+        free = cache._pool.free_blocks
+        got = real(self, cache, *a)
+        if got is not None:
+            hits.append(free - cache._pool.free_blocks)
+        return got
+    monkeypatch.setattr(paged._Steady, "step", spy)
+    return hits
+
+
+@pytest.fixture
 def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 

@@ -699,6 +699,17 @@ def _aux_as_planned(cache) -> None:
         assert np.array_equal(attn.rope.view()[:rtab.size], rtab)
 
 
+def _twin_sequences(rng, fast, general, lengths: list) -> list:
+    """New sequences of the given lengths in both twins, the same random K/V in each; their ids."""
+    ids = [fast.add_sequence() for _ in lengths]
+    assert ids == [general.add_sequence() for _ in lengths]
+    for sid, n in zip(ids, lengths):
+        k, v = rng.standard_normal((2, fast.num_kv_heads, n, fast.head_dim), dtype=np.float32)
+        for c in (fast, general):
+            c.append([sid], k, v, n_new=[n])
+    return ids
+
+
 def _failing_run(monkeypatch):
     """A context in which every recording's run raises (a device lost mid-call)."""
     import contextlib
@@ -718,32 +729,17 @@ def _failing_run(monkeypatch):
     return failing
 
 
-def _steady_spy(monkeypatch) -> list:
-    """A list that gets, per _Steady.step that ran a step, the blocks it took."""
-    from vkattn import paged
-    hits, real = [], paged._Steady.step
-
-    def spy(self, cache, *a):
-        free = cache._pool.free_blocks
-        got = real(self, cache, *a)
-        if got is not None:
-            hits.append(free - cache._pool.free_blocks)
-        return got
-    monkeypatch.setattr(paged._Steady, "step", spy)
-    return hits
-
-
 @pytest.mark.parametrize("dtype,rope,variant", [("float16", "none", {}), ("q4", "neox", dict(rope_q=True)),
                                                 ("int8", "gptj partial", dict(softcap=4.0, causal=False)),
                                                 ("float32", "none", dict(alibi=True))])
-def test_paged_steady_decode_runs_its_last_step_again(device, rng, dtype, rope, variant, monkeypatch):
+def test_paged_steady_decode_runs_its_last_step_again(device, rng, dtype, rope, variant, monkeypatch, steady_hits):
     """A batch decode loop of five sequences of staggered lengths in blocks of 4: every step after
     the first runs the last one's attention plan again (vkattn.paged._Steady), the sequences whose
     row starts a block taking the blocks the planned way takes -- cached blocks of the prefix
     cache evicted in its order once the unused ones are gone -- and each output (lse too, device
     arrays too) is bit for bit the general path's; lengths, block tables and cached blocks agree,
     and both pools keep their invariants."""
-    hits = _steady_spy(monkeypatch)
+    hits = steady_hits
     hkv, d, hq = 2, 40, 6
     if variant.pop("alibi", False):
         variant["alibi_slopes"] = np.array([0.5, 0.25, 0.125, 0.0625, 0.03, 0.01], np.float32)
@@ -758,12 +754,7 @@ def test_paged_steady_decode_runs_its_last_step_again(device, rng, dtype, rope, 
                   token_ids=[list(range(12))])
         c.remove_sequence(tmp)
         assert c.cached_blocks == 3
-    ids = [fast.add_sequence() for _ in lengths]
-    assert ids == [general.add_sequence() for _ in lengths]
-    for sid, n in zip(ids, lengths):
-        k, v = rng.standard_normal((2, hkv, n, d), dtype=np.float32)
-        for c in (fast, general):
-            c.append([sid], k, v, n_new=[n])
+    ids = _twin_sequences(rng, fast, general, lengths)
     steps, failed, failing = 18, False, _failing_run(monkeypatch)
     for step in range(steps):
         q, k, v = _batch(rng, hq, hkv, [1] * 5, d)
@@ -803,7 +794,7 @@ def test_paged_steady_decode_runs_its_last_step_again(device, rng, dtype, rope, 
     general.close()
 
 
-def test_paged_steady_decode_replans_after_any_change(device, rng, monkeypatch):
+def test_paged_steady_decode_replans_after_any_change(device, rng, monkeypatch, steady_hits):
     """A steady decode step (vkattn.paged._Steady) runs only where nothing changed since the last
     one: after a truncate, a fork, a sequence added or removed, token ids set, the prefix cache
     evicted, another scale, head count or variant, token ids other than one plain int each, its
@@ -811,7 +802,7 @@ def test_paged_steady_decode_replans_after_any_change(device, rng, monkeypatch):
     another batch between a planned call and the next (a graph's prepare), the next call plans (and the
     one after it is steady again); new tokens' ids are learnt as the planned way learns them; every output is bit for bit the general path's, and a batch that no longer fits is
     the general path's CacheFullError with nothing changed."""
-    hits = _steady_spy(monkeypatch)
+    hits = steady_hits
     monkeypatch.setenv("VKATTN_CASCADE", "0")      # a forked prefix attended per sequence (below: by cascade)
     hkv, d = 2, 16
     fast, general = (vkattn.PagedKVCache(72, 4, hkv, d, dtype="float16", device=device) for _ in range(2))
@@ -903,7 +894,7 @@ def test_paged_steady_decode_replans_after_any_change(device, rng, monkeypatch):
     general.close()
 
 
-def test_paged_steady_decode_across_the_key_bound_and_after_a_failed_call(device, rng, monkeypatch):
+def test_paged_steady_decode_across_the_key_bound_and_after_a_failed_call(device, rng, monkeypatch, steady_hits):
     """One sequence of 4090 keys and two short ones (their chunks the shortest a split takes; the
     tile kernel, 8 splits):
     the steady steps (vkattn.paged._Steady) stop where the longest passes the plan's decode key
@@ -912,19 +903,14 @@ def test_paged_steady_decode_across_the_key_bound_and_after_a_failed_call(device
     after a planned step or a steady one, leaves that plan's aux theirs, so the next step plans
     (before the bound: the same plan key). Each output bit for bit the general
     path's, each steady step's aux words the planned way's."""
-    hits, failing = _steady_spy(monkeypatch), _failing_run(monkeypatch)
+    hits, failing = steady_hits, _failing_run(monkeypatch)
     monkeypatch.setenv("VKATTN_KERNEL", "tile")     # split keys (the lane kernel's one split a CPU core)
     monkeypatch.setenv("VKATTN_DECODE_SPLITS", "8")
     hkv, d = 2, 16
     fast, general = (vkattn.PagedKVCache(100, 48, hkv, d, dtype="float16", device=device) for _ in range(2))
     general._fast_forward = lambda *a, **kw: None
     lengths = [4090, 5, 30, 7, 8, 9]
-    ids = [fast.add_sequence() for _ in lengths]
-    assert ids == [general.add_sequence() for _ in lengths]
-    for sid, n in zip(ids, lengths):
-        k, v = rng.standard_normal((2, hkv, n, d), dtype=np.float32)
-        for c in (fast, general):
-            c.append([sid], k, v, n_new=[n])
+    ids = _twin_sequences(rng, fast, general, lengths)
     batch, bounds = ids[:3], []
     for step in range(12):
         q, k, v = _batch(rng, 4, hkv, [1] * 3, d)

@@ -159,7 +159,8 @@ def test_paged_fast_path_equals_the_general_path_on_random_calls(device, seed):
 
 
 @pytest.mark.parametrize("seed,steady", [(31, False), (32, False), (33, True), (34, True)])
-def test_paged_decode_loops_take_the_last_step_on_and_equal_the_general_path(device, seed, steady, monkeypatch):
+def test_paged_decode_loops_take_the_last_step_on_and_equal_the_general_path(device, seed, steady, monkeypatch,
+                                                                            request):
     """Decode loops -- the same sequences and counts call after call, as an engine's step does --
     with the pool changed between some calls (truncate, fork, remove, new token ids, another
     batch): the fast path takes its last step on where nothing changed the pool -- planned from
@@ -167,18 +168,10 @@ def test_paged_decode_loops_take_the_last_step_on_and_equal_the_general_path(dev
     taken at the boundaries too, and matches the general path bit for bit: results, errors,
     lengths, block tables (the same blocks picked), token ids and stored rows."""
     from vkattn import paged
-    taken = []
     if steady:
-        real = paged._Steady.step
-
-        def spy(self, cache, *a):
-            grown = cache._pool.free_blocks
-            got = real(self, cache, *a)
-            if got is not None:
-                taken.append(grown - cache._pool.free_blocks)
-            return got
-        monkeypatch.setattr(paged._Steady, "step", spy)
+        taken = request.getfixturevalue("steady_hits")     # blocks taken per steady step
     else:
+        taken = []
         real = paged._Step.following
 
         def spy(self, *a):

@@ -684,17 +684,25 @@ def test_paged_chunked_prefill_then_decode_take_each_step_on(device, rng, monkey
 
 
 def _aux_as_planned(cache) -> None:
-    """The aux words of the step a PagedKVCache's _Steady just ran are the words fill_batch
-    computes for that step (_batch_words: records, block tables, rotary rows)."""
+    """The aux words of the step a PagedKVCache's _Steady just ran are those fill_batch computes
+    for that step (_batch_words: records, rotary rows), each record's block table where its word
+    5 points (the steady step may lay them out with free words between), the tables apart from
+    each other, before the counters."""
     m = cache._steady
     attn, n = m.attn, len(m.ids)
     seq_off, _, free = attn._batch_head[1]
     past = [cache.length(s) - 1 for s in m.ids]
-    recs, tabs, rtab = attn._batch_words(past, [1] * n, [cache.block_table(s) for s in m.ids], attn.cfg.splits,
-                                         None, free, cache.rope)
+    tables = [cache.block_table(s) for s in m.ids]
+    want, _, rtab = attn._batch_words(past, [1] * n, tables, attn.cfg.splits, None, free, cache.rope)
     aux = attn.aux.view()
-    assert np.array_equal(aux[seq_off:seq_off + recs.size], recs)
-    assert np.array_equal(aux[free:free + tabs.size], tabs)
+    got, want = aux[seq_off:seq_off + want.size].reshape(n, -1), want.reshape(n, -1)
+    assert np.array_equal(np.delete(got, 5, axis=1), np.delete(want, 5, axis=1))
+    ends = free
+    spans = sorted((int(got[i, 5]), len(t), t) for i, t in enumerate(tables))
+    for bt, size, t in spans:
+        assert bt >= ends and aux[bt:bt + size].tolist() == t, (bt, ends, t)
+        ends = bt + size
+    assert ends <= attn._counters
     if rtab is not None:
         assert np.array_equal(attn.rope.view()[:rtab.size], rtab)
 
@@ -735,11 +743,15 @@ def _failing_run(monkeypatch):
 def test_paged_steady_decode_runs_its_last_step_again(device, rng, dtype, rope, variant, monkeypatch, steady_hits):
     """A batch decode loop of five sequences of staggered lengths in blocks of 4: every step after
     the first runs the last one's attention plan again (vkattn.paged._Steady), the sequences whose
-    row starts a block taking the blocks the planned way takes -- cached blocks of the prefix
+    row starts a block taking the blocks the planned way takes (a word written after a table, or
+    the tables laid out again with room after each) -- cached blocks of the prefix
     cache evicted in its order once the unused ones are gone -- and each output (lse too, device
     arrays too) is bit for bit the general path's; lengths, block tables and cached blocks agree,
     and both pools keep their invariants."""
     hits = steady_hits
+    from vkattn import paged
+    layouts, real_tables = [], paged._Steady._tables     # per step taking blocks: words after tables, or laid out
+    monkeypatch.setattr(paged._Steady, "_tables", lambda self, *a: layouts.append(real_tables(self, *a)) or layouts[-1])
     hkv, d, hq = 2, 40, 6
     if variant.pop("alibi", False):
         variant["alibi_slopes"] = np.array([0.5, 0.25, 0.125, 0.0625, 0.03, 0.01], np.float32)
@@ -781,6 +793,8 @@ def test_paged_steady_decode_runs_its_last_step_again(device, rng, dtype, rope, 
         if step:
             _aux_as_planned(fast)
     assert failed and len(hits) == steps - 1 and sum(hits) >= 15, (failed, hits)
+    kinds = [type(x) for x in layouts]
+    assert kinds.count(list) >= 5 and tuple in kinds, kinds     # most blocks need one word, some a new layout
     assert fast.cached_blocks < 3                   # the prefix cache's blocks were taken too
     for c in (fast, general):
         c._pool.check()

@@ -704,7 +704,8 @@ class AttnPlan:
         self.batch_words = words
         return rows
 
-    def fill_decode_step(self, q, k, v, past: list, ends: list, rope: RoPE | None = None, tables=None) -> None:
+    def fill_decode_step(self, q, k, v, past: list, ends: list, rope: RoPE | None = None, tables=None,
+                         words=None) -> None:
         """fill_batch of the next step of a batch decode this plan's aux still holds (the
         caller's to know: vkattn.paged's steady memo, which checks ``_batch_head`` and
         ``batch_words`` are the ones its call left): the same sequences, one new row each fused
@@ -713,9 +714,11 @@ class AttnPlan:
         of ``past + 1`` keys, as _batch_words computes it) and the rotary rows change, and with
         ``tables`` the block tables; each is written whole, whatever the aux held. past: (B,)
         list of each sequence's length before its new row; ends: past + 1; tables: None (as the
-        aux holds them) or (the tables' words in batch order, each table's offset: record word
-        5), the caller having checked they fit below the counters. The record columns are
-        written through views kept for the next step (a few numpy calls, whatever B)."""
+        aux holds them) or (the tables' words in batch order, free words after each allowed,
+        each table's offset: record word 5), the caller having checked they fit below the
+        counters; words: None or [(aux index, value)], single table words (a block appended
+        where the caller left a free word). The record columns are written through views kept
+        for the next step (a few numpy calls, whatever B)."""
         self._put_inputs(q, k, v)
         n, seq_off = len(past), self._batch_head[1][0]
         cols = self._decode_cols
@@ -728,10 +731,14 @@ class AttnPlan:
         splits = self.cfg.splits            # split_keys: max(ceil(keys / splits), min(keys, MIN_CHUNK))
         c4[:] = ends if splits == 1 else [max(-(-e // splits), e if e < MIN_CHUNK else MIN_CHUNK) for e in ends]
         if tables is not None:
-            words, offsets = tables
+            flat, offsets = tables
             free = offsets[0]
-            self.aux.view()[free:free + len(words)] = np.frombuffer(words, np.uint32)
+            self.aux.view()[free:free + len(flat)] = np.frombuffer(flat, np.uint32)
             c5[:] = offsets
+        if words is not None:
+            aux = self.aux.view()
+            for i, b in words:
+                aux[i] = b
         if self.rope_dim:
             t = rope.table(past, self.rope_dim).ravel()
             self.rope.view()[:t.size] = t

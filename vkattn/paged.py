@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import weakref
 from array import array
-from itertools import accumulate, chain
+from itertools import accumulate, chain, repeat
 from operator import add, ge
 
 import numpy as np
@@ -805,6 +805,7 @@ class _Step:
 
 
 _LIST_OR_NONE = {list, type(None)}
+TABLE_SLACK = 4         # free words a steady step leaves after each block table it lays out (_Steady._tables)
 
 
 class _Steady:
@@ -816,12 +817,13 @@ class _Steady:
     is that plan run again with the words that change written (AttnPlan.fill_decode_step): no
     AppendPlan, no _Step, no per-sequence records built (vkattn's Python of a batch decode loop).
     A row that starts a block takes the block _take would give (the same tables as the planned
-    way), and every table's words are written again; each new token's id, where given, is
-    learnt as the planned way learns it. Anything else -- another variant, scale or head count,
+    way): one word written after its table where the aux has one free there, else every table
+    laid out again with a few free words after each (_tables); each new token's id, where
+    given, is learnt as the planned way learns it. Anything else -- another variant, scale or head count,
     a pool changed by anyone -- goes the planned way, which makes a new memo."""
 
-    __slots__ = ("pool", "version", "ids", "ids_t", "ones", "past", "caps", "live", "bound", "hq", "flags", "vkey",
-                 "scale", "causal", "key", "attn", "head", "words", "shared", "result")
+    __slots__ = ("pool", "version", "ids", "ids_t", "ones", "past", "caps", "live", "offs", "room", "bound", "hq",
+                 "flags", "vkey", "scale", "causal", "key", "attn", "head", "words", "shared", "result")
 
     @classmethod
     def of(cls, cache, last: tuple):
@@ -845,6 +847,10 @@ class _Steady:
         bs = cache.block_size
         m.caps = [len(t) * bs for t in plan.tables]
         m.live = list(map(pool._tables.__getitem__, m.ids))     # the pool's own tables (the version guards them)
+        # where fill_batch put them in the aux: one after another, the words up to the counters free after the last
+        m.offs = list(accumulate(map(len, m.live), initial=head[1][2]))
+        m.room = [0] * len(counts)
+        m.room[-1] = attn._counters - m.offs.pop()
         m.bound, m.hq, m.flags, m.vkey = key[7], attn.hq, key[5], variant.key()
         refs = pool._refs                   # a first block held twice: the cascade's to consider (may_share)
         m.shared = len(counts) > 1 and any(refs[t[0]] > 1 for t in plan.tables if t)
@@ -882,26 +888,23 @@ class _Steady:
         attn = cache._plans.get(self.key)
         if attn is not self.attn or attn._batch_head is not self.head or attn.batch_words is not self.words:
             return None                     # the plan was dropped, or another call filled its aux
-        grow = tables = None
+        grow = tables = words = None
         if any(map(ge, past, caps)):        # rows that start a block (past == its table's slots)
             grow = [i for i, (p, c) in enumerate(zip(past, caps)) if p >= c]
             if len(grow) > pool.free_blocks:
                 return None                 # the planned way raises CacheFullError
             picks = pool._picks(len(grow))
-            grown = self.live[:]
-            for i, b in zip(grow, picks):
-                grown[i] = grown[i] + [b]
-            words = array("I", chain.from_iterable(grown))
-            offsets = list(accumulate(map(len, grown), initial=self.head[1][2]))
-            if offsets[-1] > attn._counters:
+            tables = self._tables(attn, grow, picks)
+            if tables is None:
                 return None                 # outgrew the plan's aux: the planned way sizes a new one
-            tables = words, offsets[:-1]
+            if type(tables) is list:        # one word after each grown table
+                tables, words = None, tables
             for b in picks:                 # before the device writes them (AppendPlan.evict_cached)
                 if b in pool._cached:
                     pool._evict(b)
         cache._plans.move_to_end(self.key)
         ends = [p + 1 for p in past]
-        attn.fill_decode_step(q, k, v, past, ends, cache.rope, tables)
+        attn.fill_decode_step(q, k, v, past, ends, cache.rope, tables, words)
         if out is not None:
             rec = attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
         else:
@@ -927,6 +930,33 @@ class _Steady:
             dv = cache.v_head_dim
             result = self.result = attn.out.view()[:hq * total * dv].reshape(hq, total, dv)
         return result.copy()
+
+    def _tables(self, attn, grow: list, picks: list):
+        """The block-table words of a step in which the sequences at batch indices ``grow`` take
+        blocks ``picks``: where each of them has a free word after its table in the aux, those
+        words ([(aux index, block)]); else every table laid out again, TABLE_SLACK free words
+        after each where the aux has room ((words, each table's offset)); None where the
+        tables no longer fit. The memo's offsets and free words follow the aux as written,
+        whether the step then runs or not (a failed step's word is never read: its table is no
+        longer than before)."""
+        live, room, offs = self.live, self.room, self.offs
+        if all(room[i] for i in grow):
+            for i in grow:
+                room[i] -= 1
+            return [(offs[i] + len(live[i]), b) for i, b in zip(grow, picks)]
+        grown = live[:]
+        for i, b in zip(grow, picks):
+            grown[i] = grown[i] + [b]
+        free, n = self.head[1][2], len(grown)
+        slack = min(TABLE_SLACK, (attn._counters - free - sum(map(len, grown))) // n)
+        if slack < 0:
+            return None
+        pad = [0] * slack
+        words = array("I", chain.from_iterable(chain.from_iterable(zip(grown, repeat(pad)))))
+        offsets = list(accumulate([len(t) + slack for t in grown], initial=free))
+        del offsets[-1]
+        self.offs, self.room = offsets, [slack] * n
+        return words, offsets
 
 
 def _new_rows(plan, block_size: int) -> tuple:

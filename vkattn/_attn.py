@@ -574,7 +574,7 @@ class AttnPlan:
     _simple = None                  # the key (counts, scale, flags, variant) of the aux block fill_simple left
     _batch_head = None              # fill_batch's last key (counts, scale, variant, rows, causal, ..), its offsets
     batch_words = None              # fill_batch's last per-sequence words (layout, records, tables, rotary rows)
-    _decode_cols = None             # fill_decode_step's (records' offset, B, views of record words 0, 4, 5, 10)
+    _decode_cols = None             # fill_decode_step's (records' offset, B, views of record words 0, 4, 5, 6, 10)
 
     def fill_simple(self, q, k, v, past: int, scale: float, rope: RoPE | None = None,
                     variant: Variant = _PLAIN, causal: bool = True, mask: np.ndarray | None = None) -> None:
@@ -705,13 +705,14 @@ class AttnPlan:
         return rows
 
     def fill_decode_step(self, q, k, v, past: list, ends: list, rope: RoPE | None = None, tables=None,
-                         words=None) -> None:
+                         words=None, window: int | None = None) -> None:
         """fill_batch of the next step of a batch decode this plan's aux still holds (the
         caller's to know: vkattn.paged's steady memo, which checks ``_batch_head`` and
         ``batch_words`` are the ones its call left): the same sequences, one new row each fused
-        into the dispatch, the same scale, variant (no window) and causality. Only each record's
-        length words (0: cached keys; 10: the row's rotary position), its chunk (4: split_keys
-        of ``past + 1`` keys, as _batch_words computes it) and the rotary rows change, and with
+        into the dispatch, the same scale, variant (``window`` its window) and causality. Only each
+        record's length words (0: cached keys; 10: the row's rotary position), its chunk (4) and,
+        with a window, its first key (6) -- split_keys of ``past + 1`` keys, as _batch_words
+        computes them -- and the rotary rows change, and with
         ``tables`` the block tables; each is written whole, whatever the aux held. past: (B,)
         list of each sequence's length before its new row; ends: past + 1; tables: None (as the
         aux holds them) or (the tables' words in batch order, free words after each allowed,
@@ -724,12 +725,17 @@ class AttnPlan:
         cols = self._decode_cols
         if cols is None or cols[0] != seq_off or cols[1] != n:
             recs = self.aux.view()[seq_off:seq_off + SEQ_WORDS * n].reshape(n, SEQ_WORDS)
-            cols = self._decode_cols = (seq_off, n, recs[:, 0], recs[:, 4], recs[:, 5], recs[:, 10])
-        _, _, c0, c4, c5, c10 = cols
+            cols = self._decode_cols = (seq_off, n, recs[:, 0], recs[:, 4], recs[:, 5], recs[:, 6], recs[:, 10])
+        _, _, c0, c4, c5, c6, c10 = cols
         c0[:] = past
         c10[:] = past
         splits = self.cfg.splits            # split_keys: max(ceil(keys / splits), min(keys, MIN_CHUNK))
-        c4[:] = ends if splits == 1 else [max(-(-e // splits), e if e < MIN_CHUNK else MIN_CHUNK) for e in ends]
+        if window is None:
+            c4[:] = ends if splits == 1 else [max(-(-e // splits), e if e < MIN_CHUNK else MIN_CHUNK) for e in ends]
+        else:
+            kc = [split_keys(e, 1, window, splits) for e in ends]
+            c6[:] = [kstart for kstart, _ in kc]
+            c4[:] = [chunk for _, chunk in kc]
         if tables is not None:
             flat, offsets = tables
             free = offsets[0]

@@ -810,8 +810,7 @@ TABLE_SLACK = 4         # free words a steady step leaves after each block table
 
 class _Steady:
     """A batch decode a PagedKVCache's next call may take on without planning: the last fast call
-    was one new token for each of the same sequences (no window, no mask, rows fused into the
-    dispatch), and nothing has changed the pool since (its version). While the decode key bound
+    was one new token for each of the same sequences (no mask, rows fused into the dispatch), and nothing has changed the pool since (its version). While the decode key bound
     and the choice to append first hold, the blocks rows need are free and the tables fit in the
     aux, and the attention plan is still the cache's with the aux that call left, the next step
     is that plan run again with the words that change written (AttnPlan.fill_decode_step): no
@@ -823,7 +822,7 @@ class _Steady:
     a pool changed by anyone -- goes the planned way, which makes a new memo."""
 
     __slots__ = ("pool", "version", "ids", "ids_t", "ones", "past", "caps", "live", "offs", "room", "bound", "hq",
-                 "flags", "vkey", "scale", "causal", "key", "attn", "head", "words", "shared", "result")
+                 "flags", "vkey", "window", "scale", "causal", "key", "attn", "head", "words", "shared", "result")
 
     @classmethod
     def of(cls, cache, last: tuple):
@@ -832,11 +831,10 @@ class _Steady:
         variant, scale and causality, and the plan's fill_batch header and words that call
         left), made at the next call, which found the pool at that version -- a call after a
         truncate or another change pays only that test; None where its next step could not take
-        on: not a decode of one row per sequence, a window, an output width to check."""
+        on: not a decode of one row per sequence, an output width to check."""
         version, plan, key, attn, variant, scale, causal, head, words = last
         counts = plan.n_new
-        if key is None or variant.window is not None or attn._check_width or head is None \
-                or counts.count(1) != len(counts):
+        if key is None or attn._check_width or head is None or counts.count(1) != len(counts):
             return None
         m = object.__new__(cls)
         pool = cache._pool
@@ -851,7 +849,7 @@ class _Steady:
         m.offs = list(accumulate(map(len, m.live), initial=head[1][2]))
         m.room = [0] * len(counts)
         m.room[-1] = attn._counters - m.offs.pop()
-        m.bound, m.hq, m.flags, m.vkey = key[7], attn.hq, key[5], variant.key()
+        m.bound, m.hq, m.flags, m.vkey, m.window = key[7], attn.hq, key[5], variant.key(), variant.window
         refs = pool._refs                   # a first block held twice: the cascade's to consider (may_share)
         m.shared = len(counts) > 1 and any(refs[t[0]] > 1 for t in plan.tables if t)
         m.result = None
@@ -904,7 +902,7 @@ class _Steady:
                     pool._evict(b)
         cache._plans.move_to_end(self.key)
         ends = [p + 1 for p in past]
-        attn.fill_decode_step(q, k, v, past, ends, cache.rope, tables, words)
+        attn.fill_decode_step(q, k, v, past, ends, cache.rope, tables, words, self.window)
         if out is not None:
             rec = attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
         else:

@@ -886,23 +886,25 @@ class _Steady:
         attn = cache._plans.get(self.key)
         if attn is not self.attn or attn._batch_head is not self.head or attn.batch_words is not self.words:
             return None                     # the plan was dropped, or another call filled its aux
-        grow = tables = words = None
+        grow = layout = None
         if any(map(ge, past, caps)):        # rows that start a block (past == its table's slots)
             grow = [i for i, (p, c) in enumerate(zip(past, caps)) if p >= c]
             if len(grow) > pool.free_blocks:
                 return None                 # the planned way raises CacheFullError
             picks = pool._picks(len(grow))
-            tables = self._tables(attn, grow, picks)
-            if tables is None:
+            layout = self._tables(attn, grow, picks)
+            if layout is None:
                 return None                 # outgrew the plan's aux: the planned way sizes a new one
-            if type(tables) is list:        # one word after each grown table
-                tables, words = None, tables
             for b in picks:                 # before the device writes them (AppendPlan.evict_cached)
                 if b in pool._cached:
                     pool._evict(b)
         cache._plans.move_to_end(self.key)
         ends = [p + 1 for p in past]
-        attn.fill_decode_step(q, k, v, past, ends, cache.rope, tables, words, self.window)
+        if layout is None:
+            attn.fill_decode_step(q, k, v, past, ends, cache.rope, window=self.window)
+        else:
+            tables, words, self.offs, self.room = layout    # the memo follows the aux as written
+            attn.fill_decode_step(q, k, v, past, ends, cache.rope, tables, words, self.window)
         if out is not None:
             rec = attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
         else:
@@ -930,18 +932,20 @@ class _Steady:
         return result.copy()
 
     def _tables(self, attn, grow: list, picks: list):
-        """The block-table words of a step in which the sequences at batch indices ``grow`` take
-        blocks ``picks``: where each of them has a free word after its table in the aux, those
-        words ([(aux index, block)]); else every table laid out again, TABLE_SLACK free words
-        after each where the aux has room ((words, each table's offset)); None where the
-        tables no longer fit. The memo's offsets and free words follow the aux as written,
-        whether the step then runs or not (a failed step's word is never read: its table is no
-        longer than before)."""
+        """The block-table writes of a step in which the sequences at batch indices ``grow`` take
+        blocks ``picks``, as (tables, words, offsets, free words): where each of them has a free
+        word after its table in the aux, those words ([(aux index, block)], tables None);
+        else every table laid out again, TABLE_SLACK free words after each where the aux has
+        room (tables: (their words, each table's offset), words None); None where the tables no
+        longer fit. The offsets and free words describe the aux once written, whether the step
+        then runs or not (a failed step's word is never read: its table is no longer than
+        before)."""
         live, room, offs = self.live, self.room, self.offs
         if all(room[i] for i in grow):
+            room = room[:]
             for i in grow:
                 room[i] -= 1
-            return [(offs[i] + len(live[i]), b) for i, b in zip(grow, picks)]
+            return None, [(offs[i] + len(live[i]), b) for i, b in zip(grow, picks)], offs, room
         grown = live[:]
         for i, b in zip(grow, picks):
             grown[i] = grown[i] + [b]
@@ -953,8 +957,7 @@ class _Steady:
         words = array("I", chain.from_iterable(chain.from_iterable(zip(grown, repeat(pad)))))
         offsets = list(accumulate([len(t) + slack for t in grown], initial=free))
         del offsets[-1]
-        self.offs, self.room = offsets, [slack] * n
-        return words, offsets
+        return (words, offsets), None, offsets, [slack] * n
 
 
 def _new_rows(plan, block_size: int) -> tuple:

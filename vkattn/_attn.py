@@ -574,7 +574,7 @@ class AttnPlan:
     _simple = None                  # the key (counts, scale, flags, variant) of the aux block fill_simple left
     _batch_head = None              # fill_batch's last key (counts, scale, variant, rows, causal, ..), its offsets
     batch_words = None              # fill_batch's last per-sequence words (layout, records, tables, rotary rows)
-    _decode_cols = None             # fill_decode_step's (records' offset, B, views of record words 0, 4, 5, 6, 10)
+    _decode_cols = None             # decode_columns': ((records' offset, B), views of record words 0, 4, 5, 6, 10)
 
     def fill_simple(self, q, k, v, past: int, scale: float, rope: RoPE | None = None,
                     variant: Variant = _PLAIN, causal: bool = True, mask: np.ndarray | None = None) -> None:
@@ -704,34 +704,40 @@ class AttnPlan:
         self.batch_words = words
         return rows
 
+    def decode_columns(self, n: int) -> tuple:
+        """Views of the aux's first ``n`` records' words 0, 4, 5, 6 and 10 (cached keys, chunk,
+        block-table offset, first key, rotary position), as fill_batch laid them out (its
+        header: ``_batch_head``); kept for the next call."""
+        where = self._batch_head[1][0], n
+        cols = self._decode_cols
+        if cols is None or cols[0] != where:
+            recs = self.aux.view()[where[0]:where[0] + SEQ_WORDS * n].reshape(n, SEQ_WORDS)
+            cols = self._decode_cols = where, tuple(recs[:, j] for j in (0, 4, 5, 6, 10))
+        return cols[1]
+
     def fill_decode_step(self, q, k, v, past: list, ends: list, rope: RoPE | None = None, tables=None,
                          words=None, window: int | None = None) -> None:
         """fill_batch of the next step of a batch decode this plan's aux still holds (the
         caller's to know: vkattn.paged's steady memo, which checks ``_batch_head`` and
         ``batch_words`` are the ones its call left): the same sequences, one new row each fused
         into the dispatch, the same scale, variant (``window`` its window) and causality. Only each
-        record's length words (0: cached keys; 10: the row's rotary position), its chunk (4) and,
-        with a window, its first key (6) -- split_keys of ``past + 1`` keys, as _batch_words
-        computes them -- and the rotary rows change, and with
-        ``tables`` the block tables; each is written whole, whatever the aux held. past: (B,)
-        list of each sequence's length before its new row; ends: past + 1; tables: None (as the
-        aux holds them) or (the tables' words in batch order, free words after each allowed,
-        each table's offset: record word 5), the caller having checked they fit below the
-        counters; words: None or [(aux index, value)], single table words (a block appended
-        where the caller left a free word). The record columns are written through views kept
-        for the next step (a few numpy calls, whatever B)."""
+        record's length words (0: cached keys; 10: the row's rotary position), its chunk (4) and
+        first key (6) -- split_keys of ``past + 1`` keys, as _batch_words computes them -- and the
+        rotary rows change, and with ``tables`` or ``words`` the block tables; each is written
+        whole, whatever the aux held. past: (B,) list of each sequence's length before its new
+        row; ends: past + 1; tables: None (as the aux holds them) or (the tables' words in batch
+        order, free words after each allowed, each table's offset: record word 5), the caller
+        having checked they fit below the counters; words: None or [(aux index, value)], single
+        table words (a block appended where a table has a free word after it). The record
+        columns are written through views kept for the next step (decode_columns)."""
         self._put_inputs(q, k, v)
-        n, seq_off = len(past), self._batch_head[1][0]
-        cols = self._decode_cols
-        if cols is None or cols[0] != seq_off or cols[1] != n:
-            recs = self.aux.view()[seq_off:seq_off + SEQ_WORDS * n].reshape(n, SEQ_WORDS)
-            cols = self._decode_cols = (seq_off, n, recs[:, 0], recs[:, 4], recs[:, 5], recs[:, 6], recs[:, 10])
-        _, _, c0, c4, c5, c6, c10 = cols
+        c0, c4, c5, c6, c10 = self.decode_columns(len(past))
         c0[:] = past
         c10[:] = past
-        splits = self.cfg.splits            # split_keys: max(ceil(keys / splits), min(keys, MIN_CHUNK))
-        if window is None:
-            c4[:] = ends if splits == 1 else [max(-(-e // splits), e if e < MIN_CHUNK else MIN_CHUNK) for e in ends]
+        splits = self.cfg.splits
+        if window is None:                  # split_keys from key 0, inlined as _batch_words has it (a call a
+            c4[:] = ends if splits == 1 else [     # sequence cost 9 us at B=16: the GPUs' split decode)
+                max(-(-e // splits), e if e < MIN_CHUNK else MIN_CHUNK) for e in ends]
         else:
             kc = [split_keys(e, 1, window, splits) for e in ends]
             c6[:] = [kstart for kstart, _ in kc]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import weakref
 from array import array
 from itertools import accumulate, chain, repeat
-from operator import add, ge
+from operator import add, mod
 
 import numpy as np
 
@@ -821,8 +821,8 @@ class _Steady:
     given, is learnt as the planned way learns it. Anything else -- another variant, scale or head count,
     a pool changed by anyone -- goes the planned way, which makes a new memo."""
 
-    __slots__ = ("pool", "version", "ids", "ids_t", "ones", "past", "caps", "live", "offs", "room", "bound", "hq",
-                 "flags", "vkey", "window", "scale", "causal", "key", "attn", "head", "words", "shared", "result")
+    __slots__ = ("pool", "version", "ids", "ids_t", "ones", "past", "bound", "hq", "flags", "vkey", "window", "scale",
+                 "causal", "key", "attn", "head", "words", "shared", "result")
 
     @classmethod
     def of(cls, cache, last: tuple):
@@ -842,13 +842,6 @@ class _Steady:
         m.head, m.words = head, words       # step() finds them still the plan's, or plans
         m.ids, m.ids_t, m.ones = list(plan.seq_ids), tuple(plan.seq_ids), counts[:]
         m.past = list(map(add, plan.past, counts))          # the lengths now: the next call's past
-        bs = cache.block_size
-        m.caps = [len(t) * bs for t in plan.tables]
-        m.live = list(map(pool._tables.__getitem__, m.ids))     # the pool's own tables (the version guards them)
-        # where fill_batch put them in the aux: one after another, the words up to the counters free after the last
-        m.offs = list(accumulate(map(len, m.live), initial=head[1][2]))
-        m.room = [0] * len(counts)
-        m.room[-1] = attn._counters - m.offs.pop()
         m.bound, m.hq, m.flags, m.vkey, m.window = key[7], attn.hq, key[5], variant.key(), variant.window
         refs = pool._refs                   # a first block held twice: the cascade's to consider (may_share)
         m.shared = len(counts) > 1 and any(refs[t[0]] > 1 for t in plan.tables if t)
@@ -878,7 +871,7 @@ class _Steady:
                                       or set(map(type, token_ids)) != _LIST or list(map(len, token_ids)) != self.ones
                                       or not _plain_ids(list(chain.from_iterable(token_ids)))):
             return None
-        past, caps = self.past, self.caps
+        past = self.past
         if max(past) >= self.bound or cache._appends_first(1, key_bound=sum(past) + total):
             return None                     # the plan's key bound passed, or the rows go first
         if self.shared and out is None and cascade.may_share_blocks(cache):
@@ -887,8 +880,9 @@ class _Steady:
         if attn is not self.attn or attn._batch_head is not self.head or attn.batch_words is not self.words:
             return None                     # the plan was dropped, or another call filled its aux
         grow = layout = None
-        if any(map(ge, past, caps)):        # rows that start a block (past == its table's slots)
-            grow = [i for i, (p, c) in enumerate(zip(past, caps)) if p >= c]
+        bs = cache.block_size               # a table holds ceil(length / bs) blocks (BlockPool.check)
+        if 0 in map(mod, past, repeat(bs)):     # rows that start a block
+            grow = [i for i, p in enumerate(past) if p % bs == 0]
             if len(grow) > pool.free_blocks:
                 return None                 # the planned way raises CacheFullError
             picks = pool._picks(len(grow))
@@ -900,11 +894,8 @@ class _Steady:
                     pool._evict(b)
         cache._plans.move_to_end(self.key)
         ends = [p + 1 for p in past]
-        if layout is None:
-            attn.fill_decode_step(q, k, v, past, ends, cache.rope, window=self.window)
-        else:
-            tables, words, self.offs, self.room = layout    # the memo follows the aux as written
-            attn.fill_decode_step(q, k, v, past, ends, cache.rope, tables, words, self.window)
+        tables, words = (None, None) if layout is None else layout
+        attn.fill_decode_step(q, k, v, past, ends, cache.rope, tables, words, self.window)
         if out is not None:
             rec = attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
         else:
@@ -912,13 +903,8 @@ class _Steady:
         rec.run()
         cache._last_rec = rec
         ids = self.ids
-        if grow is None:
-            pool._advance(ids, None, token_ids, past)
-        else:
-            pool._advance(ids, [(ids[i], b) for i, b in zip(grow, picks)], token_ids, past)
-            bs = cache.block_size
-            for i in grow:
-                caps[i] += bs
+        pool._advance(ids, None, () if grow is None else [(ids[i], b) for i, b in zip(grow, picks)],
+                      token_ids, past)
         self.version = pool._version
         self.past = ends
         if out is not None:
@@ -933,31 +919,34 @@ class _Steady:
 
     def _tables(self, attn, grow: list, picks: list):
         """The block-table writes of a step in which the sequences at batch indices ``grow`` take
-        blocks ``picks``, as (tables, words, offsets, free words): where each of them has a free
-        word after its table in the aux, those words ([(aux index, block)], tables None);
-        else every table laid out again, TABLE_SLACK free words after each where the aux has
-        room (tables: (their words, each table's offset), words None); None where the tables no
-        longer fit. The offsets and free words describe the aux once written, whether the step
-        then runs or not (a failed step's word is never read: its table is no longer than
-        before)."""
-        live, room, offs = self.live, self.room, self.offs
-        if all(room[i] for i in grow):
-            room = room[:]
-            for i in grow:
-                room[i] -= 1
-            return None, [(offs[i] + len(live[i]), b) for i, b in zip(grow, picks)], offs, room
-        grown = live[:]
+        blocks ``picks``, read from the aux as it is (each record's word 5: its table's offset;
+        the tables lie in batch order, the words up to the counters free after the last): where
+        each of them has a free word after its table, those words ((None, [(aux index,
+        block)])); else every table laid out again with TABLE_SLACK free words after each where
+        the aux has room (((their words, each table's offset), None)); None where the tables no
+        longer fit. (A failed step's word is never read: its table is no longer than before.)"""
+        tables, ids = self.pool._tables, self.ids
+        offs, n = attn.decode_columns(len(ids))[2], len(ids)
+        words = []
         for i, b in zip(grow, picks):
-            grown[i] = grown[i] + [b]
-        free, n = self.head[1][2], len(grown)
-        slack = min(TABLE_SLACK, (attn._counters - free - sum(map(len, grown))) // n)
+            end = int(offs[i]) + len(tables[ids[i]])
+            if end >= (int(offs[i + 1]) if i + 1 < n else attn._counters):
+                break
+            words.append((end, b))
+        else:
+            return None, words
+        live = [tables[s] for s in ids]
+        for i, b in zip(grow, picks):
+            live[i] = live[i] + [b]
+        free = self.head[1][2]
+        slack = min(TABLE_SLACK, (attn._counters - free - sum(map(len, live))) // n)
         if slack < 0:
             return None
         pad = [0] * slack
-        words = array("I", chain.from_iterable(chain.from_iterable(zip(grown, repeat(pad)))))
-        offsets = list(accumulate([len(t) + slack for t in grown], initial=free))
+        words = array("I", chain.from_iterable(chain.from_iterable(zip(live, repeat(pad)))))
+        offsets = list(accumulate([len(t) + slack for t in live], initial=free))
         del offsets[-1]
-        return (words, offsets), None, offsets, [slack] * n
+        return (words, offsets), None
 
 
 def _new_rows(plan, block_size: int) -> tuple:

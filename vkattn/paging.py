@@ -625,37 +625,32 @@ class BlockPool:
                 for i, (t, n) in enumerate(zip(token_ids, counts))]
 
     def _apply_append(self, plan: AppendPlan) -> None:
-        for blocks in plan.new_blocks:      # all blocks first: a hash evicted here may be registered below
-            for block in blocks:
-                self._claim(block)
-        for s, blocks, n, past, tokens in zip(plan.seq_ids, plan.new_blocks, plan.n_new, plan.past,
-                                              plan.token_ids):
-            self._tables[s].extend(blocks)
-            self._lengths[s] += n
-            if tokens is not None and len(self._tokens[s]) == past:
-                self._learn(s, tokens)
-        self._version += 1
+        self._advance(plan.seq_ids, plan.n_new, [(s, b) for s, blocks in zip(plan.seq_ids, plan.new_blocks)
+                                                 for b in blocks], plan.token_ids, plan.past)
 
-    def _advance(self, ids: list, grown=None, tokens=None, past=None) -> None:
-        """_apply_append of a plan of one new token for each of ``ids`` (known, distinct), which
-        takes a block for the sequences of ``grown`` only: (seq_id, block) pairs, the blocks
-        _picks gave, in batch order (vkattn.paged's steady decode step, which checked they
-        exist). Each length one more, a new version; ``tokens``: None, or each new token's id (a
-        list of one plain int per sequence), learnt where the sequence knew the ids of all its
-        ``past`` positions (its length before)."""
-        if grown:
-            tables = self._tables
-            for _, block in grown:
-                self._claim(block)
-            for s, block in grown:
-                tables[s].append(block)
+    def _advance(self, ids: list, counts, grown, tokens, past: list) -> None:
+        """Append ``counts[i]`` tokens (None: one each) to ``ids[i]`` (known, distinct) as a
+        checked plan says: ``grown`` the (seq_id, block) pairs of the blocks it takes, in batch
+        order (_picks' order); ``tokens`` None, or per sequence None or its new tokens' ids, learnt where the
+        sequence knew the ids of all its ``past[i]`` positions (its length before). Every block
+        is claimed first (a hash evicted here may be registered below); a new version.
+        _apply_append's, and vkattn.paged's steady decode step's (no AppendPlan)."""
+        for _, block in grown:
+            self._claim(block)
+        tables = self._tables
+        for s, block in grown:
+            tables[s].append(block)
         lengths = self._lengths
-        for s in ids:
-            lengths[s] += 1
+        if counts is None:                  # a decode step
+            for s in ids:
+                lengths[s] += 1
+        else:
+            for s, n in zip(ids, counts):
+                lengths[s] += n
         if tokens is not None:
             known = self._tokens
             for s, t, p in zip(ids, tokens, past):
-                if len(known[s]) == p:
+                if t is not None and len(known[s]) == p:
                     self._learn(s, t)
         self._version += 1
 

@@ -229,5 +229,5 @@ def test_paged_decode_loops_take_the_last_step_on_and_equal_the_general_path(dev
                 assert fast.block_table(sid) == general.block_table(sid), (seed, it, step, sid)
                 assert fast.token_ids(sid) == general.token_ids(sid), (seed, it, step, sid)
         _same_rows_then_close(fast, general, ids, seed, it)
-    # (a steady step takes no token ids, windows or chunks: fewer of the calls)
+    # (a steady step takes one row a sequence and no mask, after a planned call: fewer of the calls)
     assert len(taken) >= (15 if steady else 50) and any(taken), (len(taken), sum(map(bool, taken)))

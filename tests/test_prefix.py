@@ -448,6 +448,8 @@ def test_hash_chain_is_stable_and_documented():
     assert root == hashlib.sha256(b"vkattn prefix v1" + (1).to_bytes(8, "little") + b"-").digest()
     h0 = block_hash(root, [1, 2])
     assert h0 == hashlib.sha256(root + np.array([1, 2], "<i8").tobytes()).digest()
+    big = [2**63 - 1, 0, 2**32, 255]
+    assert block_hash(h0, big) == hashlib.sha256(h0 + np.array(big, "<i8").tobytes()).digest()
     assert len({root_hash(None), root_hash(""), root_hash(b""), root_hash("x"), root_hash(b"x")}) == 5
     pool = BlockPool(4, 2)
     s = filled(pool, [1, 2, 3, 4, 5])

@@ -738,10 +738,10 @@ class AttnPlan:
         if window is None:                  # split_keys from key 0, inlined as _batch_words has it (a call a
             c4[:] = ends if splits == 1 else [     # sequence cost 9 us at B=16: the GPUs' split decode)
                 max(-(-e // splits), e if e < MIN_CHUNK else MIN_CHUNK) for e in ends]
-        else:
-            kc = [split_keys(e, 1, window, splits) for e in ends]
-            c6[:] = [kstart for kstart, _ in kc]
-            c4[:] = [chunk for _, chunk in kc]
+        else:                               # split_keys(e, 1, window, splits), inlined: the keys from
+            c6[:] = [e - window if e > window else 0 for e in ends]     # max(0, e - window)
+            c4[:] = [max(-(-n // splits), n if n < MIN_CHUNK else MIN_CHUNK)       # n: min(e, window) >= 1
+                     for n in [e if e < window else window for e in ends]]
         if tables is not None:
             flat, offsets = tables
             free = offsets[0]

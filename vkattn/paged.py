@@ -805,6 +805,19 @@ class _Step:
 
 
 _LIST_OR_NONE = {list, type(None)}
+
+
+def _one_id_each(token_ids, n: int) -> bool:
+    """Whether ``token_ids`` is a list or tuple of ``n`` lists of one plain int in [0, 2**63) each
+    (the token ids a steady step learns; anything else is planned)."""
+    if (type(token_ids) is not list and type(token_ids) is not tuple) or len(token_ids) != n \
+            or set(map(type, token_ids)) != _LIST:
+        return False
+    try:
+        ids = [t for [t] in token_ids]
+    except ValueError:                  # a list of another length
+        return False
+    return _plain_ids(ids)
 TABLE_SLACK = 4         # free words a steady step leaves after each block table it lays out (_Steady._tables)
 
 
@@ -867,9 +880,7 @@ class _Steady:
             return None
         if set(map(type, seq_ids)) != _INT or (variant is not _PLAIN and variant.key() != self.vkey):
             return None
-        if token_ids is not None and ((type(token_ids) is not list and type(token_ids) is not tuple)
-                                      or set(map(type, token_ids)) != _LIST or list(map(len, token_ids)) != self.ones
-                                      or not _plain_ids(list(chain.from_iterable(token_ids)))):
+        if token_ids is not None and not _one_id_each(token_ids, total):
             return None
         past = self.past
         if max(past) >= self.bound or cache._appends_first(1, key_bound=sum(past) + total):

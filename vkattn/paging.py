@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import sys
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import chain, islice
@@ -90,7 +92,12 @@ def root_hash(salt=None) -> bytes:
 def block_hash(parent: bytes, token_ids) -> bytes:
     """The hash of a full block: sha256 of its parent's hash and its ``block_size`` token ids as
     little-endian int64."""
+    if _LITTLE:                         # plain ints in range (checked): array's int64 is the machine's order
+        return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
     return hashlib.sha256(parent + np.asarray(token_ids, dtype="<i8").tobytes()).digest()
+
+
+_LITTLE = sys.byteorder == "little"
 
 
 def _plain_ids(ids: list) -> bool:
@@ -358,9 +365,14 @@ class BlockPool:
         """Extend ``seq_id``'s known token ids (its first ``len(known) + len(token_ids)`` positions,
         all within its length); every block that becomes full and known gets its hash and is
         registered unless the hash is registered already."""
-        tokens, hashes, table = self._tokens[seq_id], self._hashes[seq_id], self._tables[seq_id]
+        tokens = self._tokens[seq_id]
         tokens.extend(token_ids)
-        bs = self._block_size
+        self._register(seq_id, tokens)
+
+    def _register(self, seq_id: int, tokens: list) -> None:
+        """_learn's second half: hash each block of ``seq_id`` that its known token ids
+        (``tokens``) fill and that has no hash yet, and register it unless its hash is."""
+        hashes, table, bs = self._hashes[seq_id], self._tables[seq_id], self._block_size
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
             h = block_hash(hashes[-1] if hashes else self._roots[seq_id], tokens[i * bs:(i + 1) * bs])
@@ -648,10 +660,14 @@ class BlockPool:
             for s, n in zip(ids, counts):
                 lengths[s] += n
         if tokens is not None:
-            known = self._tokens
+            known, hashes, bs = self._tokens, self._hashes, self._block_size
             for s, t, p in zip(ids, tokens, past):
-                if t is not None and len(known[s]) == p:
-                    self._learn(s, t)
+                if t is not None:
+                    ks = known[s]
+                    if len(ks) == p:        # _learn, its registration only where a block filled
+                        ks.extend(t)
+                        if len(ks) >= (len(hashes[s]) + 1) * bs:
+                            self._register(s, ks)
         self._version += 1
 
     # ------------------------------------------------------------------ addressing & debugging

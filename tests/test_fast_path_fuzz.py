@@ -102,16 +102,16 @@ def test_kvcache_fast_path_equals_the_general_path_on_random_calls(device, seed)
         general.close()
 
 
-def _paged_twins(device, draw, blocks: int, **add) -> tuple:
+def _paged_twins(device, draw, blocks: int, n: int = 3, **add) -> tuple:
     """(fast, general, ids): two PagedKVCaches of ``blocks`` blocks of 4 in a format and RoPE
-    drawn, the second always on the general path, the same 3 sequences in each (``add``: the
+    drawn, the second always on the general path, the same ``n`` sequences in each (``add``: the
     add_sequence keywords)."""
     dtype, rope = draw.pick("float32", "float16", "int8", "q4"), draw.pick(ROPE, None)
     fast, general = (vkattn.PagedKVCache(blocks, 4, HKV, D, dtype=dtype, device=device, rope=rope)
                      for _ in range(2))
     general._fast_forward = lambda *a, **kw: None
-    ids = [fast.add_sequence(**add) for _ in range(3)]
-    assert ids == [general.add_sequence(**add) for _ in range(3)]
+    ids = [fast.add_sequence(**add) for _ in range(n)]
+    assert ids == [general.add_sequence(**add) for _ in range(n)]
     return fast, general, ids
 
 
@@ -158,15 +158,18 @@ def test_paged_fast_path_equals_the_general_path_on_random_calls(device, seed):
         _same_rows_then_close(fast, general, ids, seed, it)
 
 
-@pytest.mark.parametrize("seed,steady", [(31, False), (32, False), (33, True), (34, True)])
-def test_paged_decode_loops_take_the_last_step_on_and_equal_the_general_path(device, seed, steady, monkeypatch,
-                                                                            request):
+@pytest.mark.parametrize("seed,steady,wide", [(31, False, False), (32, False, False), (33, True, False),
+                                              (34, True, False), (35, True, True)])
+def test_paged_decode_loops_take_the_last_step_on_and_equal_the_general_path(device, seed, steady, wide,
+                                                                            monkeypatch, request):
     """Decode loops -- the same sequences and counts call after call, as an engine's step does --
     with the pool changed between some calls (truncate, fork, remove, new token ids, another
     batch): the fast path takes its last step on where nothing changed the pool -- planned from
     it (_Step.following), or, with ``steady``, run again as it was (_Steady.step) -- blocks
     taken at the boundaries too, and matches the general path bit for bit: results, errors,
-    lengths, block tables (the same blocks picked), token ids and stored rows."""
+    lengths, block tables (the same blocks picked), token ids and stored rows. ``wide``: batches
+    of up to 8 of 9 sequences, mostly one row each, in pools that fill (the steady step's table
+    layouts and a full pool's errors, fork's among them)."""
     from vkattn import paged
     if steady:
         taken = request.getfixturevalue("steady_hits")     # blocks taken per steady step
@@ -182,21 +185,24 @@ def test_paged_decode_loops_take_the_last_step_on_and_equal_the_general_path(dev
         monkeypatch.setattr(paged._Step, "following", spy)
         monkeypatch.setattr(paged._Steady, "of", classmethod(lambda cls, *a: None))
     draw = _Draw(seed)
+    sizes = (1, 2, 3, 5, 8) if wide else (1, 2, 3)
     for it in range(10):
-        fast, general, ids = _paged_twins(device, draw, 40, token_ids=[])
+        fast, general, ids = _paged_twins(device, draw, draw.pick(40, 80, 160) if wide else 40,
+                                          9 if wide else 3, token_ids=[])
         caches, dtype = (fast, general), fast.dtype
-        seqs, counts = draw.r.sample(ids, draw.pick(1, 2, 3)), None
+        seqs, counts = draw.r.sample(ids, draw.pick(*sizes)), None
         hq = draw.pick(4, 2)
         kw = {k: v for k, v in draw.variant(hq).items() if k != "return_lse"}
-        for step in range(24):
-            if draw.chance(0.12):           # the pool changed between two calls
+        for step in range(40 if wide else 24):
+            if draw.chance(0.06 if wide else 0.12):     # the pool changed between two calls
                 what, sid = draw.pick("truncate", "fork", "remove", "tokens"), draw.r.choice(ids)
                 if what == "truncate" and fast.length(sid):
                     n = draw.r.randrange(fast.length(sid))
                     for c in caches:
                         c.truncate(sid, n)
-                elif what == "fork":
-                    assert len({c.fork(sid) for c in caches}) == 1
+                elif what == "fork":                    # a full pool: the same CacheFullError
+                    forked = [_outcome(lambda c=c: c.fork(sid)) for c in caches]
+                    assert forked[0] == forked[1], forked
                 elif what == "remove" and len(ids) > 1:
                     for c in caches:
                         c.remove_sequence(sid)
@@ -207,9 +213,9 @@ def test_paged_decode_loops_take_the_last_step_on_and_equal_the_general_path(dev
                     for c in caches:
                         c.set_token_ids(sid, known + list(range(fast.length(sid) - len(known))))
             if counts is None or draw.chance(0.1):      # another batch
-                seqs = draw.r.sample(ids, min(len(ids), draw.pick(1, 2, 3)))
-                counts = [draw.pick(1, 1, 1, 2) for _ in seqs]
-            elif draw.chance(0.15):                     # the same sequences, other counts (chunks)
+                seqs = draw.r.sample(ids, min(len(ids), draw.pick(*sizes)))
+                counts = [1] * len(seqs) if wide and draw.chance(0.7) else [draw.pick(1, 1, 1, 2) for _ in seqs]
+            elif draw.chance(0.05 if wide else 0.15):   # the same sequences, other counts (chunks)
                 counts = [draw.pick(1, 2, 3, 5) for _ in seqs]
             rows = sum(counts)
             q, k, v = draw.array((hq, rows, D)), draw.array((HKV, rows, D)), draw.array((HKV, rows, D))

@@ -115,6 +115,30 @@ def test_bad_variant_arguments_change_nothing(device, rng, bad, exc):
     assert_unchanged(cache, snap)
 
 
+def test_checked_variants_are_kept_and_bad_ones_raise_every_time():
+    """check_variant keeps the Variant of a window / sinks / softcap of plain types (a model's
+    layers pass the same one call after call): the same object again, equal to the checked one;
+    another type, ALiBi, or a bad value takes the whole check, and a bad value raises each time."""
+    from vkattn._attn import _PLAIN, Variant, check_variant
+    assert check_variant(4) is _PLAIN
+    a = check_variant(4, window=8, n_sink=2, softcap=30.0)
+    assert a == Variant(8, 2, 30.0) and check_variant(2, window=8, n_sink=2, softcap=30.0) is a
+    assert check_variant(4, window=8) is check_variant(4, window=8) != a
+    assert check_variant(4, softcap=30.0).softcap == 30.0 and check_variant(4, softcap=30.0).window is None
+    assert check_variant(4, window=np.int64(8)) == Variant(8) and check_variant(4, softcap=30) == Variant(softcap=30.0)
+    for _ in range(2):
+        for bad, exc in ((dict(window=0), ValueError), (dict(window=2.5), TypeError), (dict(n_sink=3), ValueError),
+                         (dict(window=4, n_sink=-1), ValueError), (dict(softcap=float("nan")), ValueError),
+                         (dict(softcap=0.0), ValueError), (dict(window=True), TypeError)):
+            with pytest.raises(exc):
+                check_variant(4, **bad)
+    slopes = np.linspace(0.1, 1, 4).astype(np.float32)
+    b = check_variant(4, window=8, alibi_slopes=slopes)
+    assert b is not check_variant(4, window=8, alibi_slopes=slopes) and b.key() == Variant(8, 0, None, slopes).key()
+    for w in range(1, 200):                     # bounded: kept anew past 64
+        assert check_variant(4, window=w).window == w
+
+
 def test_verify_mode_covers_variants(device, rng):
     cache = vkattn.KVCache(64, 1, 8, device=device, verify=True)
     cache.append(*rand_kv(rng, cache, 30))

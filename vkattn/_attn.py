@@ -106,9 +106,29 @@ class Variant:
 _PLAIN = Variant()          # no score variant: check_variant's for the plain call, fill_batch's default
 
 
+_KNOWN: dict = {}          # (window, n_sink, softcap) of plain types -> its checked Variant (check_variant)
+
+
 def check_variant(num_qo_heads: int, window=None, n_sink=0, softcap=None, alibi_slopes=None) -> Variant:
     if window is None and type(n_sink) is int and n_sink == 0 and softcap is None and alibi_slopes is None:
         return _PLAIN               # the common call: nothing to check
+    if alibi_slopes is None and type(n_sink) is int and type(window) in _INT_OR_NONE \
+            and type(softcap) in _FLOAT_OR_NONE:    # a window or softcap a model's layers pass call after call
+        known = _KNOWN.get((window, n_sink, softcap))
+        if known is not None:
+            return known
+        v = _check_variant(num_qo_heads, window, n_sink, softcap, None)
+        if len(_KNOWN) >= 64:
+            _KNOWN.clear()
+        _KNOWN[(window, n_sink, softcap)] = v
+        return v
+    return _check_variant(num_qo_heads, window, n_sink, softcap, alibi_slopes)
+
+
+_INT_OR_NONE, _FLOAT_OR_NONE = {int, type(None)}, {float, type(None)}
+
+
+def _check_variant(num_qo_heads: int, window, n_sink, softcap, alibi_slopes) -> Variant:
     if window is not None:
         window = check_int("window", window, 1)
     n_sink = check_int("n_sink", n_sink, 0)

@@ -834,8 +834,8 @@ class _Steady:
     given, is learnt as the planned way learns it. Anything else -- another variant, scale or head count,
     a pool changed by anyone -- goes the planned way, which makes a new memo."""
 
-    __slots__ = ("pool", "version", "ids", "ids_t", "ones", "past", "bound", "hq", "flags", "vkey", "window", "scale",
-                 "causal", "key", "attn", "head", "words", "shared", "result")
+    __slots__ = ("pool", "version", "ids", "ids_t", "ones", "past", "bound", "hq", "flags", "variant", "vkey",
+                 "window", "scale", "causal", "key", "attn", "head", "words", "shared", "result")
 
     @classmethod
     def of(cls, cache, last: tuple):
@@ -856,6 +856,7 @@ class _Steady:
         m.ids, m.ids_t, m.ones = list(plan.seq_ids), tuple(plan.seq_ids), counts[:]
         m.past = list(map(add, plan.past, counts))          # the lengths now: the next call's past
         m.bound, m.hq, m.flags, m.vkey, m.window = key[7], attn.hq, key[5], variant.key(), variant.window
+        m.variant = variant                 # check_variant gives the same one for a window passed again
         refs = pool._refs                   # a first block held twice: the cascade's to consider (may_share)
         m.shared = len(counts) > 1 and any(refs[t[0]] > 1 for t in plan.tables if t)
         m.result = None
@@ -878,7 +879,7 @@ class _Steady:
         if n_new is not None and ((type(n_new) is not list and type(n_new) is not tuple)
                                   or list(n_new) != self.ones or set(map(type, n_new)) != _INT):
             return None
-        if set(map(type, seq_ids)) != _INT or (variant is not _PLAIN and variant.key() != self.vkey):
+        if set(map(type, seq_ids)) != _INT or (variant is not self.variant and variant.key() != self.vkey):
             return None
         if token_ids is not None and not _one_id_each(token_ids, total):
             return None

@@ -818,6 +818,8 @@ def _one_id_each(token_ids, n: int) -> bool:
     except ValueError:                  # a list of another length
         return False
     return _plain_ids(ids)
+
+
 TABLE_SLACK = 4         # free words a steady step leaves after each block table it lays out (_Steady._tables)
 
 

@@ -693,7 +693,7 @@ def _aux_as_planned(cache) -> None:
     seq_off, _, free = attn._batch_head[1]
     past = [cache.length(s) - 1 for s in m.ids]
     tables = [cache.block_table(s) for s in m.ids]
-    want, _, rtab = attn._batch_words(past, [1] * n, tables, attn.cfg.splits, m.window, free, cache.rope)
+    want, _, rtab = attn._batch_words(past, [1] * n, tables, attn.cfg.splits, m.variant.window, free, cache.rope)
     aux = attn.aux.view()
     got, want = aux[seq_off:seq_off + want.size].reshape(n, -1), want.reshape(n, -1)
     assert np.array_equal(np.delete(got, 5, axis=1), np.delete(want, 5, axis=1))

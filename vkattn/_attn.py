@@ -106,26 +106,22 @@ class Variant:
 _PLAIN = Variant()          # no score variant: check_variant's for the plain call, fill_batch's default
 
 
-_KNOWN: dict = {}          # (window, n_sink, softcap) of plain types -> its checked Variant (check_variant)
-
-
 def check_variant(num_qo_heads: int, window=None, n_sink=0, softcap=None, alibi_slopes=None) -> Variant:
     if window is None and type(n_sink) is int and n_sink == 0 and softcap is None and alibi_slopes is None:
         return _PLAIN               # the common call: nothing to check
     if alibi_slopes is None and type(n_sink) is int and type(window) in _INT_OR_NONE \
-            and type(softcap) in _FLOAT_OR_NONE:    # a window or softcap a model's layers pass call after call
-        known = _KNOWN.get((window, n_sink, softcap))
-        if known is not None:
-            return known
-        v = _check_variant(num_qo_heads, window, n_sink, softcap, None)
-        if len(_KNOWN) >= 64:
-            _KNOWN.clear()
-        _KNOWN[(window, n_sink, softcap)] = v
-        return v
+            and type(softcap) in _FLOAT_OR_NONE:    # a window or softcap a model's layers pass call after call:
+        return _kept_variant(window, n_sink, softcap)       # checked once (a bad one raises every time)
     return _check_variant(num_qo_heads, window, n_sink, softcap, alibi_slopes)
 
 
 _INT_OR_NONE, _FLOAT_OR_NONE = {int, type(None)}, {float, type(None)}
+
+
+@functools.lru_cache(maxsize=64)
+def _kept_variant(window, n_sink: int, softcap) -> Variant:
+    """check_variant of plain-typed rules without ALiBi (which do not depend on the head count)."""
+    return _check_variant(0, window, n_sink, softcap, None)
 
 
 def _check_variant(num_qo_heads: int, window, n_sink, softcap, alibi_slopes) -> Variant:
@@ -754,14 +750,14 @@ class AttnPlan:
         c0, c4, c5, c6, c10 = self.decode_columns(len(past))
         c0[:] = past
         c10[:] = past
+        # split_keys(e, 1, window, splits) of each sequence's e keys, inlined as _batch_words has it (a
+        # call a sequence cost 9 us at B=16): first key max(0, e - window), span min(e, window) >= 1
+        spans = ends
+        if window is not None:
+            c6[:] = [e - window if e > window else 0 for e in ends]
+            spans = [e if e < window else window for e in ends]
         splits = self.cfg.splits
-        if window is None:                  # split_keys from key 0, inlined as _batch_words has it (a call a
-            c4[:] = ends if splits == 1 else [     # sequence cost 9 us at B=16: the GPUs' split decode)
-                max(-(-e // splits), e if e < MIN_CHUNK else MIN_CHUNK) for e in ends]
-        else:                               # split_keys(e, 1, window, splits), inlined: the keys from
-            c6[:] = [e - window if e > window else 0 for e in ends]     # max(0, e - window)
-            c4[:] = [max(-(-n // splits), n if n < MIN_CHUNK else MIN_CHUNK)       # n: min(e, window) >= 1
-                     for n in [e if e < window else window for e in ends]]
+        c4[:] = spans if splits == 1 else [max(-(-n // splits), n if n < MIN_CHUNK else MIN_CHUNK) for n in spans]
         if tables is not None:
             flat, offsets = tables
             free = offsets[0]

@@ -825,19 +825,20 @@ TABLE_SLACK = 4         # free words a steady step leaves after each block table
 
 class _Steady:
     """A batch decode a PagedKVCache's next call may take on without planning: the last fast call
-    was one new token for each of the same sequences (no mask, rows fused into the dispatch), and nothing has changed the pool since (its version). While the decode key bound
-    and the choice to append first hold, the blocks rows need are free and the tables fit in the
-    aux, and the attention plan is still the cache's with the aux that call left, the next step
-    is that plan run again with the words that change written (AttnPlan.fill_decode_step): no
-    AppendPlan, no _Step, no per-sequence records built (vkattn's Python of a batch decode loop).
-    A row that starts a block takes the block _take would give (the same tables as the planned
-    way): one word written after its table where the aux has one free there, else every table
-    laid out again with a few free words after each (_tables); each new token's id, where
-    given, is learnt as the planned way learns it. Anything else -- another variant, scale or head count,
-    a pool changed by anyone -- goes the planned way, which makes a new memo."""
+    was one new token for each of the same sequences (no mask, rows fused into the dispatch), and
+    nothing has changed the pool since (its version). While the decode key bound and the choice
+    to append first hold, the blocks rows need are free and the tables fit in the aux, and the
+    attention plan is still the cache's with the aux that call left, the next step is that plan
+    run again with the words that change written (AttnPlan.fill_decode_step): no AppendPlan, no
+    _Step, no per-sequence records built (vkattn's Python of a batch decode loop). A row that
+    starts a block takes the block _take would give (the same tables as the planned way): one
+    word written after its table where the aux has one free there, else every table laid out
+    again with a few free words after each (_tables); each new token's id, where given, is learnt
+    as the planned way learns it. Anything else -- another variant, scale or head count, a pool
+    changed by anyone -- goes the planned way, which makes a new memo."""
 
-    __slots__ = ("pool", "version", "ids", "ids_t", "ones", "past", "bound", "hq", "flags", "variant", "vkey",
-                 "window", "scale", "causal", "key", "attn", "head", "words", "shared", "result")
+    __slots__ = ("pool", "version", "ids", "ids_t", "ones", "past", "bound", "hq", "flags", "variant", "scale",
+                 "causal", "key", "attn", "head", "words", "shared", "result")
 
     @classmethod
     def of(cls, cache, last: tuple):
@@ -857,8 +858,7 @@ class _Steady:
         m.head, m.words = head, words       # step() finds them still the plan's, or plans
         m.ids, m.ids_t, m.ones = list(plan.seq_ids), tuple(plan.seq_ids), counts[:]
         m.past = list(map(add, plan.past, counts))          # the lengths now: the next call's past
-        m.bound, m.hq, m.flags, m.vkey, m.window = key[7], attn.hq, key[5], variant.key(), variant.window
-        m.variant = variant                 # check_variant gives the same one for a window passed again
+        m.bound, m.hq, m.flags, m.variant = key[7], attn.hq, key[5], variant    # (check_variant keeps a window's)
         refs = pool._refs                   # a first block held twice: the cascade's to consider (may_share)
         m.shared = len(counts) > 1 and any(refs[t[0]] > 1 for t in plan.tables if t)
         m.result = None
@@ -881,7 +881,7 @@ class _Steady:
         if n_new is not None and ((type(n_new) is not list and type(n_new) is not tuple)
                                   or list(n_new) != self.ones or set(map(type, n_new)) != _INT):
             return None
-        if set(map(type, seq_ids)) != _INT or (variant is not self.variant and variant.key() != self.vkey):
+        if set(map(type, seq_ids)) != _INT or (variant is not self.variant and variant.key() != self.variant.key()):
             return None
         if token_ids is not None and not _one_id_each(token_ids, total):
             return None
@@ -909,7 +909,7 @@ class _Steady:
         cache._plans.move_to_end(self.key)
         ends = [p + 1 for p in past]
         tables, words = (None, None) if layout is None else layout
-        attn.fill_decode_step(q, k, v, past, ends, cache.rope, tables, words, self.window)
+        attn.fill_decode_step(q, k, v, past, ends, cache.rope, tables, words, self.variant.window)
         if out is not None:
             rec = attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
         else:

@@ -365,14 +365,9 @@ class BlockPool:
         """Extend ``seq_id``'s known token ids (its first ``len(known) + len(token_ids)`` positions,
         all within its length); every block that becomes full and known gets its hash and is
         registered unless the hash is registered already."""
-        tokens = self._tokens[seq_id]
+        tokens, hashes, table = self._tokens[seq_id], self._hashes[seq_id], self._tables[seq_id]
         tokens.extend(token_ids)
-        self._register(seq_id, tokens)
-
-    def _register(self, seq_id: int, tokens: list) -> None:
-        """_learn's second half: hash each block of ``seq_id`` that its known token ids
-        (``tokens``) fill and that has no hash yet, and register it unless its hash is."""
-        hashes, table, bs = self._hashes[seq_id], self._tables[seq_id], self._block_size
+        bs = self._block_size
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
             h = block_hash(hashes[-1] if hashes else self._roots[seq_id], tokens[i * bs:(i + 1) * bs])
@@ -643,10 +638,10 @@ class BlockPool:
     def _advance(self, ids: list, counts, grown, tokens, past: list) -> None:
         """Append ``counts[i]`` tokens (None: one each) to ``ids[i]`` (known, distinct) as a
         checked plan says: ``grown`` the (seq_id, block) pairs of the blocks it takes, in batch
-        order (_picks' order); ``tokens`` None, or per sequence None or its new tokens' ids, learnt where the
-        sequence knew the ids of all its ``past[i]`` positions (its length before). Every block
-        is claimed first (a hash evicted here may be registered below); a new version.
-        _apply_append's, and vkattn.paged's steady decode step's (no AppendPlan)."""
+        order (_picks' order); ``tokens`` None, or per sequence None or its new tokens' ids,
+        learnt where the sequence knew the ids of all its ``past[i]`` positions (its length
+        before). Every block is claimed first (a hash evicted here may be registered below); a
+        new version. _apply_append's, and vkattn.paged's steady decode step's (no AppendPlan)."""
         for _, block in grown:
             self._claim(block)
         tables = self._tables
@@ -660,14 +655,10 @@ class BlockPool:
             for s, n in zip(ids, counts):
                 lengths[s] += n
         if tokens is not None:
-            known, hashes, bs = self._tokens, self._hashes, self._block_size
+            known = self._tokens
             for s, t, p in zip(ids, tokens, past):
-                if t is not None:
-                    ks = known[s]
-                    if len(ks) == p:        # _learn, its registration only where a block filled
-                        ks.extend(t)
-                        if len(ks) >= (len(hashes[s]) + 1) * bs:
-                            self._register(s, ks)
+                if t is not None and len(known[s]) == p:
+                    self._learn(s, t)
         self._version += 1
 
     # ------------------------------------------------------------------ addressing & debugging

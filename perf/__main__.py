@@ -1,4 +1,4 @@
-"""``python -m perf [decode|prefill|append|overhead|batch|cascade|loads|hf|newlen|prefix|subgroup ...]``: run the perf cases, print a table, write
+"""``python -m perf [decode|prefill|append|overhead|batch|cascade|loads|peak|hf|newlen|prefix|subgroup ...]``: run the perf cases, print a table, write
 perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py).
 ``python -m perf gpu``: the GPU compiler report (perf/gpu.py), without a GPU.
 ``python -m perf nvk``: the attention pipelines on NVK's compiler for NVIDIA chips, without a GPU (perf/nvk.py).
@@ -15,11 +15,11 @@ import sys
 
 import vkattn
 
-from . import append, batch, cascade, decode, hf, loads, newlen, overhead, prefill, prefix, subgroup_ops
+from . import append, batch, cascade, decode, hf, loads, newlen, overhead, peak, prefill, prefix, subgroup_ops
 from .common import PerfConfigError, Shape, copy_bandwidth, kernels_line, print_table, write_results
 
 SCRIPTS = {"decode": decode, "prefill": prefill, "append": append, "overhead": overhead, "batch": batch,
-           "cascade": cascade, "loads": loads, "hf": hf, "newlen": newlen, "prefix": prefix,
+           "cascade": cascade, "loads": loads, "peak": peak, "hf": hf, "newlen": newlen, "prefix": prefix,
            "subgroup": subgroup_ops}
 
 
@@ -74,6 +74,10 @@ def main(argv=None) -> int:
     for r in rows:
         if r.kernel in ("decode", "decode step", "batch"):
             print(f"  {r.case}: {r.value:.2f} GB/s = {100 * r.value / copy_bandwidth():.1f}% of copy bandwidth")
+        if r.kernel == "peak":
+            mm = ", ".join(f"{k[:-8]} {v:.1f}" for k, v in r.extra.items() if k.endswith(" GFLOP/s"))
+            print(f"  {r.case}: {r.value:.1f} GFLOP/s on the device; matmuls of a {peak.PROMPT}-token prompt, "
+                  f"GFLOP/s: {mm}")
         if r.kernel == "decode alternated":
             ratio = next((f", {v:.3f}x the time of {k[8:]}" for k, v in r.extra.items() if k.startswith("time_vs_")), "")
             print(f"  {r.case}: median {r.vkattn_ms:.3f} ms, min {r.vkattn_min_ms:.3f} ms over {r.extra['calls']} "

@@ -707,6 +707,15 @@ def _aux_as_planned(cache) -> None:
         assert np.array_equal(attn.rope.view()[:rtab.size], rtab)
 
 
+def test_decode_chunks_are_split_keys_chunks():
+    """The steady step's chunk rule (by cases: all keys, MIN_CHUNK, ceil(n / splits)) is
+    split_keys' max() form for every span up to well past MIN_CHUNK * splits, the boundaries
+    included."""
+    for splits in (2, 3, 5, 8, 31, 128):
+        spans = list(range(1, _attn.MIN_CHUNK * splits + 3 * splits + 2))
+        assert _attn.decode_chunks(spans, splits) == [_attn.split_keys(n, 1, None, splits)[1] for n in spans]
+
+
 def _twin_sequences(rng, fast, general, lengths: list) -> list:
     """New sequences of the given lengths in both twins, the same random K/V in each; their ids."""
     ids = [fast.add_sequence() for _ in lengths]
@@ -910,8 +919,8 @@ def test_paged_steady_decode_replans_after_any_change(device, rng, monkeypatch, 
 
 
 def test_paged_steady_decode_across_the_key_bound_and_after_a_failed_call(device, rng, monkeypatch, steady_hits):
-    """One sequence of 4090 keys and two short ones (their chunks the shortest a split takes; the
-    tile kernel, 8 splits):
+    """One sequence of 4090 keys and two shorter ones (5 keys: one chunk of all; 300: chunks of
+    MIN_CHUNK, the shortest a split takes; the tile kernel, 8 splits):
     the steady steps (vkattn.paged._Steady) stop where the longest passes the plan's decode key
     bound (4096: more splits, planned again) and go on after it; a call of three other sequences
     on the same attention plan that fails on the device (nothing committed, the pool unchanged),
@@ -924,7 +933,7 @@ def test_paged_steady_decode_across_the_key_bound_and_after_a_failed_call(device
     hkv, d = 2, 16
     fast, general = (vkattn.PagedKVCache(100, 48, hkv, d, dtype="float16", device=device) for _ in range(2))
     general._fast_forward = lambda *a, **kw: None
-    lengths = [4090, 5, 30, 7, 8, 9]
+    lengths = [4090, 5, 300, 7, 8, 9]
     ids = _twin_sequences(rng, fast, general, lengths)
     batch, bounds = ids[:3], []
     for step in range(12):

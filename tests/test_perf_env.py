@@ -151,3 +151,22 @@ def test_perf_subgroup_checks_every_operation_against_numpy(device, monkeypatch)
     wg = device.subgroup_size
     assert not np.array_equal(subgroup_ops.simulate(1, wg, 64), subgroup_ops.simulate(2, wg, 64))
     assert not np.array_equal(subgroup_ops.simulate(3, wg, 64), subgroup_ops.simulate(5, wg, 64))
+
+
+def test_peak_probe_matches_numpy(monkeypatch, device):
+    """perf peak's multiply-add shader sums what its numpy model sums (so its GFLOP/s time real
+    work), for one and three chains, each row timed beside the CPU matmuls."""
+    from perf import peak
+    monkeypatch.setattr(peak, "ITERS", 64)
+    monkeypatch.setattr(peak, "GROUPS", 4)
+    monkeypatch.setattr(peak, "ROUNDS", 1)
+    monkeypatch.setattr(peak, "MATMULS", {"qkv": (64, 96)})
+    monkeypatch.setenv("VKATTN_PERF_ITERS", "2")
+    monkeypatch.setenv("VKATTN_PERF_CASE", "peak multiply-add, ")
+    rows = peak.run(Shape.from_env(), device)
+    assert [r.extra["chains"] for r in rows] == [1, 2, 3, 4, 6]
+    assert all(r.verified and r.value > 0 and r.extra["numpy qkv GFLOP/s"] > 0 for r in rows)
+    b = np.arange(12, dtype=np.float32).reshape(3, 4)
+    wg = device.lane_subgroup() or device.subgroup_size
+    assert not np.array_equal(peak._expected(np.full((3, 4), 0.5, np.float32), b, wg, 3),
+                              peak._expected(np.full((3, 4), 0.5, np.float32), b + 1, wg, 3))

@@ -807,17 +807,18 @@ class _Step:
 _LIST_OR_NONE = {list, type(None)}
 
 
-def _one_id_each(token_ids, n: int) -> bool:
-    """Whether ``token_ids`` is a list or tuple of ``n`` lists of one plain int in [0, 2**63) each
-    (the token ids a steady step learns; anything else is planned)."""
+def _one_id_each(token_ids, n: int):
+    """The ids, one per sequence, where ``token_ids`` is a list or tuple of ``n`` lists of one
+    plain int in [0, 2**63) each (the token ids a steady step learns); None for anything else
+    (planned)."""
     if (type(token_ids) is not list and type(token_ids) is not tuple) or len(token_ids) != n \
             or set(map(type, token_ids)) != _LIST:
-        return False
+        return None
     try:
         ids = [t for [t] in token_ids]
     except ValueError:                  # a list of another length
-        return False
-    return _plain_ids(ids)
+        return None
+    return ids if _plain_ids(ids) else None
 
 
 TABLE_SLACK = 4         # free words a steady step leaves after each block table it lays out (_Steady._tables)
@@ -883,8 +884,10 @@ class _Steady:
             return None
         if set(map(type, seq_ids)) != _INT or (variant is not self.variant and variant.key() != self.variant.key()):
             return None
-        if token_ids is not None and not _one_id_each(token_ids, total):
-            return None
+        if token_ids is not None:
+            token_ids = _one_id_each(token_ids, total)
+            if token_ids is None:
+                return None
         past = self.past
         if max(past) >= self.bound or cache._appends_first(1, key_bound=sum(past) + total):
             return None                     # the plan's key bound passed, or the rows go first

@@ -365,8 +365,13 @@ class BlockPool:
         """Extend ``seq_id``'s known token ids (its first ``len(known) + len(token_ids)`` positions,
         all within its length); every block that becomes full and known gets its hash and is
         registered unless the hash is registered already."""
+        self._tokens[seq_id].extend(token_ids)
+        self._register_full(seq_id)
+
+    def _register_full(self, seq_id: int) -> None:
+        """_learn's second half: every full block of ``seq_id`` whose token ids are known and that
+        has no hash yet gets one, registered unless the hash is registered already."""
         tokens, hashes, table = self._tokens[seq_id], self._hashes[seq_id], self._tables[seq_id]
-        tokens.extend(token_ids)
         bs = self._block_size
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
@@ -638,8 +643,8 @@ class BlockPool:
     def _advance(self, ids: list, counts, grown, tokens, past: list) -> None:
         """Append ``counts[i]`` tokens (None: one each) to ``ids[i]`` (known, distinct) as a
         checked plan says: ``grown`` the (seq_id, block) pairs of the blocks it takes, in batch
-        order (_picks' order); ``tokens`` None, or per sequence None or its new tokens' ids,
-        learnt where the sequence knew the ids of all its ``past[i]`` positions (its length
+        order (_picks' order); ``tokens`` None, or per sequence None or its new tokens' ids (with
+        ``counts`` None: one plain id each, as vkattn.paged's _one_id_each gives them), learnt where the sequence knew the ids of all its ``past[i]`` positions (its length
         before). Every block is claimed first (a hash evicted here may be registered below); a
         new version. _apply_append's, and vkattn.paged's steady decode step's (no AppendPlan)."""
         for _, block in grown:
@@ -656,9 +661,18 @@ class BlockPool:
                 lengths[s] += n
         if tokens is not None:
             known = self._tokens
-            for s, t, p in zip(ids, tokens, past):
-                if t is not None and len(known[s]) == p:
-                    self._learn(s, t)
+            if counts is None:              # one id each: a block is full where its last position came
+                bs = self._block_size
+                for s, t, p in zip(ids, tokens, past):
+                    ts = known[s]
+                    if len(ts) == p:
+                        ts.append(t)
+                        if not (p + 1) % bs:
+                            self._register_full(s)
+            else:
+                for s, t, p in zip(ids, tokens, past):
+                    if t is not None and len(known[s]) == p:
+                        self._learn(s, t)
         self._version += 1
 
     # ------------------------------------------------------------------ addressing & debugging

@@ -7,13 +7,15 @@
 # fmt. Every step has its own time limit and the script goes on past a failed one; each step's
 # output goes to OUT/run.log, the reports beside it:
 # the steps, in the order they run (VKATTN_GPU_STEPS names them; default "check coopmat bench
-# ablate trips model overhead merge vearly fp8prefill splits suite", the first the ones a GPU's
+# peak ablate trips model overhead merge vearly fp8prefill splits suite", the first the ones a GPU's
 # figures and verdicts need most):
 #   check: python -m vkattn check (every kernel path vkattn takes there; every SPIR-V module built
 #      is checked by spirv-val: VKATTN_SPIRV_VAL)
 #   coopmat: the same with the cooperative-matrix kernel forced (VKATTN_KERNEL=coopmat)
 #   bench: python -m perf gpubench (make gpu-bench): device ms, and the kernels' own, beside torch
 #      SDPA on the same GPU
+#   peak: python -m perf peak: the device's float32 multiply-add rate from a shader of independent
+#      chains (no loads) -> OUT/peak.json, beside the datasheet's (issue 31: kernels near the limits)
 #   ablate: python -m perf ablate: attn_coopmat.comp's prefill S=512 over 0 and 15872 cached with
 #      one part of its key loop taken out at a time (the K/V loads, either product, the lo halves,
 #      exp2, the rescale), and attn.comp's decode at L=16384 (the K loads, the V loads, exp2, the
@@ -30,7 +32,9 @@
 #      (DeviceLlama.LAYOUTS, session 25), then with the CPU layout of the H100's session 21
 #      figures (--layout 16,1,16) -> OUT/model_random{,_cpu_layout}.json
 #   overhead: python -m perf overhead: wall against device time per call, the device-array path,
-#      a 30-layer graph replayed (issue 30)
+#      a 30-layer graph replayed (issue 30); then again with VKATTN_SPIN_US=1000 (each wait polls
+#      the fence for up to 1 ms before it blocks: is the H100's 0.6 ms bare round trip the
+#      driver's wake-up?) -> OUT/overhead.json, OUT/overhead_spin.json
 #   merge: attn.comp's decode at L=16384 (float16, bfloat16, int8) with the split merge reading 2
 #      splits at once (the default since session 24), 1 at a time as before (0) and 4
 #      -> OUT/merge.txt (perf/RESULTS.md session 24: the merge's serial reads, not the K/V reads,
@@ -121,7 +125,7 @@ variant() {
 DECODE_16K=(VKATTN_PERF_CONTEXT=16384 VKATTN_PERF_CAPACITY=16384 VKATTN_PERF_ITERS=20
             "VKATTN_PERF_CASE=decode L=16384 cap=16384" VKATTN_PERF_TORCH_DEVICE=cuda)
 
-steps=" ${VKATTN_GPU_STEPS:-check coopmat bench ablate trips model overhead merge vearly fp8prefill splits suite} "
+steps=" ${VKATTN_GPU_STEPS:-check coopmat bench peak ablate trips model overhead merge vearly fp8prefill splits suite} "
 # a step named in $steps runs while VKATTN_GPU_SESSION_S (default 520) has 40 s or more left, so
 # that the whole script stays inside one 600-second call of the device tool; the rest are logged as
 # skipped (name them in VKATTN_GPU_STEPS for a second call)
@@ -142,6 +146,11 @@ if want bench; then
   step "python -m perf gpubench (make gpu-bench)"
   run "${VKATTN_GPU_BENCH_S:-200}" "$PY" -m perf gpubench
   cp perf/out/gpu_bench.json perf/out/gpu_bench.csv "$out/" 2>/dev/null
+fi
+if want peak; then
+  step "python -m perf peak (the shaders' multiply-add rate, 1 to 6 vec4 chains an invocation)"
+  VKATTN_PERF_ITERS=10 run "${VKATTN_GPU_PEAK_S:-60}" "$PY" -m perf peak
+  cp perf/out/results.json "$out/peak.json" 2>/dev/null
 fi
 if want ablate; then
   step "python -m perf ablate (attn_coopmat.comp's prefill, attn.comp's decode, parts taken out)"
@@ -167,6 +176,10 @@ fi
 if want overhead; then
   step "python -m perf overhead"
   run "${VKATTN_GPU_OVERHEAD_S:-90}" "$PY" -m perf overhead
+  cp perf/out/results.json "$out/overhead.json" 2>/dev/null
+  step "python -m perf overhead, waits polling the fence for up to 1 ms (VKATTN_SPIN_US=1000)"
+  VKATTN_SPIN_US=1000 run "${VKATTN_GPU_OVERHEAD_S:-90}" "$PY" -m perf overhead
+  cp perf/out/results.json "$out/overhead_spin.json" 2>/dev/null
 fi
 if want merge; then
   step "decode L=16384: VKATTN_TILE_MERGE_BATCH default (2), 0, 4"

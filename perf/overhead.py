@@ -364,6 +364,16 @@ def device_path(shape: Shape, device) -> list:
     gpy = python_us(graph.submit, max(iters // 5, 10), reset=truncate_all)
     print(f"{tag} graph of {layers} layers: vkattn's Python {gpy:.1f} us per replay, "
           f"{gpy / layers:.1f} us per layer (submission stubbed out)")
+    held = []                                         # how long submit() keeps the host (not the wait)
+    for _ in range(max(iters // 5, 10)):
+        t0 = time.perf_counter()
+        handle = graph.submit()
+        held.append(time.perf_counter() - t0)
+        handle.wait()
+        truncate_all()
+    submit_ms = float(np.median(held)) * 1e3
+    print(f"{tag} graph of {layers} layers: submit() returns after {submit_ms:.3f} ms of a "
+          f"{t['median_ms']:.3f} ms step (the host's own until it waits)")
     # Device time without timestamps: what one more layer adds to a submission. The graph of
     # `layers` calls and a graph of the first cache's call alone, the two single calls and the
     # bare round trip are timed in interleaved rounds (truncations untimed); one call's device
@@ -395,7 +405,8 @@ def device_path(shape: Shape, device) -> list:
                     speedup_vs_numpy=tr * layers / t["median_ms"], metric="ms per layer",
                     value=t["median_ms"] / layers, verified=ok and gok,
                     extra={"bare_ms": bare["median_ms"], "recordings": graph.recordings,
-                           "submissions": graph.submissions, "python_us_per_replay": gpy}))
+                           "submissions": graph.submissions, "python_us_per_replay": gpy,
+                           "submit_ms": submit_ms}))
     graph.close()
     for o in qs + ks + vs + outs + [qd, kd, vd, od]:
         o.close()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import vkattn
+from vkattn import _kp
 from vkattn.compiler import compile_shader
 from vkattn.reference import attention
 
@@ -157,6 +158,127 @@ def test_graph_chains_layers_and_the_callers_dispatches_and_replays(device, rng,
         assert [c.length for c in gpu] == [c.length for c in cpu] == [8 + step] * layers
     assert graph.submissions == 5 and graph.recordings == 1          # replayed, not recorded again
     assert sum(op.startswith("barrier") for op in graph.ops) >= 2 * layers - 1
+    graph.close()
+
+
+def _long_graph(device, rng, layers=3, keys=3000):
+    """A graph of ``layers`` decode calls over ``keys`` cached keys each (milliseconds of work on
+    lavapipe), its arrays and caches."""
+    hkv, d, hq = 4, 64, 8
+    caches = [vkattn.KVCache(keys + 64, hkv, d, dtype="float16", device=device) for _ in range(layers)]
+    for c in caches:
+        c.append(_data(rng, hkv, keys, d), _data(rng, hkv, keys, d))
+    q, k, v = (vkattn.to_device(_data(rng, h, 1, d), device) for h in (hq, hkv, hkv))
+    outs = [vkattn.empty((hq, 1, d), device) for _ in range(layers)]
+    graph = vkattn.Graph(device)
+    with graph.capture():
+        for c, o in zip(caches, outs):
+            c.forward(q, k, v, out=o)
+    return graph, caches, (q, k, v), outs
+
+
+@pytest.mark.skipif(not _kp.HAS_ASYNC, reason="kp without scripts/kp-0.9.0-features.patch submits waiting")
+def test_graph_submit_returns_before_the_device_is_done_and_lets_threads_run(device, rng):
+    """Graph.submit() returns with the submission still running (its kp sequence not yet
+    waited for: kp 0.9.0's own eval_async() waited), ``done`` reads the fence without waiting,
+    a host call on the device waits for it first, and while the host waits (``wait()``, or
+    ``run()``'s evaluation) other Python threads run: kp releases the GIL there."""
+    import sys
+    import threading
+    import time
+    graph, caches, (q, k, v), outs = _long_graph(device, rng)
+    graph.run()
+    for c in caches:
+        c.truncate(c.length - 1)
+    count, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+    # a long switch interval: the spinning thread gets the GIL only where the host releases it
+    # (kp's C++ waits; 0 increments there with kp 0.9.0's bindings), not by preemption
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.2)
+    worker = threading.Thread(target=spin)
+    try:
+        worker.start()
+        time.sleep(0.01)
+        handle = graph.submit()
+        assert handle._rec._seq.is_running() and not handle._waited     # submitted, not waited for
+        before = count[0]
+        handle.wait()
+        during = count[0] - before
+        assert handle.done and not handle._rec._seq.is_running()
+        for c in caches:
+            c.truncate(c.length - 1)
+        handle = graph.submit()
+        polled, deadline = [], time.monotonic() + 60
+        while not handle.done and time.monotonic() < deadline:      # the fence, read without waiting
+            polled.append(False)
+            time.sleep(0.001)
+        assert handle.done and not handle._waited and handle._rec._seq.is_running()
+        handle.wait()
+        before = count[0]
+        graph.run()
+        during_run = count[0] - before
+    finally:
+        stop.set()
+        worker.join()
+        sys.setswitchinterval(interval)
+    assert during > 0 and during_run > 0, (during, during_run, len(polled))
+    # a host call while a submission runs waits for it: the outputs are the finished ones
+    first = [o.numpy() for o in outs]
+    for c in caches:
+        c.truncate(c.length - 1)
+    graph.submit()
+    assert [c.length for c in caches] == [3002] * 3                 # committed at the submission
+    assert all(np.array_equal(o.numpy(), f) for o, f in zip(outs, first))   # the same call again
+    graph.close()
+
+
+def test_closing_a_device_waits_for_a_submitted_graph(rng):
+    """A device closed while a graph it submitted runs waits for it before anything is freed."""
+    dev = vkattn.Device()
+    graph, caches, _, outs = _long_graph(dev, rng, layers=2, keys=2000)
+    be = dev.backend
+    graph.submit()
+    assert be.pending is not None
+    dev.close()
+    assert be.pending is None and be._mgr is None
+
+
+def test_spin_waits_give_the_same_bits(rng, monkeypatch):
+    """VKATTN_SPIN_US (poll the fence before blocking): numpy calls and a graph's submit / wait
+    give the same results bit for bit as the blocking wait; a bad value is a ValueError naming the
+    variable, before any device is made."""
+    monkeypatch.setenv("VKATTN_SPIN_US", "-3")
+    with pytest.raises(ValueError, match="VKATTN_SPIN_US='-3'"):
+        vkattn.Device()
+    results = {}
+    for spin in ("", "3000"):
+        monkeypatch.setenv("VKATTN_SPIN_US", spin)
+        dev = vkattn.Device()
+        assert dev.backend.spin_s == (0.003 if spin else 0.0)
+        data = np.random.default_rng(3)
+        got = []
+        graph, caches, (q, k, v), outs = _long_graph(dev, data, layers=2, keys=300)
+        got += [caches[0].forward(_data(data, 8, 1, 64), _data(data, 4, 1, 64), _data(data, 4, 1, 64))]
+        for _ in range(2):
+            handle = graph.submit()
+            handle.wait()
+            got += [o.numpy() for o in outs]
+        graph.close()
+        results[spin] = got
+    assert all(np.array_equal(a, b) for a, b in zip(results[""], results["3000"]))
+
+
+def test_graph_submit_waits_with_a_kp_that_cannot_submit_without_waiting(device, rng, monkeypatch):
+    """Where kp cannot submit without waiting, submit() evaluates and waits; the handle is done."""
+    monkeypatch.setattr(_kp, "HAS_ASYNC", False)
+    graph, caches, _, outs = _long_graph(device, rng, layers=1, keys=100)
+    handle = graph.submit()
+    assert not handle._rec._seq.is_running() and handle.done
+    handle.wait()
     graph.close()
 
 

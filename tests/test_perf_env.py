@@ -168,5 +168,6 @@ def test_peak_probe_matches_numpy(monkeypatch, device):
     assert all(r.verified and r.value > 0 and r.extra["numpy qkv GFLOP/s"] > 0 for r in rows)
     b = np.arange(12, dtype=np.float32).reshape(3, 4)
     wg = device.lane_subgroup() or device.subgroup_size
-    assert not np.array_equal(peak._expected(np.full((3, 4), 0.5, np.float32), b, wg, 3),
-                              peak._expected(np.full((3, 4), 0.5, np.float32), b + 1, wg, 3))
+    assert rows[0].shape.startswith(f"4 x {wg} invocations")
+    assert not np.array_equal(peak._expected(np.full((3, 4), 0.5, np.float32), b, 4 * wg, 3),
+                              peak._expected(np.full((3, 4), 0.5, np.float32), b + 1, 4 * wg, 3))

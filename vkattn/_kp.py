@@ -53,6 +53,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -70,6 +71,9 @@ from .errors import SyncHazardError
 
 _DTYPES = {np.dtype(np.uint32), np.dtype(np.float32)}
 HAS_BARRIER = hasattr(kp, "OpMemoryBarrier")
+# the patched kp's Sequence.eval_async() submits and returns (kp 0.9.0's evaluated and waited) and
+# Sequence.is_done() reads the fence; with another kp, Recording.submit waits as run() does
+HAS_ASYNC = hasattr(getattr(kp, "Sequence", None), "is_done")
 # Vulkan flags of Recording.barrier: VK_ACCESS_SHADER_READ/WRITE, TRANSFER_READ/WRITE;
 # VK_PIPELINE_STAGE_COMPUTE_SHADER | TRANSFER
 _SRC_ACCESS = 0x40 | 0x1000
@@ -98,6 +102,24 @@ def host_memory_mode(local: bool) -> bool:
     return mode == "direct" or (mode == "auto" and local)
 
 
+def spin_seconds() -> float:
+    """VKATTN_SPIN_US: how long a wait for the device polls its fence before it blocks in
+    vkWaitForFences, in microseconds (unset or 0: it blocks at once, the default); a bad value is
+    a ValueError naming the variable. Polling trades a host core for the driver's wake-up latency:
+    on lavapipe, whose worker threads need the cores, it costs time (perf/RESULTS.md, session 41);
+    on a GPU it is untimed yet (perf/gpu_session.sh's overhead step runs both)."""
+    raw = os.environ.get("VKATTN_SPIN_US", "").strip()
+    if not raw:
+        return 0.0
+    try:
+        us = int(raw)
+    except ValueError:
+        us = -1
+    if us < 0:
+        raise ValueError(f"VKATTN_SPIN_US={raw!r}: expected microseconds, an integer >= 0")
+    return us * 1e-6
+
+
 class Backend:
     """One ``kp.Manager`` on one physical device."""
 
@@ -111,6 +133,7 @@ class Backend:
         self.direct = bool(direct)      # host-visible buffers are kp host tensors (module docstring)
         self.device_key = device_key or f"device {index}"
         self.software = software
+        self.spin_s = spin_seconds()
         self._mgr = kp.Manager(index)
         # kp built with scripts/kp-0.9.0-features.patch: the optional features it enabled (each only
         # where the device offers it) and required subgroup sizes; a plain kp 0.9: neither
@@ -123,8 +146,9 @@ class Backend:
         self.shares_pipelines = hasattr(self._mgr, "shared_pipeline_count")
         # one lock per device: every cache on it runs its plans under it, so plans may share the
         # scratch buffers of shared_buffer (inputs written, dispatched, outputs copied out, all
-        # inside one locked call). kp's evaluations are synchronous, so little is serialised
-        # that the device's one queue would not serialise anyway.
+        # inside one locked call). Every evaluation but a graph's submission waits for the device
+        # there (kp releases the GIL meanwhile), so little is serialised that the device's one
+        # queue would not serialise anyway.
         self.lock = DeviceLock(self)
         self._shared = weakref.WeakValueDictionary()    # holders keep them alive, not the registry
         # the pipelines kept built after their last program goes (keep_pipeline): key -> a pin
@@ -262,6 +286,8 @@ class Backend:
 
     def close(self) -> None:
         if self._mgr is not None:
+            with self.lock:             # a graph submitted without waiting finishes first
+                pass
             self.release_pipelines()
             self._mgr.destroy()
             self._mgr = None
@@ -291,6 +317,11 @@ class DeviceLock:
 
     def __exit__(self, *exc) -> None:
         self._lock.release()
+
+    @property
+    def bare(self) -> threading.RLock:
+        """The lock without the wait for a pending recording: for reading its state."""
+        return self._lock
 
 
 class Buffer:
@@ -540,16 +571,39 @@ class Recording:
         if pending is not None:
             pending.wait()
         if self._seq is not None:
-            self._seq.eval()
+            if self._backend.spin_s and HAS_ASYNC:
+                self._seq.eval_async()
+                self._await()
+            else:
+                self._seq.eval()
+
+    def _await(self) -> None:
+        """eval_await of the running sequence, after polling its fence for the backend's
+        ``spin_s`` (VKATTN_SPIN_US) where that is set."""
+        seq, spin = self._seq, self._backend.spin_s
+        if spin and HAS_ASYNC:
+            end = time.perf_counter() + spin
+            while not seq.is_done() and time.perf_counter() < end:
+                pass
+        seq.eval_await()
 
     def submit(self) -> None:
-        """Submit without waiting (kp's eval_async); :meth:`wait` waits for it."""
+        """Submit without waiting (kp's eval_async; with a kp without :data:`HAS_ASYNC`, waited
+        for there); :meth:`wait` completes it."""
         if self._seq is not None:
-            self._seq.eval_async()
+            if HAS_ASYNC:
+                self._seq.eval_async()
+            else:
+                self._seq.eval()
+
+    def finished(self) -> bool:
+        """Whether the device is done with the last submission (its fence, read without
+        waiting): True where it was waited for or nothing ran. :meth:`wait` still completes it."""
+        return self._seq is None or not self._seq.is_running() or self._seq.is_done()
 
     def wait(self) -> None:
         if self._seq is not None and self._seq.is_running():
-            self._seq.eval_await()
+            self._await()
         if self._backend.pending is self:
             self._backend.pending = None
 

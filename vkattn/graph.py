@@ -22,6 +22,13 @@ dispatch of the submission wrote, or writes what one read, so the chain is corre
 device, whatever the driver overlaps. A caller's dispatches say what they read and write
 (``reads=`` / ``writes=``) for that. Host calls on the device wait for a submitted graph first.
 
+Waiting: :meth:`Graph.submit` returns as soon as the command buffer is queued (kp with vkattn's
+patch; kp 0.9.0's own ``eval_async()`` waited for the device); ``h.done`` reads the submission's
+fence without waiting, ``h.wait()`` blocks. kp releases the GIL while it waits (here and in every
+numpy call's evaluation), so the host's other threads -- a tokenizer, a scheduler -- run meanwhile.
+Between submit and wait the caller must not write the host side of an array the graph reads
+(``host_view()``); vkattn's own calls on the device wait first.
+
 Rules (ValueError when broken, at capture; nothing recorded): inside :meth:`Graph.capture`,
 every cache call takes DeviceArrays for q, k, v and ``out`` (and ``lse`` with ``return_lse``),
 no ``verify``, and each cache appears once per graph (its plan's host words hold one call). A
@@ -82,20 +89,27 @@ class _CallerProgram:
 
 
 class Handle:
-    """A submitted graph: :meth:`wait` blocks until the device finished it."""
+    """A submitted graph: :meth:`wait` blocks until the device finished it (and completes the
+    submission: any host call on the device waits for it first); :attr:`done` tells, without
+    waiting, whether the device has finished it."""
 
     def __init__(self, graph: "Graph", rec):
-        self._graph, self._rec, self._done = graph, rec, False
+        self._graph, self._rec, self._waited = graph, rec, False
 
     def wait(self) -> None:
-        if not self._done:
+        if not self._waited:
             with self._graph.device.backend.lock:
                 self._rec.wait()
-                self._done = True
+                self._waited = True
 
     @property
     def done(self) -> bool:
-        return self._done
+        """Whether the device has finished the submission (its fence, read without waiting; a
+        kp without vkattn's patch submits waiting: always True)."""
+        if self._waited:
+            return True
+        with self._graph.device.backend.lock.bare:
+            return self._waited or self._rec.finished()
 
 
 class Graph:
@@ -186,7 +200,7 @@ class Graph:
         with be.lock:
             if self.device.closed:
                 raise CacheClosedError(f"the device {self.device.name!r} is closed")
-            if self._handle is not None and not self._handle.done:
+            if self._handle is not None:
                 self._handle.wait()
             if be.pending is not None:
                 be.pending.wait()
@@ -249,7 +263,7 @@ class Graph:
 
     def _destroy_rec(self):
         if self._rec is not None:
-            if self._handle is not None and not self._handle.done:
+            if self._handle is not None:
                 self._handle.wait()
             self._rec.destroy()
         self._rec = None

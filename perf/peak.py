@@ -84,7 +84,7 @@ def run(shape: Shape, device) -> list:
     walls = {c: [] for c in chain_counts}
     stamps = {c: [] for c in chain_counts}
     secs = {(lib, name): [] for lib in ("numpy", "torch") for name in MATMULS}
-    per = max(1, shape.iters // ROUNDS)
+    per = max(5, shape.iters // ROUNDS)
     for _ in range(ROUNDS):
         for chains in chain_counts:
             rec = shaders[chains][0]
@@ -99,7 +99,8 @@ def run(shape: Shape, device) -> list:
                 xt, wt = torch.from_numpy(x), torch.from_numpy(w)
                 fns.append(("torch", lambda: torch.nn.functional.linear(xt, wt)))
             for lib, fn in fns:
-                fn()
+                for _ in range(3):              # its threads awake again after the shaders' turn
+                    fn()
                 for _ in range(per):
                     t0 = time.perf_counter()
                     fn()

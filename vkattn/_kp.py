@@ -105,9 +105,11 @@ def host_memory_mode(local: bool) -> bool:
 def spin_seconds() -> float:
     """VKATTN_SPIN_US: how long a wait for the device polls its fence before it blocks in
     vkWaitForFences, in microseconds (unset or 0: it blocks at once, the default); a bad value is
-    a ValueError naming the variable. Polling trades a host core for the driver's wake-up latency:
-    on lavapipe, whose worker threads need the cores, it costs time (perf/RESULTS.md, session 41);
-    on a GPU it is untimed yet (perf/gpu_session.sh's overhead step runs both)."""
+    a ValueError naming the variable. Polling trades a host core for the driver's wake-up latency.
+    On lavapipe (2 cores, perf/RESULTS.md session 41) a small call gains (a decode at L=16, 9/3
+    heads: 0.69-0.75x the time) but work that needs every core loses (a 30-layer graph 1.5x, a
+    decode at L=4096 1.3-1.9x): its worker threads run on the cores the poll takes. On a GPU it is
+    untimed yet (perf/gpu_session.sh's overhead step runs both)."""
     raw = os.environ.get("VKATTN_SPIN_US", "").strip()
     if not raw:
         return 0.0

@@ -196,16 +196,16 @@ def test_graph_submit_returns_before_the_device_is_done_and_lets_threads_run(dev
         while not stop.is_set():
             count[0] += 1
     # a long switch interval: the spinning thread gets the GIL only where the host releases it
-    # (kp's C++ waits; 0 increments there with kp 0.9.0's bindings), not by preemption
+    # (kp's C++ submission and wait: 0 increments with kp 0.9.0's bindings), not by preemption
     interval = sys.getswitchinterval()
     sys.setswitchinterval(0.2)
     worker = threading.Thread(target=spin)
     try:
         worker.start()
         time.sleep(0.01)
+        before = count[0]
         handle = graph.submit()
         assert handle._rec._seq.is_running() and not handle._waited     # submitted, not waited for
-        before = count[0]
         handle.wait()
         during = count[0] - before
         assert handle.done and not handle._rec._seq.is_running()

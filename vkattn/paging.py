@@ -644,9 +644,10 @@ class BlockPool:
         """Append ``counts[i]`` tokens (None: one each) to ``ids[i]`` (known, distinct) as a
         checked plan says: ``grown`` the (seq_id, block) pairs of the blocks it takes, in batch
         order (_picks' order); ``tokens`` None, or per sequence None or its new tokens' ids (with
-        ``counts`` None: one plain id each, as vkattn.paged's _one_id_each gives them), learnt where the sequence knew the ids of all its ``past[i]`` positions (its length
-        before). Every block is claimed first (a hash evicted here may be registered below); a
-        new version. _apply_append's, and vkattn.paged's steady decode step's (no AppendPlan)."""
+        ``counts`` None: one plain id each, as vkattn.paged's _one_id_each gives them), learnt
+        where the sequence knew the ids of all its ``past[i]`` positions (its length before).
+        Every block is claimed first (a hash evicted here may be registered below); a new
+        version. _apply_append's, and vkattn.paged's steady decode step's (no AppendPlan)."""
         for _, block in grown:
             self._claim(block)
         tables = self._tables

@@ -236,6 +236,89 @@ def test_graph_submit_returns_before_the_device_is_done_and_lets_threads_run(dev
     graph.close()
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_graphs_in_flight_interleaved_with_host_calls_equal_the_numpy_path(device, seed):
+    """Two graphs of two decode layers each, submitted without waiting, in a random order with
+    the host calls an engine makes meanwhile -- polling ``done``, writing the next inputs
+    (``write``), reading outputs (``numpy``) and a graph's caches (``read``), a numpy call on a
+    third cache, truncating a graph's caches, a paged batch call -- each host call waiting for the
+    submission in flight where it must: every output and every cache's contents bit for bit those of the same calls made one
+    by one on numpy twins."""
+    r = np.random.default_rng(100 + seed)
+    hkv, d, hq = 2, 32, 4
+    dt = ["float16", "int8", "float32"][seed % 3]
+
+    def cache_pair(n):
+        a, b = (vkattn.KVCache(96, hkv, d, dtype=dt, device=device) for _ in range(2))
+        k, v = _data(r, hkv, n, d), _data(r, hkv, n, d)
+        a.append(k, v)
+        b.append(k, v)
+        return a, b
+    graphs = []
+    for g in range(2):
+        pairs = [cache_pair(5 + 3 * g + i) for i in range(2)]
+        q, k, v = vkattn.empty((hq, 1, d), device), vkattn.empty((hkv, 1, d), device), vkattn.empty((hkv, 1, d), device)
+        outs = [vkattn.empty((hq, 1, d), device) for _ in pairs]
+        graph = vkattn.Graph(device)
+        with graph.capture():
+            for (c, _), o in zip(pairs, outs):
+                c.forward(q, k, v, out=o)
+        graphs.append(dict(graph=graph, pairs=pairs, ins=(q, k, v), outs=outs, want=None, handle=None))
+    third = cache_pair(9)
+    pool = vkattn.PagedKVCache(24, 4, hkv, d, dtype=dt, device=device)
+    twin_pool = vkattn.PagedKVCache(24, 4, hkv, d, dtype=dt, device=device)
+    seqs = [p.add_sequence() for p in (pool, twin_pool)]
+    assert seqs[0] == seqs[1]
+    in_flight = 0                                   # host calls made while a submission ran
+    for step in range(60):
+        g = graphs[r.integers(2)]
+        op = r.choice(["submit", "submit", "submit", "poll", "read", "kv", "numpy", "truncate", "paged"])
+        in_flight += any(h is not None and not h._waited and not h._rec.finished()
+                         for h in (x["handle"] for x in graphs))
+        if op == "submit" and g["pairs"][0][0].length < 90:
+            x = [_data(r, hq, 1, d), _data(r, hkv, 1, d), _data(r, hkv, 1, d)]
+            g["want"] = [twin.forward(*x) for _, twin in g["pairs"]]     # (a host call: it would wait)
+            for a, host in zip(g["ins"], x):
+                a.write(host)                       # waits for whatever graph is in flight
+            g["handle"] = g["graph"].submit()
+        elif op == "poll" and g["handle"] is not None:
+            assert g["handle"].done in (True, False)
+        elif op == "read" and g["want"] is not None:
+            for o, w in zip(g["outs"], g["want"]):
+                assert np.array_equal(o.numpy(), w), (seed, step)
+        elif op == "kv":                            # the rows a submission in flight is writing
+            for c, twin in g["pairs"]:
+                assert all(np.array_equal(a, b) for a, b in zip(c.read(), twin.read())), (seed, step)
+        elif op == "numpy":
+            c, twin = third
+            x = [_data(r, hq, 1, d), _data(r, hkv, 1, d), _data(r, hkv, 1, d)]
+            assert np.array_equal(c.forward(*x), twin.forward(*x)), (seed, step)
+            c.truncate(9)
+            twin.truncate(9)
+        elif op == "truncate":
+            for c, twin in g["pairs"]:
+                n = max(1, c.length - int(r.integers(3)))
+                c.truncate(n)
+                twin.truncate(n)
+            g["want"] = None                        # its outputs stay as the last submission left them
+        elif op == "paged" and pool.length(seqs[0]) < 80:
+            x = [_data(r, hq, 1, d), _data(r, hkv, 1, d), _data(r, hkv, 1, d)]
+            assert np.array_equal(pool.forward([seqs[0]], *x), twin_pool.forward([seqs[1]], *x)), (seed, step)
+    assert in_flight > 0 or not device.is_software, seed
+    for g in graphs:
+        if g["handle"] is not None:
+            g["handle"].wait()
+            assert g["handle"].done
+        if g["want"] is not None:
+            for o, w in zip(g["outs"], g["want"]):
+                assert np.array_equal(o.numpy(), w), seed
+        for c, twin in g["pairs"]:
+            assert c.length == twin.length and all(np.array_equal(a, b) for a, b in zip(c.read(), twin.read()))
+        g["graph"].close()
+    for c in [x for g in graphs for pair in g["pairs"] for x in pair] + list(third) + [pool, twin_pool]:
+        c.close()
+
+
 def test_closing_a_device_waits_for_a_submitted_graph(rng):
     """A device closed while a graph it submitted runs waits for it before anything is freed."""
     dev = vkattn.Device()

@@ -707,6 +707,24 @@ def _aux_as_planned(cache) -> None:
         assert np.array_equal(attn.rope.view()[:rtab.size], rtab)
 
 
+def test_a_plans_kept_input_views_follow_every_shape(device, rng):
+    """AttnPlan's numpy inputs go through the views the last call of the same three shapes kept
+    (_dst3): a call whose q keeps its shape but whose k and v bring another row count, or
+    another q with the same k and v, writes exactly its own rows (the host copies compared)."""
+    hkv, d, hq = 2, 32, 4
+    c = vkattn.KVCache(64, hkv, d, dtype="float32", device=device)
+    c.append(*(rng.standard_normal((2, hkv, 8, d), dtype=np.float32)))
+    c.forward(rng.standard_normal((hq, 4, d), dtype=np.float32), *rng.standard_normal((2, hkv, 4, d), dtype=np.float32))
+    attn = next(p for p in c._plans.values() if isinstance(p, _attn.AttnPlan) and p.nk.size >= hkv * 4 * d)
+    for s, n in [(1, 1), (1, 3), (1, 3), (2, 3), (1, 1), (4, 4), (1, 3)]:
+        q = rng.standard_normal((hq, s, d), dtype=np.float32)
+        k, v = rng.standard_normal((2, hkv, n, d), dtype=np.float32)
+        assert attn._copy_inputs(q, k, v) == (s, n)
+        for buf, x in ((attn.q, q), (attn.nk, k), (attn.nv, v)):
+            assert np.array_equal(buf.view()[:x.size], x.reshape(-1)), (s, n)
+    c.close()
+
+
 def test_decode_chunks_are_split_keys_chunks():
     """The steady step's chunk rule (by cases: all keys, MIN_CHUNK, ceil(n / splits)) is
     split_keys' max() form for every span up to well past MIN_CHUNK * splits, the boundaries

@@ -242,8 +242,8 @@ def test_graphs_in_flight_interleaved_with_host_calls_equal_the_numpy_path(devic
     the host calls an engine makes meanwhile -- polling ``done``, writing the next inputs
     (``write``), reading outputs (``numpy``) and a graph's caches (``read``), a numpy call on a
     third cache, truncating a graph's caches, a paged batch call -- each host call waiting for the
-    submission in flight where it must: every output and every cache's contents bit for bit those of the same calls made one
-    by one on numpy twins."""
+    submission in flight where it must: every output and every cache's contents bit for bit
+    those of the same calls made one by one on numpy twins."""
     r = np.random.default_rng(100 + seed)
     hkv, d, hq = 2, 32, 4
     dt = ["float16", "int8", "float32"][seed % 3]

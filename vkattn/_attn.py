@@ -13,6 +13,7 @@ import numbers
 from array import array
 from collections import OrderedDict
 from itertools import chain
+from operator import add
 from dataclasses import dataclass
 
 import numpy as np
@@ -776,14 +777,13 @@ class AttnPlan:
         rotary rows (float32, flattened; None without rotation). ``first``: the new rows were
         appended first (each record's past counts them, its n_new is 0). ``tabs``: the block
         tables' words, known (an earlier call's with these tables): not built again."""
-        recs, start, bt, least = array("I"), 0, free, MIN_CHUNK
+        recs, start, bt = array("I"), 0, free
         put = recs.extend
-        for p, n, t in zip(past, counts, tables):
-            if window is None:              # split_keys with key_lo 0 (p + n >= 1), inlined
-                kstart, span = 0, p + n
-                chunk = -(-span // splits)
-                if chunk < least:           # max(chunk, min(least, span)); chunk <= span
-                    chunk = least if span > least else span
+        # split_keys with key_lo 0 (p + n >= 1) without a window: every key from 0, decode_chunks' chunk
+        chunks = decode_chunks(list(map(add, past, counts)), splits) if window is None else None
+        for i, (p, n, t) in enumerate(zip(past, counts, tables)):
+            if window is None:
+                kstart, chunk = 0, chunks[i]
             else:
                 kstart, chunk = split_keys(p + n, n, window, splits)
             put((p + n, 0, start, n, chunk, bt, kstart, 0, start, start, p, 0) if first else
@@ -810,7 +810,8 @@ class AttnPlan:
         the shapes of the last such call, whose rows were unpadded: three assignments through
         the views that call kept (``_dst3``; a decode loop's every call: 1.5 us instead of 3.3
         at B=1)."""
-        if type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray:
+        numpy = type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
+        if numpy:
             shapes = (q.shape, k.shape, v.shape)
             kept = self._dst3
             if kept is not None and kept[0] == shapes:
@@ -818,14 +819,12 @@ class AttnPlan:
                 kept[2][...] = k
                 kept[3][...] = v
                 return shapes[0][1], shapes[1][1]
-            for i, x in enumerate((q, k, v)):
-                self._put_input(i, x)
-            views = [self._dst.get((i, x.shape)) for i, x in enumerate((q, k, v))]
-            self._dst3 = None if any(x is None for x in views) else (shapes, *views)
-            return shapes[0][1], shapes[1][1]
         for i, x in enumerate((q, k, v)):
             if isinstance(x, np.ndarray):
                 self._put_input(i, x)
+        if numpy:                           # the views _put_input kept, where every one has one
+            views = [self._dst.get((i, x.shape)) for i, x in enumerate((q, k, v))]
+            self._dst3 = None if any(x is None for x in views) else (shapes, *views)
         return self._rows(q), (0 if k is None else self._rows(k))   # this call's counts (<= the plan's)
 
     def _put_input(self, i: int, x: np.ndarray) -> None:

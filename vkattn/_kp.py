@@ -289,10 +289,9 @@ class Backend:
     def close(self) -> None:
         if self._mgr is not None:
             with self.lock:             # a graph submitted without waiting finishes first
-                pass
-            self.release_pipelines()
-            self._mgr.destroy()
-            self._mgr = None
+                self.release_pipelines()
+                self._mgr.destroy()
+                self._mgr = None
 
 
 class DeviceLock:

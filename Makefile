@@ -6,7 +6,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-hf model install demo check test test-validation test-noshuffle test-subgroup4 test-coopmat test-spirv test-platform test-platform-core perf gpu-report gpu-report-nvk gpu-report-nvk-here gpu-bench clean
+.PHONY: setup setup-hf model install demo check test test-validation test-noshuffle test-subgroup4 test-subgroup16 test-coopmat test-spirv test-platform test-platform-core perf gpu-report gpu-report-nvk gpu-report-nvk-here gpu-bench clean
 setup:
 	@bash scripts/setup.sh
 
@@ -83,6 +83,18 @@ test-subgroup4: setup
 	# run leaves no 128-bit texel code in it for the 256-bit runs either
 	MESA_SHADER_CACHE_DISABLE=true LP_NATIVE_VECTOR_WIDTH=128 VKATTN_HOST_MEMORY=staging $(PY) -m pytest -q -n auto \
 		--dist worksteal tests/test_texel.py tests/test_texel_kv.py
+
+# the same parity core with lavapipe's subgroup at 16 lanes (LP_NATIVE_VECTOR_WIDTH=512, which only a
+# CPU with AVX-512 runs: the target refuses elsewhere): attn.comp's shuffle clusters of 16 and
+# attn_lane.comp's 16-lane workgroups, a width GPUs' subgroups take that lavapipe's 8 and 4 do not
+# (Mesa 22.3 here: it caches no machine code, so no width mixes in a cache); the whole-model example
+# (its 8-invocation workgroups narrower than the subgroup, x not shared: linear.comp XSHARE needs a
+# subgroup that divides 8); then the self-test's quick set at that width
+test-subgroup16: setup
+	@grep -q avx512f /proc/cpuinfo || { echo "make test-subgroup16: this CPU has no AVX-512 (lavapipe's 512-bit vectors need it)" >&2; exit 2; }
+	LP_NATIVE_VECTOR_WIDTH=512 VKATTN_HOST_MEMORY=staging $(PY) -m pytest -q -n auto --dist worksteal $(PARITY) \
+		tests/test_model_device.py
+	LP_NATIVE_VECTOR_WIDTH=512 $(PY) -m vkattn check --quick --json perf/out/check-subgroup16.json
 
 # attn_coopmat.comp (cooperative matrices): its parity tests under the Khronos layer's
 # synchronization validation (less the tests that rerun the self-test with a wrong reference and

@@ -91,3 +91,42 @@ def test_cpu_flags_read_here():
     assert flags, "no flags line"
     assert _driverfix._natural_width() == (256 if "avx" in flags else 128)
     assert _driverfix._avx512() == ("avx512f" in flags)
+
+
+@pytest.mark.parametrize("name, driver, hit", [
+    ("llvmpipe (LLVM 19.1.7, 256 bits)", "llvmpipe", False),
+    ("llvmpipe (LLVM 19.1.7, 128 bits)", "llvmpipe", True),
+    ("llvmpipe (LLVM 19.1.7, 512 bits)", "llvmpipe", True),
+    ("llvmpipe (LLVM 15.0.6, 512 bits)", "llvmpipe", True),
+    ("llvmpipe", "llvmpipe", False),                    # no width in the name: nothing known
+    ("AMD Radeon RX 7900 XTX (RADV NAVI31)", "radv", False),
+    ("NVIDIA H100 80GB HBM3", "NVIDIA", False),
+])
+def test_coopmat_fault(name, driver, hit):
+    """Which devices vkattn builds no cooperative-matrix pipeline on: llvmpipe away from 256 bits,
+    where Mesa 26.1.6's compiler killed the process on a minimal 8x8x8 multiply-add."""
+    why = _driverfix.coopmat_fault(name, driver)
+    assert bool(why) is hit
+    if hit:
+        assert name in why and "256 bits" in why
+
+
+def test_coopmat_fault_keeps_the_device_off_its_matrices(device, monkeypatch):
+    """On this device: where the fault applies (lavapipe of Mesa 26 at 128 or 512 bits, which
+    offers the matrices), coopmat_problem names it without building a pipeline -- the self-test
+    would kill the process -- so VKATTN_KERNEL=coopmat is a ValueError naming it and the check's
+    line for the prefill kernel says why; elsewhere the fault says nothing."""
+    from vkattn import tuning
+    info = device.info
+    why = _driverfix.coopmat_fault(info.name, info.driver_name)
+    if not why:
+        assert not (info.driver_name == "llvmpipe" and "256 bits" not in info.name and "bits)" in info.name)
+        pytest.skip(f"{info.name}: no known cooperative-matrix fault")
+    if not info.cooperative_matrix:
+        pytest.skip(f"{info.name} offers no cooperative matrices (Mesa before 26): nothing to keep off")
+    monkeypatch.setattr(device, "_coopmat_self_test", lambda: pytest.fail("the self-test ran on a faulty driver"))
+    assert device.coopmat_problem() == why
+    monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
+    with pytest.raises(ValueError, match="256 bits"):
+        tuning.coopmat_wanted(device)
+    assert "256 bits" in tuning.coopmat_choice(device)

@@ -1,6 +1,7 @@
 """Settings for a known driver fault, applied before this process loads any Vulkan driver (and
-:func:`texel_fault`, a fault vkattn avoids by not using what triggers it: Mesa's shader cache
-mixing llvmpipe's vector widths for texel-fetching pipelines).
+two faults vkattn avoids by not using what triggers them: :func:`texel_fault`, Mesa's shader
+cache mixing llvmpipe's vector widths for texel-fetching pipelines; :func:`coopmat_fault`,
+lavapipe's compiler crashing on cooperative matrices away from 256 bits).
 
 **llvmpipe (lavapipe) of Mesa 25 on a CPU with AVX-512.** Mesa 25.0.7's llvmpipe (Debian 13,
 LLVM 19) aborts the whole process while compiling some tile-kernel pipelines (``attn_tile``):
@@ -65,6 +66,28 @@ def texel_fault(name: str, driver_name: str, driver_info: str) -> bool:
     if os.environ.get("MESA_SHADER_CACHE_DISABLE", "").strip().lower() in ("1", "true", "yes", "y", "t"):
         return False
     return int(w.group(1)) != _natural_width()
+
+
+def coopmat_fault(name: str, driver_name: str) -> str:
+    """Why cooperative matrices must not be compiled on this device ("" where nothing is known
+    against them): llvmpipe (lavapipe) at a vector width other than 256 bits.
+
+    Measured (session 42, Debian 13, Mesa 26.1.6, LLVM 19, an Intel CPU with AVX-512): lavapipe
+    offers VK_KHR_cooperative_matrix (8x8x8 shapes) at every width, but only at 256 bits
+    (subgroup 8) does its compiler build them: at 128 bits (subgroup 4,
+    ``LP_NATIVE_VECTOR_WIDTH=128``) and at 512 (subgroup 16, ``LP_NATIVE_VECTOR_WIDTH=512``) the
+    pipeline of a minimal shader -- one 8x8x8 float16 multiply-add, loaded and stored row-major --
+    killed the process while it was created (a segmentation fault, a bus error), with or without
+    a required subgroup size. No shader-level check can catch that, so vkattn builds no
+    cooperative-matrix pipeline there (``Device.coopmat_problem`` names this); attn_lane.comp
+    runs prefill as it does on every CPU driver. The width is read from the device's name
+    (``llvmpipe (LLVM 19.1.7, 128 bits)``)."""
+    w = re.search(r"(\d+) bits\)", name or "")
+    if driver_name != "llvmpipe" or w is None or int(w.group(1)) == 256:
+        return ""
+    return (f"{name!r}: llvmpipe builds cooperative matrices only at 256 bits (subgroup 8); at "
+            f"{w.group(1)} bits its compiler kills the process on them (Mesa 26.1.6, "
+            f"vkattn._driverfix.coopmat_fault)")
 
 
 def _cpu_flags() -> set | None:

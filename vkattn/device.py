@@ -140,10 +140,14 @@ class _Limits:
         computeFullSubgroups turned on (kp built with scripts/kp-0.9.0-features.patch), subgroup
         shuffles and votes in compute, a pipeline subgroup size it can pin (VKATTN_PIN_SUBGROUP not
         0) or subgroups that always have that size (coopmat_pin), and a glslangValidator with
-        GL_KHR_cooperative_matrix."""
+        GL_KHR_cooperative_matrix; and no known driver fault with them (lavapipe away from 256
+        bits: _driverfix.coopmat_fault, checked before any of its pipelines is built)."""
         info = self.info
         if not info.cooperative_matrix or not info.coopmat_stages & COMPUTE_STAGE:
             return f"{self.name!r} does not offer VK_KHR_cooperative_matrix in compute shaders"
+        fault = _driverfix.coopmat_fault(info.name, info.driver_name)
+        if fault:                           # a known driver fault: no pipeline built, no self-test
+            return fault
         if self.coopmat_shape() is None:
             return (f"{self.name!r} lists no float16 x float16 -> float32 subgroup matrix of sides 8 or 16 "
                     f"(it lists: {', '.join(info.coopmat_shapes) or 'none'})")

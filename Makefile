@@ -63,9 +63,7 @@ test-platform-core: setup
 	$(PY) -m pytest -q -n auto --dist worksteal $(PLATFORM_CORE)
 
 # the parity tests of attn.comp with its no-shuffle path forced (clusters sum through shared
-# memory), and the parity tests of both kernels with lavapipe's subgroup at 4 lanes (issue 20; with
-# the driver-fault tests: Mesa 26's lavapipe offers cooperative matrices at 128 bits but crashes
-# building them, so vkattn must refuse them there before any pipeline, _driverfix.coopmat_fault) and
+# memory), and the parity tests of both kernels with lavapipe's subgroup at 4 lanes (issue 20) and
 # with the staging copies a discrete GPU takes (VKATTN_HOST_MEMORY=staging: lavapipe's memory is
 # host-visible, so the suite itself runs without them; vkattn/_kp.py). The storage formats change
 # the loads, not the reductions: at subgroup 4 the lane kernel's format reads run once each (their
@@ -77,7 +75,7 @@ test-noshuffle: setup
 
 test-subgroup4: setup
 	LP_NATIVE_VECTOR_WIDTH=128 VKATTN_HOST_MEMORY=staging $(PY) -m pytest -q -n auto --dist worksteal $(PARITY) \
-		tests/test_device_path.py tests/test_cascade.py tests/test_fast_path.py tests/test_driverfix.py
+		tests/test_device_path.py tests/test_cascade.py tests/test_fast_path.py
 	LP_NATIVE_VECTOR_WIDTH=128 VKATTN_HOST_MEMORY=staging $(PY) -m pytest -q -n auto --dist worksteal $(FORMATS) \
 		-k "append_forward_decode and lane and not e5m2"
 	# texel views at 128 bits: Mesa's shader cache off, as _driverfix.texel_fault requires at a width

@@ -112,10 +112,11 @@ def test_coopmat_fault(name, driver, hit):
 
 
 def test_coopmat_fault_keeps_the_device_off_its_matrices(device, monkeypatch):
-    """On this device: where the fault applies (lavapipe of Mesa 26 at 128 or 512 bits, which
-    offers the matrices), coopmat_problem names it without building a pipeline -- the self-test
-    would kill the process -- so VKATTN_KERNEL=coopmat is a ValueError naming it and the check's
-    line for the prefill kernel says why; elsewhere the fault says nothing."""
+    """On this device: where the fault applies and the matrices are offered (lavapipe of Mesa 26
+    at 512 bits: .ci/run runs this file so in the Debian 13 root on an AVX-512 CPU),
+    coopmat_problem names it without building a pipeline -- the self-test would kill the process
+    -- so VKATTN_KERNEL=coopmat is a ValueError naming it and the check's line for the prefill
+    kernel says why; elsewhere the fault says nothing."""
     from vkattn import tuning
     info = device.info
     why = _driverfix.coopmat_fault(info.name, info.driver_name)
@@ -123,7 +124,8 @@ def test_coopmat_fault_keeps_the_device_off_its_matrices(device, monkeypatch):
         assert not (info.driver_name == "llvmpipe" and "256 bits" not in info.name and "bits)" in info.name)
         pytest.skip(f"{info.name}: no known cooperative-matrix fault")
     if not info.cooperative_matrix:
-        pytest.skip(f"{info.name} offers no cooperative matrices (Mesa before 26): nothing to keep off")
+        pytest.skip(f"{info.name} offers no cooperative matrices (Mesa before 26; lavapipe 26 at 128 bits): "
+                    f"nothing to keep off")
     monkeypatch.setattr(device, "_coopmat_self_test", lambda: pytest.fail("the self-test ran on a faulty driver"))
     assert device.coopmat_problem() == why
     monkeypatch.setenv("VKATTN_KERNEL", "coopmat")

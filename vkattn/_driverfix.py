@@ -72,16 +72,19 @@ def coopmat_fault(name: str, driver_name: str) -> str:
     """Why cooperative matrices must not be compiled on this device ("" where nothing is known
     against them): llvmpipe (lavapipe) at a vector width other than 256 bits.
 
-    Measured (session 42, Debian 13, Mesa 26.1.6, LLVM 19, an Intel CPU with AVX-512): lavapipe
-    offers VK_KHR_cooperative_matrix (8x8x8 shapes) at every width, but only at 256 bits
-    (subgroup 8) does its compiler build them: at 128 bits (subgroup 4,
-    ``LP_NATIVE_VECTOR_WIDTH=128``) and at 512 (subgroup 16, ``LP_NATIVE_VECTOR_WIDTH=512``) the
-    pipeline of a minimal shader -- one 8x8x8 float16 multiply-add, loaded and stored row-major --
-    killed the process while it was created (a segmentation fault, a bus error), with or without
-    a required subgroup size. No shader-level check can catch that, so vkattn builds no
-    cooperative-matrix pipeline there (``Device.coopmat_problem`` names this); attn_lane.comp
-    runs prefill as it does on every CPU driver. The width is read from the device's name
-    (``llvmpipe (LLVM 19.1.7, 128 bits)``)."""
+    Measured (session 42, Debian 13, Mesa 26.1.6, LLVM 19, an Intel CPU with AVX-512): at 256
+    bits (subgroup 8) lavapipe offers VK_KHR_cooperative_matrix (8x8x8 shapes, the
+    cooperativeMatrix feature) and runs vkattn's kernel; at 512 bits (subgroup 16,
+    ``LP_NATIVE_VECTOR_WIDTH=512``, AVX-512 CPUs) it offers the same, but the pipeline of a
+    minimal shader -- one 8x8x8 float16 multiply-add, loaded and stored row-major -- killed the
+    process while it was created (a bus error; vkattn's self-test: a segmentation fault), with
+    or without a required subgroup size; at 128 bits it lists the shapes with the feature off
+    (a pipeline built anyway crashed the same way). No shader-level check can catch that, so
+    vkattn builds no cooperative-matrix pipeline on llvmpipe away from 256 bits
+    (``Device.coopmat_problem`` names this before anything is built: ``python -m vkattn check``
+    and ``VKATTN_KERNEL=coopmat`` killed the process at 512 bits before); attn_lane.comp runs
+    prefill there as on every CPU driver. The width is read from the device's name (``llvmpipe
+    (LLVM 19.1.7, 512 bits)``)."""
     w = re.search(r"(\d+) bits\)", name or "")
     if driver_name != "llvmpipe" or w is None or int(w.group(1)) == 256:
         return ""

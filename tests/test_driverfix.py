@@ -121,7 +121,6 @@ def test_coopmat_fault_keeps_the_device_off_its_matrices(device, monkeypatch):
     info = device.info
     why = _driverfix.coopmat_fault(info.name, info.driver_name)
     if not why:
-        assert not (info.driver_name == "llvmpipe" and "256 bits" not in info.name and "bits)" in info.name)
         pytest.skip(f"{info.name}: no known cooperative-matrix fault")
     if not info.cooperative_matrix:
         pytest.skip(f"{info.name} offers no cooperative matrices (Mesa before 26; lavapipe 26 at 128 bits): "

@@ -60,12 +60,19 @@ def texel_fault(name: str, driver_name: str, driver_info: str) -> bool:
     them fetching from a texel buffer -- are safe to share the cache. Mesa 22.3 caches no
     machine code (it ran them at 128 bits after 256)."""
     m = re.match(r"Mesa (\d+)\.", driver_info or "")
-    w = re.search(r"(\d+) bits\)", name or "")
-    if driver_name != "llvmpipe" or m is None or int(m.group(1)) <= 22 or w is None:
+    width = _llvmpipe_width(name, driver_name)
+    if m is None or int(m.group(1)) <= 22 or width is None:
         return False
     if os.environ.get("MESA_SHADER_CACHE_DISABLE", "").strip().lower() in ("1", "true", "yes", "y", "t"):
         return False
-    return int(w.group(1)) != _natural_width()
+    return width != _natural_width()
+
+
+def _llvmpipe_width(name: str, driver_name: str) -> int | None:
+    """llvmpipe's vector width in bits, read from its device name (``llvmpipe (LLVM 19.1.7, 512
+    bits)``); None for another driver or a name without one."""
+    w = re.search(r"(\d+) bits\)", name or "") if driver_name == "llvmpipe" else None
+    return None if w is None else int(w.group(1))
 
 
 def coopmat_fault(name: str, driver_name: str) -> str:
@@ -85,11 +92,11 @@ def coopmat_fault(name: str, driver_name: str) -> str:
     and ``VKATTN_KERNEL=coopmat`` killed the process at 512 bits before); attn_lane.comp runs
     prefill there as on every CPU driver. The width is read from the device's name (``llvmpipe
     (LLVM 19.1.7, 512 bits)``)."""
-    w = re.search(r"(\d+) bits\)", name or "")
-    if driver_name != "llvmpipe" or w is None or int(w.group(1)) == 256:
+    width = _llvmpipe_width(name, driver_name)
+    if width is None or width == 256:
         return ""
     return (f"{name!r}: llvmpipe builds cooperative matrices only at 256 bits (subgroup 8); at "
-            f"{w.group(1)} bits its compiler kills the process on them (Mesa 26.1.6, "
+            f"{width} bits its compiler kills the process on them (Mesa 26.1.6, "
             f"vkattn._driverfix.coopmat_fault)")
 
 

@@ -30,7 +30,13 @@ def test_user_settings_and_opt_out_win(monkeypatch):
 
 def test_probe_result_is_remembered(monkeypatch, tmp_path):
     for var in ("LP_NATIVE_VECTOR_WIDTH", "GALLIUM_OVERRIDE_CPU_CAPS", "VKATTN_DRIVER_WORKAROUNDS"):
-        monkeypatch.delenv(var, raising=False)
+        # setenv first, so that monkeypatch records the variable's state before the test (delenv
+        # of an unset one records nothing): apply() sets GALLIUM_OVERRIDE_CPU_CAPS below, and the
+        # undo of the later delenv calls put "avx" back for the rest of the process, whose llvmpipe
+        # then ran with other CPU caps than the shader cache's code (a texel test's segmentation
+        # fault on Mesa 26, session 42)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     monkeypatch.setenv("VKATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_driverfix, "_avx512", lambda: True)
     monkeypatch.setattr(_driverfix, "_lavapipe_libraries", lambda: ["/x/libvulkan_lvp.so:1:2"])

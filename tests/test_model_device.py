@@ -77,15 +77,18 @@ def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype, loads
     m = DeviceLlama(cfg, sd, weight_dtype=weight_dtype, capacity=64, device=device,
                     texel=None if loads == "default" else False)
     assert m._texel == (loads == "default" and device.is_software and device.texel_buffers)
-    # lavapipe: x pieces shared by shuffles (either loads) at subgroups 8 and 4 (dividing the
-    # 8-invocation workgroup and a piece's 8 floats); at 16 (LP_NATIVE_VECTOR_WIDTH=512) each lane
-    # loads its own, as GPUs' 16-lane rows do
+    # lavapipe: x pieces shared by shuffles at subgroups 8 and 4 (dividing the workgroup and a
+    # piece's 8 floats) with either loads; at 16 (LP_NATIVE_VECTOR_WIDTH=512) with texel fetches
+    # only (16 vec4s a fetch), each lane loading its own from storage, as GPUs' 16-lane rows do
     sg = device.lane_subgroup()
-    assert m._xshare == (sg if device.is_software and sg in (2, 4, 8) else 0)
+    want = sg if device.is_software and sg in (2, 4, 8, 16) and (sg <= 8 or m._texel) else 0
+    assert m._xshare == want
     assert m._xshare or sg not in (4, 8) or not device.is_software
-    # the device's default layout of linear.comp (CPU drivers: one lane per 8 rows, 8 a workgroup; GPUs: 16 lanes a row)
+    # the device's default layout of linear.comp (CPU drivers: one lane per 8 rows, one SIMD
+    # vector a workgroup -- 8 lanes, 16 at 512 bits; GPUs: 16 lanes a row)
     kind = "cpu" if device.is_software else "gpu"
-    assert (m._wg, m._lanes, m._rows) == DeviceLlama.LAYOUTS[kind]
+    wg, lanes, rows = DeviceLlama.LAYOUTS[kind]
+    assert (m._wg, m._lanes, m._rows) == ((max(wg, sg) if kind == "cpu" else wg), lanes, rows)
     rows, tiles = DeviceLlama.PROMPT_LAYOUTS[kind][weight_dtype]
     assert (m._prompt_rows, m._tiles) == (rows, tiles if isinstance(tiles, tuple) else (tiles,))
     if kind == "cpu":           # the prompts below take both tiles: 9 tokens one of 16, 37 five of 8

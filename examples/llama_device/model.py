@@ -149,7 +149,7 @@ class DeviceLlama:
 
     WEIGHT_DTYPES = ("float32", "float16", "q4_1")
     # (wg, lanes, rows) of linear.comp. CPU drivers: one lane per 8 rows, one SIMD vector (8
-    # lanes on lavapipe) a workgroup: lavapipe runs a workgroup's invocations as SIMD lanes over a
+    # lanes on lavapipe at 256 bits; the probed lane subgroup where it is wider) a workgroup: lavapipe runs a workgroup's invocations as SIMD lanes over a
     # loop (a storage word costs a per-lane load, so each x piece serves a lane's rows) and hands
     # whole workgroups to its threads -- SmolLM2's decode matmuls (576-1536 rows) now run 9-24
     # workgroups where 256 rows a workgroup gave them 3-6, split 2:1 between two threads on the
@@ -182,6 +182,12 @@ class DeviceLlama:
         device = device or vkattn.default_device()
         kind = "cpu" if device.is_software else "gpu"
         lay = self.LAYOUTS[kind]
+        lane_sg = device.lane_subgroup()                      # probed: one subgroup, working shuffles
+        if kind == "cpu" and lane_sg > lay[0]:
+            # one SIMD vector a workgroup: llvmpipe at 512 bits runs 16 lanes a vector, and a
+            # workgroup of 8 left half of each empty (session 43, an AVX-512 Xeon: SmolLM2's
+            # float16 token 78.6 -> 38.0 ms with 16, against 35.4 at 256 bits)
+            lay = (lane_sg,) + tuple(lay[1:])
         wg, lanes, rows = (lay[0] if wg is None else wg), (lay[1] if lanes is None else lanes), \
             (lay[2] if rows is None else rows)
         if weight_dtype not in self.WEIGHT_DTYPES:
@@ -205,11 +211,7 @@ class DeviceLlama:
         self._wg, self._lanes, self._rows, self._tiles = wg, lanes, rows, tuple(sorted(set(tiles)))
         self._prompt_rows = prompt_rows
         self._f16 = weight_dtype == "float16"
-        # x pieces shared by shuffles within a subgroup (linear.comp XSHARE): where the device's
-        # subgroup divides the workgroup and 8 (the smallest piece), one lane per row
-        lane_sg = self.device.lane_subgroup()                 # probed: one subgroup, working shuffles
         sg = lane_sg if xshare else 0
-        self._xshare = sg if (sg and lanes == 1 and wg % sg == 0 and 8 % sg == 0) else 0
         # the weights stored in the order the decode's lanes read them (weights.glsl W_LANES /
         # W_RPL, quant.interleave): on CPU drivers, where a lane is a SIMD lane with `rows`
         # rows of its own and the CPU's prefetchers follow a few streams, not lanes * rows rows
@@ -222,6 +224,10 @@ class DeviceLlama:
         # a texel fetch is a vector gather and a storage load a per-lane loop (None: there, where
         # the device can; GPUs keep storage buffers, not timed there)
         self._texel = bool(device.is_software and device.texel_buffers) if texel is None else bool(texel)
+        # x pieces shared by shuffles within a subgroup (linear.comp XSHARE): one lane per row and
+        # the device's subgroup dividing the workgroup; with storage loads it must divide 8 too
+        # (the smallest piece, split between the lanes), texel fetches take any count of vec4s
+        self._xshare = sg if (sg and lanes == 1 and wg % sg == 0 and (self._texel or 8 % sg == 0)) else 0
         if self._texel and not device.texel_buffers:
             raise ModelInputError("texel: this device or kp cannot bind texel buffers (Device.texel_buffers)")
         self._blocks = dict(blocks or {})

@@ -5,7 +5,9 @@ that move 1.5-2x on a shared 2-vCPU machine (perf/RESULTS.md, sessions 37-38).
 A child process repeats one call (VKATTN_PERF_JIT_CASE: ``decode`` -- KVCache.attend of one
 query row at VKATTN_PERF_CONTEXT keys (4096) --, ``paged`` -- PagedKVCache.forward of one token
 over as many --, ``window`` -- the decode with a window of 3/4 of the keys, 4 sinks and a softcap
-of 30 --, ``mask`` -- the decode with a per-head mask), with lavapipe in one thread
+of 30 --, ``mask`` -- the decode with a per-head mask --, ``prompt`` -- the whole-model
+example's 37-token prompt, float16 weights, SmolLM2-135M's shape with 4 layers of random weights:
+its hottest loop is the gate/up matmul's), with lavapipe in one thread
 (LP_NUM_THREADS=0: the samples fall on one copy of the code). After VKATTN_PERF_JIT_WARMUP
 seconds (10: the pipeline is compiled and running), ``perf record`` samples it for
 VKATTN_PERF_JIT_SECONDS (3). The anonymous executable mapping with the most samples is llvmpipe's
@@ -13,8 +15,9 @@ code; it is read from /proc/PID/mem and disassembled by ``objdump``. Shapes: VKA
 _KV_HEADS, _HEAD_DIM, _DTYPE as for the other scripts.
 
 The report, per case (``analyse``): the hottest loop (a backward jump's range, by samples) -- its
-instructions by kind (float multiplies and adds, moves to and from the stack, calls, blends,
-other) --, the share of the samples in it, in each other function of the mapping (texel fetches
+instructions by kind (float multiplies and adds, fused multiply-adds, moves to and from the stack,
+calls, blends, other: llvmpipe 22.3 issues no fused multiply-add for a shader's ``fma()``, session
+43) --, the share of the samples in it, in each other function of the mapping (texel fetches
 are called functions), and in **per-lane loads**: the small loops in which llvmpipe 22.3 loads a
 storage-buffer word lane by lane and inserts each lane's copy into the vector through the stack
 (a scalar store to ``(%rsp,%reg,4)``): a load whose address every lane shares costs that too.
@@ -32,11 +35,12 @@ import sys
 import tempfile
 import time
 
-CASES = ("decode", "paged", "window", "mask")
+CASES = ("decode", "paged", "window", "mask", "prompt")
 _INSN = re.compile(r"^\s*([0-9a-f]+):\t[0-9a-f ]+\t(\S+)\s*(.*)$")
 _TARGET = re.compile(r"^(?:0x)?([0-9a-f]+)\b")
 _LANE_INSERT = re.compile(r"\(%rsp,%r\w+,4\)$")     # a scalar into lane %reg of a stack vector
-ARITH = ("vaddps", "vsubps", "vmulps", "vfmadd", "vfmsub", "vfnmadd")
+ARITH = ("vaddps", "vsubps", "vmulps")
+FUSED = ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub")   # a multiply-add in one instruction
 
 
 class LpjitError(RuntimeError):
@@ -57,6 +61,8 @@ def kind(op: str, args: str) -> str:
     """An instruction's kind in the report's mix."""
     if op.startswith(ARITH):
         return "arith"
+    if op.startswith(FUSED):
+        return "fma"
     if op.startswith("vmov") and ("(%rsp)" in args or "(%rbp)" in args):
         return "stack move"
     if op == "call":
@@ -197,6 +203,14 @@ def _workload(case: str):
     import vkattn
 
     from .common import Shape, env_int
+    if case == "prompt":
+        from examples.llama_device.model import DeviceLlama
+
+        from .model import SMOLLM2_SHAPE, random_weights
+        cfg = dict(SMOLLM2_SHAPE, num_hidden_layers=4)
+        model = DeviceLlama(cfg, random_weights(cfg), weight_dtype="float16", capacity=40)
+        ids = np.random.default_rng(1).integers(0, cfg["vocab_size"], 37)
+        return lambda: model.generate(ids, 1)
     sh = Shape.from_env()
     L = env_int("VKATTN_PERF_CONTEXT", 4096)
     rng = np.random.default_rng(0)
@@ -222,7 +236,8 @@ def _workload(case: str):
 
 def report_lines(case: str, r: dict) -> list:
     loop, lanes = r["loop"], r["lane_loads"]
-    mix = ", ".join(f"{k} {n}" for k, n in sorted(loop["kinds"].items(), key=lambda t: -t[1]))
+    kinds = dict({"fma": 0}, **loop["kinds"])          # a fused multiply-add's absence shown too
+    mix = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda t: -t[1]))
     fns = "; ".join(f"{n} instructions {100 * s:.1f}%" for _, _, n, s in r["functions"][:3])
     return [f"{case}: hottest loop {loop['instructions']} instructions, {100 * loop['samples_share']:.1f}% of the "
             f"samples ({mix})",

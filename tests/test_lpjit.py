@@ -26,6 +26,7 @@ Disassembly of section .data:
   3b:\t83 f8 08             \tcmp    $0x8,%eax
   3e:\t72 f0                \tjb     0x30
   40:\tc5 fc 59 c9          \tvmulps %ymm1,%ymm1,%ymm1
+  44:\tc4 e2 75 b8 c2       \tvfmadd231ps %ymm2,%ymm1,%ymm0
   60:\t0f 82 aa ff ff ff    \tjb     0x10
   66:\tc3                   \tret
   70:\tc5 fa 6f 00          \tvmovdqu (%rax),%xmm0
@@ -37,13 +38,13 @@ def test_the_hottest_loop_its_kinds_and_the_per_lane_loads():
     samples = {0x10: 10, 0x14: 10, 0x32: 20, 0x3e: 10, 0x40: 10, 0x70: 40}
     r = lpjit.analyse(ASM, samples)
     loop = r["loop"]
-    assert (loop["start"], loop["end"], loop["instructions"]) == (0x10, 0x60, 12)
-    assert loop["kinds"] == {"arith": 3, "stack move": 1, "blend": 1, "call": 1, "other": 6}
+    assert (loop["start"], loop["end"], loop["instructions"]) == (0x10, 0x60, 13)
+    assert loop["kinds"] == {"arith": 3, "fma": 1, "stack move": 1, "blend": 1, "call": 1, "other": 6}
     assert loop["samples_share"] == pytest.approx(0.6)
     assert r["lane_loads"] == {"loops": 1, "samples_share": pytest.approx(0.3)}
     assert r["lane_loads_in_loop"] == 1
-    # two functions: the main one (0x0-0x66, 14 instructions) and the callee, by samples
-    assert [(f[0], f[1], f[2]) for f in r["functions"]] == [(0x0, 0x66, 14), (0x70, 0x74, 2)]
+    # two functions: the main one (0x0-0x66, 15 instructions) and the callee, by samples
+    assert [(f[0], f[1], f[2]) for f in r["functions"]] == [(0x0, 0x66, 15), (0x70, 0x74, 2)]
     assert [f[3] for f in r["functions"]] == [pytest.approx(0.6), pytest.approx(0.4)]
 
 
@@ -67,3 +68,11 @@ def test_a_missing_tool_or_an_unknown_case_exits_2_naming_it(monkeypatch, capsys
     monkeypatch.setattr(lpjit.shutil, "which", lambda tool: None if tool == "perf" else "/usr/bin/" + tool)
     assert lpjit.main([]) == 2
     assert "perf (package linux-perf)" in capsys.readouterr().err
+
+
+def test_the_report_names_fused_multiply_adds_even_where_there_are_none():
+    """llvmpipe 22.3 splits a shader's fma() into a multiply and an add: the report says so."""
+    r = lpjit.analyse(ASM.replace("vfmadd231ps %ymm2,%ymm1,%ymm0", "vaddps %ymm2,%ymm1,%ymm0"), {0x10: 1})
+    assert r["loop"]["kinds"]["arith"] == 4 and "fma" not in r["loop"]["kinds"]
+    assert "fma 0" in lpjit.report_lines("prompt", r)[0]
+    assert "fma 1" in lpjit.report_lines("prompt", lpjit.analyse(ASM, {0x10: 1}))[0]

@@ -681,8 +681,11 @@ def test_a_device_of_one_subgroup_size_runs_the_kernel_unpinned(device, monkeypa
 
 def test_planner_leaves_cpu_drivers_on_their_kernel_unless_forced(device, monkeypatch):
     monkeypatch.delenv("VKATTN_KERNEL", raising=False)
-    cpu = planning(device, monkeypatch, device_type="cpu", subgroup_size=8, min_subgroup_size=8,
-                   max_subgroup_size=8, coopmat_shapes=("8x8x8 f16 f16 f32 f32 subgroup",))
+    # a 256-bit llvmpipe whatever this host's width (at 512 bits vkattn refuses its matrices:
+    # _driverfix.coopmat_fault, tested in test_driverfix.py)
+    cpu = planning(device, monkeypatch, device_type="cpu", name="llvmpipe (LLVM 19.1.7, 256 bits)",
+                   subgroup_size=8, min_subgroup_size=8, max_subgroup_size=8,
+                   coopmat_shapes=("8x8x8 f16 f16 f32 f32 subgroup",))
     assert cpu.coopmat_problem() == "" and cpu.coopmat_subgroup() == 8
     fmt = StorageFormat(2, 64)
     assert attn_pipeline(cpu, fmt, 4, 64, 0, 1, 0, 4096, False)[0].kernel != "coopmat"

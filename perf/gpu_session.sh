@@ -29,7 +29,8 @@
 #   model: python -m perf model --random, SmolLM2-135M's shape with random weights (no
 #      transformers, no model package needed): wall, device and host time of a decode token, each
 #      token one replay of the 30 layers' graph (issue 30); with linear.comp's GPU layout
-#      (DeviceLlama.LAYOUTS, session 25), then with the CPU layout of the H100's session 21
+#      (DeviceLlama.LAYOUTS, session 25) and each op kind's device time in the 37-token prompt and
+#      a token (--ops, session 43), then with the CPU layout of the H100's session 21
 #      figures (--layout 16,1,16) -> OUT/model_random{,_cpu_layout}.json
 #   overhead: python -m perf overhead: wall against device time per call, the device-array path,
 #      a 30-layer graph replayed (issue 30); then again with VKATTN_SPIN_US=1000 (each wait polls
@@ -167,8 +168,8 @@ if want trips; then
   cat "$out/trips.txt" >> "$log"
 fi
 if want model; then
-  step "python -m perf model --random (SmolLM2-135M's shape, random weights): the GPU layout, then the CPU one"
-  run "${VKATTN_GPU_MODEL_S:-150}" "$PY" -m perf model --random --new 32
+  step "python -m perf model --random (SmolLM2-135M's shape, random weights): the GPU layout with each op's device time, then the CPU layout"
+  run "${VKATTN_GPU_MODEL_S:-150}" "$PY" -m perf model --random --new 32 --prompt 37 --ops
   cp perf/out/model_random.json "$out/" 2>/dev/null
   run "${VKATTN_GPU_MODEL_S:-150}" "$PY" -m perf model --random --new 32 --layout 16,1,16
   cp perf/out/model_random.json "$out/model_random_cpu_layout.json" 2>/dev/null

@@ -23,6 +23,10 @@ with seeded random weights, no eager beside it. Per decode token, medians over `
 the wall time of one replay of the decode graph and the token read back, the device time of the
 same graph built with timestamp queries (the sum of its commands), host time = wall - device, and
 the Python of a replay with the submission stubbed out (every cache call's host words filled).
+``--ops`` adds where the device time goes: per op kind (the layers' "qkv", "attn_lane",
+"gate_up", ... summed over layers; "barriers" all barriers), medians of the device ms of the
+replayed prompt (``--prompt`` tokens, 32; 3 runs) and of a decode token (``--new`` runs), from
+Vulkan timestamps (lavapipe's read more than its wall time: compare ops with each other there).
 
 Writes perf/out/model.json (``--random``: perf/out/model_random.json).
 """
@@ -60,6 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--random", action="store_true", help="SmolLM2's shape, random weights: host time per token")
     ap.add_argument("--layers", type=int, default=30, help="--random: decoder layers (SmolLM2: 30)")
+    ap.add_argument("--prompt", type=int, default=32, help="--random: prompt tokens (the chat prompt: 37)")
+    ap.add_argument("--ops", action="store_true",
+                    help="--random: device ms per op kind, of the prompt and of a decode token")
     ap.add_argument("--layout", default="", metavar="WG,LANES,ROWS",
                     help="linear.comp's layout (default: DeviceLlama.LAYOUTS' for the device)")
     ap.add_argument("--weight-loads", choices=["auto", "texel", "storage"], default="auto",
@@ -168,6 +175,29 @@ def random_weights(cfg: dict, seed: int = 0) -> dict:
     return sd
 
 
+def op_kinds(timings) -> dict:
+    """Graph.last_timings() ([(op, ms)]) summed by kind: a layer's ops lose their layer number
+    ("gate_up12" -> "gate_up"), every barrier is "barriers", uploads and downloads "upload" and
+    "download"."""
+    out = {}
+    for name, ms in timings:
+        first = name.split(" ", 1)[0]
+        if "barrier" in name.split(" ", 2)[:2]:
+            kind = "barriers"
+        elif first in ("upload", "download"):
+            kind = first
+        else:
+            kind = name.rstrip("0123456789") or name
+        out[kind] = out.get(kind, 0.0) + ms
+    return out
+
+
+def median_ops(runs: list) -> dict:
+    """The median of each op kind's ms over ``runs`` (op_kinds dicts; a kind a run lacks counts 0)."""
+    kinds = set().union(*runs) if runs else set()
+    return {k: statistics.median([r.get(k, 0.0) for r in runs]) for k in kinds}
+
+
 def random_main(args) -> int:
     """--random: wall, device and host time per decode token (module docstring)."""
     import time
@@ -178,17 +208,17 @@ def random_main(args) -> int:
     from examples.llama_device.model import DeviceLlama
 
     from .overhead import python_us
-    if args.layers < 1 or args.new < 2:
-        print("perf model: --layers >= 1 and --new >= 2", file=sys.stderr)
+    if args.layers < 1 or args.new < 2 or args.prompt < 1:
+        print("perf model: --layers >= 1, --new >= 2 and --prompt >= 1", file=sys.stderr)
         return 2
     cfg = dict(SMOLLM2_SHAPE, num_hidden_layers=args.layers)
     sd = random_weights(cfg)
     dev = vkattn.default_device()
-    ids = np.random.default_rng(1).integers(0, cfg["vocab_size"], 32)
+    ids = np.random.default_rng(1).integers(0, cfg["vocab_size"], args.prompt)
     rows = []
     for wd in args.weights:
         dm = DeviceLlama(cfg, sd, weight_dtype=wd, capacity=len(ids) + 2 * args.new + 2, device=dev,
-                         **args.layout_kw)
+                         timestamps=args.ops, **args.layout_kw)
         try:
             dm.generate(ids, 2)                                    # warm-up: pipelines built
             wall = []
@@ -200,21 +230,29 @@ def random_main(args) -> int:
                 dm._token()
                 wall.append((time.perf_counter() - t0) * 1e3)
             gt = dm.decode_graph(False, timestamps=True)          # the same step, timed on the device
-            devs = []
+            devs, dec_ops = [], []
             for _ in range(args.new):
                 gt.run()
                 devs.append(sum(ms for _, ms in gt.last_timings()))
+                dec_ops.append(op_kinds(gt.last_timings()))
             held = dm.caches[0].length
             py = python_us(g.submit, 2 * args.new, reset=lambda: [c.truncate(held) for c in dm.caches]) / 1e3
             w = statistics.median(wall)
             d = statistics.median(devs) if gt.timestamps else None
+            ops = None
+            if args.ops:
+                pro_ops = []
+                for _ in range(3):
+                    dm.generate(ids, 1)                            # the prompt's graph replayed
+                    pro_ops.append(op_kinds(dm.prompt_timings()))
+                ops = {"prompt": median_ops(pro_ops), "decode": median_ops(dec_ops)}
             rows.append(dict(weights=wd, layout=[dm._wg, dm._lanes, dm._rows], weight_mb=dm.weight_bytes / 1e6,
-                             layers=args.layers, tokens=args.new,
+                             layers=args.layers, tokens=args.new, prompt_tokens=len(ids),
                              wall_ms=w, device_ms=d, host_ms=None if d is None else w - d, python_ms=py,
-                             submissions_per_token=1, wall_runs=wall, device_runs=devs))
+                             submissions_per_token=1, wall_runs=wall, device_runs=devs, ops=ops))
         finally:
             dm.close()
-    print(f"SmolLM2-135M's shape ({args.layers} layers, random weights), decode after a 32-token prompt, "
+    print(f"SmolLM2-135M's shape ({args.layers} layers, random weights), decode after a {len(ids)}-token prompt, "
           f"median of {args.new} tokens")
     print(f"device: {dev.name}; CPU: {cpu_name()}; linear.comp layout (wg, lanes, rows) "
           f"{rows[0]['layout'] if rows else '-'}")
@@ -225,6 +263,20 @@ def random_main(args) -> int:
         dms = "-" if r["device_ms"] is None else f"{r['device_ms']:.3f}"
         hms = "- (no timestamp queries)" if r["host_ms"] is None else f"{r['host_ms']:.3f}"
         print(f"| {r['weights']} | {r['weight_mb']:.0f} | {r['wall_ms']:.3f} | {dms} | {hms} | {r['python_ms']:.3f} |")
+    for r in rows:
+        if r["ops"] is None:
+            continue
+        pro, dec = r["ops"]["prompt"], r["ops"]["decode"]
+        if not pro and not dec:
+            print(f"\n{r['weights']}: no per-op times (this device has no timestamp queries)")
+            continue
+        print(f"\n{r['weights']}: device ms per op kind, the {r['prompt_tokens']}-token prompt (median of 3) and a "
+              f"decode token (median of {r['tokens']})")
+        print("| op | prompt ms | decode ms |")
+        print("| --- | ---: | ---: |")
+        for op in sorted(set(pro) | set(dec), key=lambda o: (-pro.get(o, 0.0), -dec.get(o, 0.0))):
+            print(f"| {op} | {pro.get(op, 0.0):.3f} | {dec.get(op, 0.0):.3f} |")
+        print(f"| all | {sum(pro.values()):.3f} | {sum(dec.values()):.3f} |")
     out = pathlib.Path(__file__).resolve().parent / "out"
     out.mkdir(exist_ok=True)
     (out / "model_random.json").write_text(json.dumps(dict(device=dev.name, cpu=cpu_name(), rows=rows), indent=1))

@@ -290,6 +290,31 @@ def test_each_token_is_one_submission_and_only_the_token_id_comes_back(device, s
         m.close()
 
 
+def test_prompt_timings_name_each_command_of_the_last_prompt(device, small):
+    """timestamps=True: the last prompt's commands with their device times, in recording order
+    (perf model --ops sums them by kind); without it, or before a prompt, none."""
+    cfg, sd = small
+    m = DeviceLlama(cfg, sd, capacity=32, device=device, timestamps=True)
+    plain = DeviceLlama(cfg, sd, capacity=32, device=device)
+    try:
+        assert m.prompt_timings() == []
+        got = m.generate([4, 5, 6, 7, 9], 2)
+        assert got == plain.generate([4, 5, 6, 7, 9], 2) and plain.prompt_timings() == []
+        t = m.prompt_timings()
+        if not device.info.timestamp_compute_and_graphics:
+            assert t == []
+            return
+        names = [n for n, _ in t]
+        assert names == m._prompts[m.prompt_tile_for(5)].graph.ops and all(ms >= 0 for _, ms in t)
+        for i in range(cfg.num_hidden_layers):
+            assert names.index(f"qkv{i}") < names.index(f"o{i}") < names.index(f"gate_up{i}") < names.index(f"down{i}")
+        m.generate([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 1)        # another tile's prompt: its own commands
+        assert len(m.prompt_timings()) == len(m._prompts[m.prompt_tile_for(11)].graph.ops)
+    finally:
+        m.close()
+        plain.close()
+
+
 def test_a_prompt_of_the_last_length_replays_its_graph(device, small):
     """A prompt as long as the last one of its tile replays that prompt's graph with its own ids
     (no recording, no allocation); its tokens are eager's all the same. Another length, or

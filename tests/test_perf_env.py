@@ -46,15 +46,30 @@ def test_perf_model_random_reports_wall_device_and_host_per_token(capsys):
 
     import vkattn
     from perf import model
-    assert model.main(["--random", "--layers", "1", "--new", "3", "--weights", "float16"]) == 0
+    assert model.main(["--random", "--layers", "1", "--new", "3", "--weights", "float16", "--prompt", "9",
+                       "--ops"]) == 0
     text = capsys.readouterr().out
-    assert "| float16 |" in text and "host ms per token" in text
+    assert "| float16 |" in text and "host ms per token" in text and "9-token prompt" in text
     out = json.loads((model.pathlib.Path(model.__file__).resolve().parent / "out" / "model_random.json").read_text())
     (r,) = out["rows"]
-    assert r["layers"] == 1 and len(r["wall_runs"]) == 3 and r["wall_ms"] > 0
+    assert r["layers"] == 1 and r["prompt_tokens"] == 9 and len(r["wall_runs"]) == 3 and r["wall_ms"] > 0
     if vkattn.default_device().info.timestamp_compute_and_graphics:
         assert r["device_ms"] > 0 and abs(r["host_ms"] - (r["wall_ms"] - r["device_ms"])) < 1e-9
+        # --ops: each op kind of the prompt and of a token, the layer's kernels among them
+        for part in ("prompt", "decode"):
+            ops = r["ops"][part]
+            assert {"qkv", "o", "gate_up", "down", "logits", "embed", "argmax", "barriers"} <= set(ops), ops
+            assert any(k.startswith("attn") for k in ops) and min(ops.values()) >= 0
+        assert "| all |" in text
+    else:
+        assert r["ops"] == {"prompt": {}, "decode": {}} and "no per-op times" in text
     assert model.main(["--random", "--layers", "0"]) == 2
+    assert model.main(["--random", "--prompt", "0"]) == 2
+    # the kinds: layer numbers dropped, barriers together
+    assert model.op_kinds([("gate_up12", 1.0), ("gate_up3", 2.0), ("barrier a,b", 0.5), ("host barrier x", 0.25),
+                           ("upload ids", 0.125), ("attn_lane", 0.5)]) == \
+        {"gate_up": 3.0, "barriers": 0.75, "upload": 0.125, "attn_lane": 0.5}
+    assert model.median_ops([{"o": 1.0, "qkv": 2.0}, {"o": 3.0}, {"o": 2.0, "qkv": 4.0}]) == {"o": 2.0, "qkv": 2.0}
 
 
 def test_perf_overhead_takes_device_time_from_one_more_layer(monkeypatch, capsys):

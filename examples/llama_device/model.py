@@ -144,6 +144,8 @@ class DeviceLlama:
     buffers on GPUs (not timed there). ``interleave``: each group of (subgroup x ``rows``) weight
     rows stored in the order the decode's lanes read them (quant.interleave; weights.glsl
     W_LANES / W_RPL); None: on CPU drivers with one lane a row, row-major elsewhere.
+    ``timestamps``: the prompts' graphs time each command on the device (:meth:`prompt_timings`;
+    the decode's: ``decode_graph(timestamps=True)``).
     Errors: ModelInputError (a ValueError) for a config, weight set, setting or prompt it cannot run.
     """
 
@@ -178,7 +180,7 @@ class DeviceLlama:
                  capacity: int = 512, device=None, wg: int | None = None, lanes: int | None = None,
                  rows: int | None = None, prompt_tile: int | None = None, blocks: dict | None = None,
                  xshare: bool = True, prompt_rows: int | None = None, texel: bool | None = None,
-                 interleave: bool | None = None):
+                 interleave: bool | None = None, timestamps: bool = False):
         device = device or vkattn.default_device()
         kind = "cpu" if device.is_software else "gpu"
         lay = self.LAYOUTS[kind]
@@ -243,6 +245,7 @@ class DeviceLlama:
         self._graphs = {}                                  # return_logits -> the decode graph
         self.prompt_submissions = 0
         self._prompts = {}                                 # prompt tile -> the last such prompt's _Prompt
+        self._timestamps, self._last_tile = bool(timestamps), None
 
     # ------------------------------------------------------------------ weights
     def _load(self, sd):
@@ -452,6 +455,14 @@ class DeviceLlama:
             self._graphs[key] = g
         return self._graphs[key]
 
+    def prompt_timings(self) -> list:
+        """Device time of each command of the last generate()'s prompt, ``[(op, ms), ...]`` in
+        recording order (vkattn.Graph.last_timings): ops are named by their kernels and layers
+        ("qkv3", "attn_lane", "gate_up3", "barrier ..."). Empty unless the model was made with
+        ``timestamps=True`` on a device that has timestamp queries, or before a prompt ran."""
+        p = self._prompts.get(self._last_tile)
+        return [] if p is None else p.graph.last_timings()
+
     # ------------------------------------------------------------------ generation
     def _token(self) -> int:
         return int(self.tok.host_view().reshape(-1).view(np.uint32)[0])
@@ -495,6 +506,7 @@ class DeviceLlama:
             raise
         acts = p.acts
         self.prompt_submissions += 1
+        self._last_tile = tile
         out = [self._token()]
         logits = [acts.logits.host_view().copy()] if return_logits else None
         t1 = time.perf_counter()
@@ -511,7 +523,8 @@ class DeviceLlama:
         """Record a prompt graph of ``s`` tokens (its activations, id buffer and algorithms new),
         whose matmuls take ``tile`` tokens a tile, and keep it in place of the last prompt's of
         that tile."""
-        acts, idbuf, g = _Acts(self.d, s, self.device), vkattn.empty((s,), self.device), vkattn.Graph(self.device)
+        acts, idbuf = _Acts(self.d, s, self.device), vkattn.empty((s,), self.device)
+        g = vkattn.Graph(self.device, timestamps=self._timestamps)
         algos = []
         try:
             with g.capture():

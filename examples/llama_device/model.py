@@ -151,7 +151,8 @@ class DeviceLlama:
 
     WEIGHT_DTYPES = ("float32", "float16", "q4_1")
     # (wg, lanes, rows) of linear.comp. CPU drivers: one lane per 8 rows, one SIMD vector (8
-    # lanes on lavapipe at 256 bits; the probed lane subgroup where it is wider) a workgroup: lavapipe runs a workgroup's invocations as SIMD lanes over a
+    # lanes on lavapipe at 256 bits; the probed lane subgroup where it is wider) a workgroup:
+    # lavapipe runs a workgroup's invocations as SIMD lanes over a
     # loop (a storage word costs a per-lane load, so each x piece serves a lane's rows) and hands
     # whole workgroups to its threads -- SmolLM2's decode matmuls (576-1536 rows) now run 9-24
     # workgroups where 256 rows a workgroup gave them 3-6, split 2:1 between two threads on the

@@ -8,7 +8,8 @@ perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py)
 ``python -m perf quality``: perplexity and KL of each K/V cache format on SmolLM2 through vkattn.hf (perf/quality.py).
 ``python -m perf q4study``: candidate 4-bit K/V layouts simulated on the host, same model and text (perf/q4_study.py).
 ``python -m perf ablate [prefill] [decode]``: attn_coopmat.comp's prefill and attn.comp's decode timed with parts taken out (perf/ablate.py).
-``python -m perf lpjit``: llvmpipe's machine code of a running decode, sampled and read (perf/lpjit.py)."""
+``python -m perf lpjit``: llvmpipe's machine code of a running decode, sampled and read (perf/lpjit.py).
+``python -m perf modelgpu``: the whole-model example's pipelines through GPU compilers, no GPU (perf/modelgpu.py)."""
 from __future__ import annotations
 
 import sys
@@ -52,6 +53,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["lpjit"]:           # lavapipe's JIT code of a running call: its hot loop read
         from . import lpjit
         return lpjit.main(argv[1:])
+    if argv[:1] == ["modelgpu"]:        # the whole-model example's pipelines through GPU compilers
+        from . import modelgpu
+        return modelgpu.main(argv[1:])
     if argv == ["features"]:            # what the features kp leaves off would change (compiler study)
         from . import features
         return features.main()

@@ -173,9 +173,14 @@ class DeviceLlama:
     # pads a prompt no more than 8 does (37 tokens: 40 rows at 8, 48 at 16; 45: 48 either way)
     # it takes 16; q4_1 8 x 4, its loops unrolled too (session 33: 0.75x the time of 16 x 4
     # rolled, alternated; 16 x 8 unrolled spills; session 37, a code word at a time: 8 x 8
-    # unrolled no faster than 8 x 4). GPUs: the decode's rows, 8 tokens (not timed on a GPU)
+    # unrolled no faster than 8 x 4). GPUs: the decode's rows, 8 tokens for float weights, 2 for
+    # q4_1, whose 32-value blocks hold 4x the x values a token: at 8 its prompt pipelines took
+    # 256 VGPRs and spilled 53-106 of them on every AMD family, 1882 spilled in all (session 43,
+    # `python -m perf modelgpu`, Mesa 22.3's RADV); at 2, 104-148 VGPRs and 18 spilled, in one
+    # pipeline on one family (gate/up on gfx1100); float weights at 8: 80-120, none (not timed on
+    # a GPU)
     PROMPT_LAYOUTS = {"cpu": {"float32": (8, (8, 16)), "float16": (8, (8, 16)), "q4_1": (8, 4)},
-                      "gpu": {"float32": (1, 8), "float16": (1, 8), "q4_1": (1, 8)}}
+                      "gpu": {"float32": (1, 8), "float16": (1, 8), "q4_1": (1, 2)}}
 
     def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",
                  capacity: int = 512, device=None, wg: int | None = None, lanes: int | None = None,

@@ -16,6 +16,10 @@ reference GPU's bandwidth (perf/gpu.py's datasheet table) -- the time a memory-b
 beat on that GPU, beside which a measured device time per token (``python -m perf model --random
 --ops`` on the GPU, perf/gpu_session.sh) reads as a fraction of the bandwidth.
 
+``--nvk``: NVIDIA's ISA instead, NVK's compiler NAK on nouveau's drm-shim (Debian 13 with
+trixie-backports' Mesa 26, as ``python -m perf nvk``; chips ga100, ga102, tu102): GPRs a thread,
+spills to memory, warps per SM, NAK's static cycles; writes modelgpu_report_nvk.*.
+
 Environment: VKATTN_GPU_FAMILIES (comma list; default every family the mechanism offers),
 VKATTN_MODELGPU_WEIGHTS (comma list, default float16,q4_1), VKATTN_PERF_OUT (perf/out). Writes
 modelgpu_report.json and .md there (Mesa 22.3) or modelgpu_report_mesa<major>.* (another Mesa).
@@ -126,10 +130,23 @@ def _job(p: dict) -> vp.Job:
     return vp.Job(p["name"], p["spirv"], p["spec"], p["bindings"], push_constant_bytes=4 * p["push"])
 
 
-def compile_all(pipes: list, families) -> dict:
-    """{family: [stats per pipeline, or {"error"}]} on RADV's null device."""
+# NAK's statistics (NVK): registers a thread, warps per SM, spills to memory, static cycles
+NVK_KEYS = ("Number of GPRs", "Max warps/SM", "Spills to memory", "Fills from memory", "Spills to reg",
+            "Instruction count", "Static cycle count")
+
+
+def compile_all(pipes: list, families, mechanism=None) -> dict:
+    """{family: [stats per pipeline, or {"error"}]} on the mechanism's null device (RADV's by
+    default; vp.nvk_mechanism(): NVK's, NAK's statistics)."""
     jobs = [_job(p) for p in pipes]
-    res = vp.family_stats(families, jobs, ir=True)
+    mechanism = mechanism or vp.null_mechanism()
+    if mechanism.kind == vp.NOUVEAU_SHIM:
+        res = vp.family_stats(families, jobs, mechanism=mechanism)
+        return {fam: ({"unavailable": cr.reason} if not cr.available else
+                      [{"error": f"{jr.result}: {jr.error}"} if not jr.ok else
+                       {k: jr.executables[0].stats.get(k) for k in NVK_KEYS} for jr in cr.jobs])
+                for fam, cr in res.items()}
+    res = vp.family_stats(families, jobs, ir=True, mechanism=mechanism)
     out = {}
     for fam, cr in res.items():
         if not cr.available:
@@ -148,12 +165,31 @@ def compile_all(pipes: list, families) -> dict:
     return out
 
 
+def _cell(st: dict, nvk: bool) -> str:
+    if "error" in st:
+        return st["error"][:40]
+    if nvk:
+        return (f"{st.get('Number of GPRs')} / {st.get('Spills to memory')} / {st.get('Max warps/SM')} / "
+                f"{st.get('Static cycle count')}")
+    return f"{st.get('VGPRs')} / {st.get('Spilled VGPRs')} / {st.get('Subgroups per SIMD')} / {st.get('valu')}"
+
+
+def _spills(st: dict, nvk: bool) -> int:
+    if "error" in st:
+        return 0
+    if nvk:
+        return int(st.get("Spills to memory") or 0)
+    return int(st.get("Spilled VGPRs") or 0) + int(st.get("Spilled SGPRs") or 0)
+
+
 def markdown(report: dict) -> str:
+    nvk = report.get("nvk", False)
+    what = ("GPRs a thread / spills to memory / warps per SM / NAK's static cycles" if nvk else
+            "VGPRs / spilled VGPRs / waves per SIMD / main-loop VALU")
     lines = [f"# The whole-model example's pipelines on GPU compilers ({report['compiler']})", "",
-             "`python -m perf modelgpu`: SmolLM2-135M's shape, the example's GPU layout "
+             f"`python -m perf modelgpu{' --nvk' if nvk else ''}`: SmolLM2-135M's shape, the example's GPU layout "
              f"(linear.comp wg, lanes, rows = {report['layout']}; prompt rows, tile by format: "
-             f"{report['prompt_layouts']}), storage buffers. Per pipeline and family: VGPRs / spilled "
-             "VGPRs / waves per SIMD / main-loop VALU.", ""]
+             f"{report['prompt_layouts']}), storage buffers. Per pipeline and family: {what}.", ""]
     for wd, w in report["weights"].items():
         fams = [f for f, rows in w["families"].items() if isinstance(rows, list)]
         lines += [f"## {wd} weights", "",
@@ -162,13 +198,9 @@ def markdown(report: dict) -> str:
         for i, p in enumerate(w["pipelines"]):
             cells = []
             for f in fams:
-                st = w["families"][f][i]
-                cells.append(st["error"][:40] if "error" in st else
-                             f"{st.get('VGPRs')} / {st.get('Spilled VGPRs')} / {st.get('Subgroups per SIMD')} / "
-                             f"{st.get('valu')}")
+                cells.append(_cell(w["families"][f][i], nvk))
             lines.append(f"| {p['name']} | {','.join(map(str, p['spec']))} | {p['uses']} | " + " | ".join(cells) + " |")
-        spills = sum(int(st.get("Spilled VGPRs") or 0) + int(st.get("Spilled SGPRs") or 0)
-                     for f in fams for st in w["families"][f] if "error" not in st)
+        spills = sum(_spills(st, nvk) for f in fams for st in w["families"][f])
         errors = sum(1 for f in fams for st in w["families"][f] if "error" in st)
         lines += ["", f"Spilled registers over every pipeline and family: **{spills}**; failed compiles: "
                       f"{errors}. A decode token reads {w['weight_mb']:.1f} MB of weights: at the datasheet "
@@ -177,7 +209,13 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
+    import argparse
+
     from examples.llama_device.model import DeviceLlama
+    ap = argparse.ArgumentParser(prog="python -m perf modelgpu", description=__doc__.split("\n")[0])
+    ap.add_argument("--nvk", action="store_true",
+                    help="NVIDIA's ISA: NVK (NAK) on nouveau's drm-shim, Debian 13 with Mesa 26 (perf/nvk.py)")
+    args = ap.parse_args(argv)
     weights = [w.strip() for w in os.environ.get("VKATTN_MODELGPU_WEIGHTS", ",".join(WEIGHTS)).split(",")
                if w.strip()]
     bad = [w for w in weights if w not in DeviceLlama.WEIGHT_DTYPES]
@@ -185,26 +223,26 @@ def main(argv=None) -> int:
         print(f"perf modelgpu: VKATTN_MODELGPU_WEIGHTS: unknown {bad}; choose from {DeviceLlama.WEIGHT_DTYPES}",
               file=sys.stderr)
         return 2
-    mech = vp.null_mechanism()
+    mech = vp.nvk_mechanism() if args.nvk else vp.null_mechanism()
     if not mech.available:
         print(f"perf modelgpu: no GPU compiler here: {mech.reason}", file=sys.stderr)
         return 2
     env = os.environ.get("VKATTN_GPU_FAMILIES", "")
     families = [f.strip() for f in env.split(",") if f.strip()] or list(vp.default_families(mech))
-    report = {"mesa": list(mech.mesa) if mech.mesa else None, "compiler": mech.describe(),
+    report = {"mesa": list(mech.mesa) if mech.mesa else None, "compiler": mech.describe(), "nvk": args.nvk,
               "layout": list(DeviceLlama.LAYOUTS["gpu"]),
               "prompt_layouts": {w: list(prompt_layout(w)) for w in weights}, "weights": {}}
     dev = vkattn.default_device()
     for wd in weights:
         pipes, wbytes = capture(wd, dev)
-        fams = compile_all(pipes, families)
+        fams = compile_all(pipes, families, mech)
         # a decode token reads every matrix once (SmolLM2's 30 layers and the tied head)
         report["weights"][wd] = {"pipelines": [{k: v for k, v in p.items() if k != "spirv"} for p in pipes],
                                  "families": fams, "weight_mb": wbytes / 1e6,
                                  "bound_ms": {g.name: wbytes / (g.bandwidth_gbs * 1e9) * 1e3 for g in REFERENCE_GPUS}}
     out = Path(os.environ.get("VKATTN_PERF_OUT") or Path(__file__).resolve().parent / "out")
     out.mkdir(parents=True, exist_ok=True)
-    stem = report_stem(report["mesa"]).replace("gpu_report", "modelgpu_report")
+    stem = "modelgpu_report_nvk" if args.nvk else report_stem(report["mesa"]).replace("gpu_report", "modelgpu_report")
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
     text = markdown(report)
     (out / f"{stem}.md").write_text(text)

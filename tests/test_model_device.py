@@ -88,7 +88,8 @@ def test_greedy_tokens_and_logits_equal_eager(device, small, weight_dtype, loads
     # vector a workgroup -- 8 lanes, 16 at 512 bits; GPUs: 16 lanes a row)
     kind = "cpu" if device.is_software else "gpu"
     wg, lanes, rows = DeviceLlama.LAYOUTS[kind]
-    assert (m._wg, m._lanes, m._rows) == ((max(wg, sg) if kind == "cpu" else wg), lanes, rows)
+    assert (m._wg, m._lanes, m._rows) == ((max(wg, sg) if kind == "cpu" else wg), lanes, rows) \
+        == DeviceLlama.layout_for(kind, sg)
     rows, tiles = DeviceLlama.PROMPT_LAYOUTS[kind][weight_dtype]
     assert (m._prompt_rows, m._tiles) == (rows, tiles if isinstance(tiles, tuple) else (tiles,))
     if kind == "cpu":           # the prompts below take both tiles: 9 tokens one of 16, 37 five of 8
@@ -288,6 +289,22 @@ def test_each_token_is_one_submission_and_only_the_token_id_comes_back(device, s
         assert m.tok.nbytes == 4
     finally:
         m.close()
+
+
+def test_the_layout_rule_at_every_lavapipe_width():
+    """DeviceLlama.layout_for / xshare_for at the subgroups llvmpipe runs (4, 8, 16 at 128, 256,
+    512 bits) and on GPUs, whatever this machine's width: a CPU driver's workgroup is one SIMD
+    vector (8 at least: 4 was no faster at 128 bits, session 43), x shared at 16 by texel fetches
+    only (a storage piece of 8 floats does not split over 16 lanes)."""
+    cpu, gpu = DeviceLlama.LAYOUTS["cpu"], DeviceLlama.LAYOUTS["gpu"]
+    assert [DeviceLlama.layout_for("cpu", sg) for sg in (0, 4, 8, 16)] == \
+        [cpu, cpu, cpu, (16,) + tuple(cpu[1:])] and cpu[0] == 8
+    assert all(DeviceLlama.layout_for("gpu", sg) == gpu for sg in (0, 8, 16, 32))
+    share = DeviceLlama.xshare_for
+    assert [share(sg, max(8, sg), 1, True) for sg in (0, 4, 8, 16)] == [0, 4, 8, 16]
+    assert [share(sg, max(8, sg), 1, False) for sg in (0, 4, 8, 16)] == [0, 4, 8, 0]
+    assert share(16, 8, 1, True) == 0                   # the subgroup must divide the workgroup
+    assert share(8, 128, 16, True) == 0                 # one lane a row only (GPUs: 16 a row)
 
 
 def test_prompt_timings_name_each_command_of_the_last_prompt(device, small):

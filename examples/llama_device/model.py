@@ -182,6 +182,28 @@ class DeviceLlama:
     PROMPT_LAYOUTS = {"cpu": {"float32": (8, (8, 16)), "float16": (8, (8, 16)), "q4_1": (8, 4)},
                       "gpu": {"float32": (1, 8), "float16": (1, 8), "q4_1": (1, 2)}}
 
+    @classmethod
+    def layout_for(cls, kind: str, lane_subgroup: int) -> tuple:
+        """The default (wg, lanes, rows) of linear.comp on a device of ``kind`` ("cpu": a CPU
+        driver, "gpu") whose probed lane subgroup is ``lane_subgroup`` (Device.lane_subgroup(), 0
+        where unusable): LAYOUTS[kind], a CPU driver's workgroup widened to one SIMD vector where
+        the subgroup is wider than 8 -- llvmpipe at 512 bits runs 16 lanes a vector, and a
+        workgroup of 8 left half of each empty (session 43, an AVX-512 Xeon: SmolLM2's float16
+        token 78.6 -> 38.0 ms with 16, against 35.4 at 256 bits)."""
+        lay = tuple(cls.LAYOUTS[kind])
+        if kind == "cpu" and lane_subgroup > lay[0]:
+            lay = (lane_subgroup,) + lay[1:]
+        return lay
+
+    @staticmethod
+    def xshare_for(subgroup: int, wg: int, lanes: int, texel: bool) -> int:
+        """linear.comp's XSHARE -- x pieces shared by shuffles within a subgroup -- for a layout
+        (0: none): one lane per row and the subgroup (``subgroup``: 0 for none) dividing the
+        workgroup; with storage loads it must divide 8 too (the smallest piece, split between
+        the lanes), while texel fetches take any count of vec4s."""
+        ok = subgroup and lanes == 1 and wg % subgroup == 0 and (texel or 8 % subgroup == 0)
+        return subgroup if ok else 0
+
     def __init__(self, config, weights, weight_dtype: str = "float32", cache_dtype: str = "float32",
                  capacity: int = 512, device=None, wg: int | None = None, lanes: int | None = None,
                  rows: int | None = None, prompt_tile: int | None = None, blocks: dict | None = None,
@@ -189,13 +211,8 @@ class DeviceLlama:
                  interleave: bool | None = None, timestamps: bool = False):
         device = device or vkattn.default_device()
         kind = "cpu" if device.is_software else "gpu"
-        lay = self.LAYOUTS[kind]
         lane_sg = device.lane_subgroup()                      # probed: one subgroup, working shuffles
-        if kind == "cpu" and lane_sg > lay[0]:
-            # one SIMD vector a workgroup: llvmpipe at 512 bits runs 16 lanes a vector, and a
-            # workgroup of 8 left half of each empty (session 43, an AVX-512 Xeon: SmolLM2's
-            # float16 token 78.6 -> 38.0 ms with 16, against 35.4 at 256 bits)
-            lay = (lane_sg,) + tuple(lay[1:])
+        lay = self.layout_for(kind, lane_sg)
         wg, lanes, rows = (lay[0] if wg is None else wg), (lay[1] if lanes is None else lanes), \
             (lay[2] if rows is None else rows)
         if weight_dtype not in self.WEIGHT_DTYPES:
@@ -232,10 +249,7 @@ class DeviceLlama:
         # a texel fetch is a vector gather and a storage load a per-lane loop (None: there, where
         # the device can; GPUs keep storage buffers, not timed there)
         self._texel = bool(device.is_software and device.texel_buffers) if texel is None else bool(texel)
-        # x pieces shared by shuffles within a subgroup (linear.comp XSHARE): one lane per row and
-        # the device's subgroup dividing the workgroup; with storage loads it must divide 8 too
-        # (the smallest piece, split between the lanes), texel fetches take any count of vec4s
-        self._xshare = sg if (sg and lanes == 1 and wg % sg == 0 and (self._texel or 8 % sg == 0)) else 0
+        self._xshare = self.xshare_for(sg, wg, lanes, self._texel)
         if self._texel and not device.texel_buffers:
             raise ModelInputError("texel: this device or kp cannot bind texel buffers (Device.texel_buffers)")
         self._blocks = dict(blocks or {})

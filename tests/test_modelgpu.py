@@ -58,3 +58,15 @@ def test_a_q4_1_prompt_tile_of_8_tokens_spills(device, compiler, monkeypatch):
     monkeypatch.setenv("VKATTN_MODELGPU_PROMPT", "1,x")
     with pytest.raises(ValueError, match="VKATTN_MODELGPU_PROMPT"):
         modelgpu.prompt_layout("q4_1")
+
+
+def test_what_it_cannot_do_exits_2_naming_why(monkeypatch, capsys):
+    """No compiler for --nvk (NVK absent: Debian 12) or an unknown weight format: exit 2 and a
+    line that says why, before any model is built."""
+    monkeypatch.setenv("VKATTN_MODELGPU_WEIGHTS", "float16,q5")
+    assert modelgpu.main([]) == 2
+    assert "unknown ['q5']" in capsys.readouterr().err
+    monkeypatch.setenv("VKATTN_MODELGPU_WEIGHTS", "float16")
+    monkeypatch.setattr(vp, "nvk_mechanism", lambda: vp.NullMechanism(None, reason="NVK is not installed (a test)"))
+    assert modelgpu.main(["--nvk"]) == 2
+    assert "no GPU compiler here: NVK is not installed (a test)" in capsys.readouterr().err

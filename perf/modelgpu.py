@@ -36,8 +36,9 @@ import numpy as np
 import vkattn
 from vkattn.tools import vkpipeline as vp
 
-from .disasm import STAT_KEYS, key_loop
+from . import nvk
 from .gpu import REFERENCE_GPUS, report_stem
+from .gpu import _stats_of as gpu_stats
 
 PROMPT = 37                         # the example's chat prompt
 WEIGHTS = ("float16", "q4_1")
@@ -130,39 +131,23 @@ def _job(p: dict) -> vp.Job:
     return vp.Job(p["name"], p["spirv"], p["spec"], p["bindings"], push_constant_bytes=4 * p["push"])
 
 
-# NAK's statistics (NVK): registers a thread, warps per SM, spills to memory, static cycles
-NVK_KEYS = ("Number of GPRs", "Max warps/SM", "Spills to memory", "Fills from memory", "Spills to reg",
-            "Instruction count", "Static cycle count")
+def _nak_stats(jr) -> dict:
+    """NAK's statistics of a compiled job (perf/nvk.py's: GPRs, warps per SM, spills, cycles)."""
+    exe = jr.executables[0]
+    return {k: exe.stats.get(k) for k in nvk.STATS}
 
 
 def compile_all(pipes: list, families, mechanism=None) -> dict:
     """{family: [stats per pipeline, or {"error"}]} on the mechanism's null device (RADV's by
-    default; vp.nvk_mechanism(): NVK's, NAK's statistics)."""
-    jobs = [_job(p) for p in pipes]
+    default, read as perf/gpu.py reads them; vp.nvk_mechanism(): NVK's, NAK's statistics)."""
     mechanism = mechanism or vp.null_mechanism()
-    if mechanism.kind == vp.NOUVEAU_SHIM:
-        res = vp.family_stats(families, jobs, mechanism=mechanism)
-        return {fam: ({"unavailable": cr.reason} if not cr.available else
-                      [{"error": f"{jr.result}: {jr.error}"} if not jr.ok else
-                       {k: jr.executables[0].stats.get(k) for k in NVK_KEYS} for jr in cr.jobs])
-                for fam, cr in res.items()}
-    res = vp.family_stats(families, jobs, ir=True, mechanism=mechanism)
-    out = {}
-    for fam, cr in res.items():
-        if not cr.available:
-            out[fam] = {"unavailable": cr.reason}
-            continue
-        rows = []
-        for jr in cr.jobs:
-            if not jr.ok:
-                rows.append({"error": f"{jr.result}: {jr.error}"})
-                continue
-            exe = jr.executables[0]
-            asm = next((v for k, v in exe.ir.items() if "Assembly" in k or "ISA" in k), "")
-            rows.append({**{k: exe.stats.get(k) for k in STAT_KEYS}, "subgroup_size": exe.subgroup_size,
-                         **key_loop(asm)})
-        out[fam] = rows
-    return out
+    nak = mechanism.kind == vp.NOUVEAU_SHIM
+    res = vp.family_stats(families, [_job(p) for p in pipes], ir=not nak, mechanism=mechanism)
+    read = _nak_stats if nak else gpu_stats
+    return {fam: ({"unavailable": cr.reason} if not cr.available else
+                  [read(jr) if jr.ok and jr.executables else {"error": f"{jr.result}: {jr.error}"}
+                   for jr in cr.jobs])
+            for fam, cr in res.items()}
 
 
 def _cell(st: dict, nvk: bool) -> str:

@@ -13,18 +13,13 @@ import pytest
 
 import vkattn
 from conftest import assert_close, rand_kv, rand_q, variant_args
-from test_coopmat import GPU, planning
+from kv_formats import (bits, cascade_and_prefix_cache, paged_batch_fork_and_variants, planner_never_picks_coopmat,
+                        rope_rounded_after_rotation)
 from vkattn import tuning
-from vkattn._attn import StorageFormat, attn_pipeline
-from vkattn._base import appends_first
 from vkattn.reference import BF16_FINITE_INPUT, BF16_MAX, attention, round_bfloat16, round_to
 
 KERNELS = ["lane", "tile"]
 BF16_E2E = 0.05     # max abs error vs float32 attention on the unrounded N(0, 1) inputs
-
-
-def bits(x):
-    return np.asarray(x, np.float32).view(np.uint32)
 
 
 def assert_stored(stored, x):
@@ -94,75 +89,24 @@ def test_bfloat16_variants(device, rng, monkeypatch, kernel, name):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_bfloat16_rope_is_rounded_after_rotation(device, rng, monkeypatch, kernel):
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
-    rope = vkattn.RoPE(style="neox", rotary_dim=32)
-    cache = vkattn.KVCache(64, 2, 48, dtype="bfloat16", device=device, rope=rope)
-    k, v = rand_kv(rng, cache, 21)
-    cache.append(k[:, :13], v[:, :13])                        # append.comp with ROPE_K
-    q = rand_q(rng, cache, 2, 8)
-    out = cache.forward(q, k[:, 13:], v[:, 13:], rope_q=True)  # the fused store rotates too
-    ks, vs = cache.read()
-    rotated = vkattn.reference.rope(k, np.arange(21), rotary_dim=32)
-    assert not (bits(ks) & 0xffff).any()                      # bfloat16 values
-    np.testing.assert_allclose(ks, round_bfloat16(rotated), rtol=2 ** -7, atol=1e-6)  # within one bfloat16 step
-    assert_stored(vs, v)
-    qr = vkattn.reference.rope(q, np.arange(13, 21), rotary_dim=32)
-    assert_close(out, attention(qr, ks, vs), "bfloat16")
+
+    def within(ks, rotated, cache):             # bfloat16 values, within one step of the rounded rotation
+        assert not (bits(ks) & 0xffff).any()
+        np.testing.assert_allclose(ks, round_bfloat16(rotated), rtol=2 ** -7, atol=1e-6)
+    rope_rounded_after_rotation(device, rng, "bfloat16", within)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_bfloat16_paged_batch_fork_and_variants(device, rng, monkeypatch, kernel):
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
-    pool = vkattn.PagedKVCache(40, 8, 2, 40, 24, dtype="bfloat16", device=device)
-    a, b = pool.add_sequence(), pool.add_sequence()
-    counts = [21, 6]
-    k = rng.standard_normal((2, 27, 40)).astype(np.float32)
-    v = rng.standard_normal((2, 27, 24)).astype(np.float32)
-    q = rng.standard_normal((6, 27, 40)).astype(np.float32)
-    out = pool.forward([a, b], q, k, v, n_new=counts)          # a ragged chunked prefill
-    for i, (sid, rows) in enumerate(((a, slice(0, 21)), (b, slice(21, 27)))):
-        ks, vs = pool.read(sid)
-        assert_stored(ks, k[:, rows])
-        assert_stored(vs, v[:, rows])
-        assert_close(out[:, rows], attention(q[:, rows], ks, vs), "bfloat16")
-    c = pool.fork(a)                                           # copies the partial block's rows
-    assert all(np.array_equal(x, y) for x, y in zip(pool.read(a), pool.read(c)))
-    q = rng.standard_normal((6, 3, 40)).astype(np.float32)
-    k = rng.standard_normal((2, 3, 40)).astype(np.float32)
-    v = rng.standard_normal((2, 3, 24)).astype(np.float32)
-    out, lse = pool.forward([a, b, c], q, k, v, window=9, n_sink=1, softcap=4.0, return_lse=True)  # batch decode
-    for i, sid in enumerate((a, b, c)):
-        ks, vs = pool.read(sid)
-        ref, ref_lse = attention(q[:, i:i + 1], ks, vs, window=9, n_sink=1, softcap=4.0, return_lse=True)
-        assert_close(out[:, i:i + 1], ref, "bfloat16")
-        np.testing.assert_allclose(lse[:, i:i + 1], ref_lse, atol=2e-5, rtol=2e-4)
+    paged_batch_fork_and_variants(device, rng, "bfloat16")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_bfloat16_cascade_and_prefix_cache(device, rng, monkeypatch, kernel):
-    # sequences sharing a cached prefix (prefix cache: the second request reuses the first's full
-    # blocks) decode by cascade: the shared blocks attended once, merged by log-sum-exp
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     monkeypatch.setenv("VKATTN_CASCADE", "1")
-    bs, hkv, d = 4, 2, 32
-    pool = vkattn.PagedKVCache(64, bs, hkv, d, dtype="bfloat16", device=device)
-    prompt = list(range(100, 117))                             # 17 tokens: 4 full blocks
-    k = rng.standard_normal((hkv, 17, d)).astype(np.float32)
-    v = rng.standard_normal((hkv, 17, d)).astype(np.float32)
-    a = pool.add_sequence()
-    pool.forward([a], rng.standard_normal((4, 17, d)).astype(np.float32), k, v, n_new=[17], token_ids=[prompt])
-    assert pool.match_prefix(prompt + [7]) == 16
-    b = pool.add_sequence(token_ids=prompt + [7])              # takes the cached blocks
-    assert pool.length(b) == 16 and pool.block_table(b)[:4] == pool.block_table(a)[:4]
-    kb, vb = pool.read(b)
-    assert_stored(kb, k[:, :16])
-    counts = [1, 2]
-    q = rng.standard_normal((4, 3, d)).astype(np.float32)
-    kn = rng.standard_normal((hkv, 3, d)).astype(np.float32)
-    out = pool.forward([a, b], q, kn, kn, n_new=counts)
-    assert "merge_lse" in pool._last_rec.ops                    # the cascade ran
-    for sid, rows in ((a, slice(0, 1)), (b, slice(1, 3))):
-        ks, vs = pool.read(sid)
-        assert_close(out[:, rows], attention(q[:, rows], ks, vs), "bfloat16")
+    cascade_and_prefix_cache(device, rng, "bfloat16")
 
 
 def test_bfloat16_save_load_round_trip(device, rng, tmp_path):
@@ -224,29 +168,7 @@ def test_bfloat16_memory_and_round_to(device):
 
 
 def test_planner_never_picks_coopmat_for_bfloat16(device, monkeypatch):
-    # float16 matrices cannot hold bfloat16's exponent range: prefill and chunks of a bfloat16
-    # cache go to attn.comp (GPUs) or attn_lane.comp (CPU drivers) even where attn_coopmat.comp
-    # is available, pays, or is forced with VKATTN_KERNEL=coopmat; and a forward keeps its fused
-    # append (no append-first submission for a kernel that is not used)
-    monkeypatch.delenv("VKATTN_KERNEL", raising=False)
-    gpu = planning(device, monkeypatch, **GPU)
-    monkeypatch.setattr(gpu, "coopmat_pays", lambda: True)
-    f16 = StorageFormat(8, 128, dtype="float16")
-    bf = StorageFormat(8, 128, dtype="bfloat16")
-    for forced in ("", "coopmat"):
-        if forced:
-            monkeypatch.setenv("VKATTN_KERNEL", forced)
-        for rows in (2, 17, 512):
-            assert attn_pipeline(gpu, f16, 32, rows, 0, 1, 0, 4096, False)[0].kernel == "coopmat"
-            cfg, pipe = attn_pipeline(gpu, bf, 32, rows, 0, 1, 0, 4096, False)
-            assert cfg.kernel == "tile" and pipe.shader == "attn" and pipe.defines["KV_BF16"] == 1
-        assert appends_first(gpu, 5, 5, f16._ch, f16._matrices)
-        assert not appends_first(gpu, 5, 5, bf._ch, bf._matrices)
-        assert not tuning.coopmat_takes(gpu, 64, bf._ch, bf._matrices)
-    # on this machine's device (a CPU driver: lane) with coopmat forced
-    monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
-    if device.coopmat_problem() == "":
-        assert attn_pipeline(device, bf, 32, 64, 0, 1, 0, 4096, False)[0].kernel in ("tile", "lane")
+    planner_never_picks_coopmat(device, monkeypatch, "bfloat16", "KV_BF16")
 
 
 @pytest.mark.skipif(not vkattn.default_device().coopmat_problem() == "",

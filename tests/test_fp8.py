@@ -14,6 +14,8 @@ import pytest
 
 import vkattn
 from conftest import append_chunk_decode, assert_close, rand_kv, rand_q
+from kv_formats import (assert_stored, bits, cascade_and_prefix_cache, lengths_prefill_and_long_decode,
+                        paged_batch_fork_and_variants, rope_rounded_after_rotation)
 from test_coopmat import GPU, planning
 from vkattn import tuning
 from vkattn._attn import StorageFormat, attn_pipeline
@@ -25,17 +27,6 @@ FP8 = ["fp8_e4m3", "fp8_e5m2"]
 # max abs error vs float32 attention on the unrounded N(0, 1) inputs (scale 1/16: the values sit
 # in the normal range), per format: e4m3 keeps 3 mantissa bits, e5m2 2
 FP8_E2E = {"fp8_e4m3": 0.2, "fp8_e5m2": 0.4}
-
-
-def bits(x):
-    return np.asarray(x, np.float32).view(np.uint32)
-
-
-def assert_stored(stored, x, cache, which):
-    scale = cache.k_scale if which == "k" else cache.v_scale
-    want = round_to(x, cache.dtype, scale)
-    bad = np.argwhere(bits(stored) != bits(want))
-    assert bad.size == 0, f"{len(bad)} stored values differ from round_to's, first at {bad[:4].tolist()}"
 
 
 def scales(hkv, seed):
@@ -62,99 +53,33 @@ def test_fp8_append_forward_decode(device, rng, monkeypatch, fmt, kernel, hkv, g
 @pytest.mark.parametrize("fmt", FP8)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_fp8_lengths_prefill_and_long_decode(device, rng, monkeypatch, fmt, kernel):
-    # lengths 1 .. 300: a one-row prefill, a long prompt over FUSED_APPEND_MAX_ROWS rows
-    # (appended first, then attended), decode steps with split-K across the whole past
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     monkeypatch.setenv("VKATTN_DECODE_SPLITS", "8")
-    hkv, d = 2, 64
-    cache = vkattn.KVCache(310, hkv, d, dtype=fmt, device=device, k_scale=0.0625, v_scale=[0.03, 0.07])
-    allk, allv = [], []
-    for n in (1, tuning.FUSED_APPEND_MAX_ROWS + 45, 300 - 1 - tuning.FUSED_APPEND_MAX_ROWS - 45 - 3, 1, 1, 1):
-        k, v = rand_kv(rng, cache, n)
-        q = rand_q(rng, cache, 4, n)
-        out = cache.forward(q, k, v)
-        allk.append(k)
-        allv.append(v)
-        ks, vs = cache.read()
-        assert_stored(ks[:, -n:], k, cache, "k")
-        assert_close(out, attention(q, ks, vs), fmt)
-    assert cache.length == 300
-    kf = np.concatenate(allk, axis=1)
-    assert np.abs(out - attention(q, kf, np.concatenate(allv, axis=1))).max() < FP8_E2E[fmt]
+    lengths_prefill_and_long_decode(device, rng, fmt, FP8_E2E[fmt], k_scale=0.0625, v_scale=[0.03, 0.07])
 
 
 @pytest.mark.parametrize("fmt", FP8)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_fp8_rope_is_rounded_after_rotation(device, rng, monkeypatch, fmt, kernel):
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
-    rope = vkattn.RoPE(style="neox", rotary_dim=32)
-    cache = vkattn.KVCache(64, 2, 48, dtype=fmt, device=device, rope=rope, k_scale=[0.1, 0.3])
-    k, v = rand_kv(rng, cache, 21)
-    cache.append(k[:, :13], v[:, :13])                        # append.comp with ROPE_K
-    q = rand_q(rng, cache, 2, 8)
-    out = cache.forward(q, k[:, 13:], v[:, 13:], rope_q=True)  # the fused store rotates too
-    ks, vs = cache.read()
-    rotated = vkattn.reference.rope(k, np.arange(21), rotary_dim=32)
-    # within one fp8 step of the rounded rotation (the rotation's own float rounding may cross a tie)
-    p = FP8_FORMATS[fmt][0]
-    np.testing.assert_allclose(ks, round_to(rotated, fmt, cache.k_scale), rtol=2.0 ** -p, atol=1e-6)
-    assert_stored(vs, v, cache, "v")
-    qr = vkattn.reference.rope(q, np.arange(13, 21), rotary_dim=32)
-    assert_close(out, attention(qr, ks, vs), fmt)
+
+    def within(ks, rotated, cache):             # one fp8 step of the rounded rotation
+        p = FP8_FORMATS[fmt][0]
+        np.testing.assert_allclose(ks, round_to(rotated, fmt, cache.k_scale), rtol=2.0 ** -p, atol=1e-6)
+    rope_rounded_after_rotation(device, rng, fmt, within, k_scale=[0.1, 0.3])
 
 
 @pytest.mark.parametrize("fmt", FP8)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_fp8_paged_batch_fork_and_variants(device, rng, monkeypatch, fmt, kernel):
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
-    pool = vkattn.PagedKVCache(40, 8, 2, 40, 24, dtype=fmt, device=device, k_scale=[0.2, 0.07], v_scale=0.11)
-    a, b = pool.add_sequence(), pool.add_sequence()
-    counts = [21, 6]
-    k = rng.standard_normal((2, 27, 40)).astype(np.float32)
-    v = rng.standard_normal((2, 27, 24)).astype(np.float32)
-    q = rng.standard_normal((6, 27, 40)).astype(np.float32)
-    out = pool.forward([a, b], q, k, v, n_new=counts)          # a ragged chunked prefill
-    for sid, rows in ((a, slice(0, 21)), (b, slice(21, 27))):
-        ks, vs = pool.read(sid)
-        assert_stored(ks, k[:, rows], pool, "k")
-        assert_stored(vs, v[:, rows], pool, "v")
-        assert_close(out[:, rows], attention(q[:, rows], ks, vs), fmt)
-    c = pool.fork(a)                                           # copies the partial block's rows
-    assert all(np.array_equal(bits(x), bits(y)) for x, y in zip(pool.read(a), pool.read(c)))
-    q = rng.standard_normal((6, 3, 40)).astype(np.float32)
-    k = rng.standard_normal((2, 3, 40)).astype(np.float32)
-    v = rng.standard_normal((2, 3, 24)).astype(np.float32)
-    out, lse = pool.forward([a, b, c], q, k, v, window=9, n_sink=1, softcap=4.0, return_lse=True)  # batch decode
-    for i, sid in enumerate((a, b, c)):
-        ks, vs = pool.read(sid)
-        ref, ref_lse = attention(q[:, i:i + 1], ks, vs, window=9, n_sink=1, softcap=4.0, return_lse=True)
-        assert_close(out[:, i:i + 1], ref, fmt)
-        np.testing.assert_allclose(lse[:, i:i + 1], ref_lse, atol=2e-5, rtol=2e-4)
+    paged_batch_fork_and_variants(device, rng, fmt, k_scale=[0.2, 0.07], v_scale=0.11)
 
 
 @pytest.mark.parametrize("fmt", FP8)
 def test_fp8_cascade_and_prefix_cache(device, rng, monkeypatch, fmt):
-    # sequences sharing a cached prefix decode by cascade: the shared blocks attended once
     monkeypatch.setenv("VKATTN_CASCADE", "1")
-    bs, hkv, d = 4, 2, 32
-    pool = vkattn.PagedKVCache(64, bs, hkv, d, dtype=fmt, device=device, k_scale=[0.09, 0.4], v_scale=[0.3, 0.02])
-    prompt = list(range(100, 117))                             # 17 tokens: 4 full blocks
-    k = rng.standard_normal((hkv, 17, d)).astype(np.float32)
-    v = rng.standard_normal((hkv, 17, d)).astype(np.float32)
-    a = pool.add_sequence()
-    pool.forward([a], rng.standard_normal((4, 17, d)).astype(np.float32), k, v, n_new=[17], token_ids=[prompt])
-    b = pool.add_sequence(token_ids=prompt + [7])              # takes the cached blocks
-    assert pool.length(b) == 16 and pool.block_table(b)[:4] == pool.block_table(a)[:4]
-    kb, vb = pool.read(b)
-    assert_stored(kb, k[:, :16], pool, "k")
-    assert_stored(vb, v[:, :16], pool, "v")
-    q = rng.standard_normal((4, 3, d)).astype(np.float32)
-    kn = rng.standard_normal((hkv, 3, d)).astype(np.float32)
-    out = pool.forward([a, b], q, kn, kn, n_new=[1, 2])
-    assert "merge_lse" in pool._last_rec.ops                    # the cascade ran
-    for sid, rows in ((a, slice(0, 1)), (b, slice(1, 3))):
-        ks, vs = pool.read(sid)
-        assert_close(out[:, rows], attention(q[:, rows], ks, vs), fmt)
+    cascade_and_prefix_cache(device, rng, fmt, k_scale=[0.09, 0.4], v_scale=[0.3, 0.02])
 
 
 @pytest.mark.parametrize("fmt", FP8)

@@ -16,18 +16,12 @@ import pytest
 
 import vkattn
 from conftest import append_chunk_decode, assert_close, rand_kv, rand_q
-from test_coopmat import GPU, planning
-from vkattn import tuning
-from vkattn._attn import StorageFormat, attn_pipeline
-from vkattn._base import appends_first
+from kv_formats import (bits, cascade_and_prefix_cache, lengths_prefill_and_long_decode, paged_batch_fork_and_variants,
+                        planner_never_picks_coopmat, rope_rounded_after_rotation)
 from vkattn.reference import (Q4_ZMAX, attention, dequantize_q4, q4_split, q4_words, q4_words_to_float32, quantize_q4,
                               round_to)
 
 KERNELS = ["lane", "tile"]
-
-
-def bits(x):
-    return np.asarray(x, np.float32).view(np.uint32)
 
 
 def assert_stored(stored, x):
@@ -94,102 +88,30 @@ def test_q4_append_forward_decode(device, rng, monkeypatch, kernel, hkv, group, 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_q4_lengths_prefill_and_long_decode(device, rng, monkeypatch, kernel):
-    # lengths 1 .. 300: a one-row prefill, a long prompt over FUSED_APPEND_MAX_ROWS rows
-    # (appended first, then attended), decode steps with split-K across the whole past
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
     monkeypatch.setenv("VKATTN_DECODE_SPLITS", "8")
-    hkv, d = 2, 64
-    cache = vkattn.KVCache(310, hkv, d, dtype="q4", device=device)
-    allk, allv = [], []
-    for n in (1, tuning.FUSED_APPEND_MAX_ROWS + 45, 300 - 1 - tuning.FUSED_APPEND_MAX_ROWS - 45 - 3, 1, 1, 1):
-        k, v = rand_kv(rng, cache, n)
-        q = rand_q(rng, cache, 4, n)
-        out = cache.forward(q, k, v)
-        allk.append(k)
-        allv.append(v)
-        ks, vs = cache.read()
-        assert_stored(ks[:, -n:], k)
-        assert_stored(vs[:, -n:], v)
-        assert_close(out, attention(q, ks, vs), "q4")
-    assert cache.length == 300
-    # against float32 attention on the unquantised inputs: 4 bits per value, a loose bound
-    kf, vf = np.concatenate(allk, axis=1), np.concatenate(allv, axis=1)
-    assert np.abs(out - attention(q, kf, vf)).max() < 0.5
+    lengths_prefill_and_long_decode(device, rng, "q4", 0.5)       # 4 bits a value: a loose bound
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_q4_rope_is_quantised_after_rotation(device, rng, monkeypatch, kernel):
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
-    rope = vkattn.RoPE(style="neox", rotary_dim=32)
-    cache = vkattn.KVCache(64, 2, 48, dtype="q4", device=device, rope=rope)
-    k, v = rand_kv(rng, cache, 21)
-    cache.append(k[:, :13], v[:, :13])                        # append.comp with ROPE_K
-    q = rand_q(rng, cache, 2, 8)
-    out = cache.forward(q, k[:, 13:], v[:, 13:], rope_q=True)  # the fused store rotates too
-    ks, vs = cache.read()
-    rotated = vkattn.reference.rope(k, np.arange(21), rotary_dim=32)
-    # within one step of the quantised rotation (the rotation's own float rounding may cross a tie)
-    _, s = quantize_q4(rotated)
-    step = np.repeat(q4_split(s)[0], 16, axis=-1)[..., :48]
-    assert np.all(np.abs(ks - round_to(rotated, "q4")) <= step * 1.0001)
-    assert_stored(vs, v)
-    qr = vkattn.reference.rope(q, np.arange(13, 21), rotary_dim=32)
-    assert_close(out, attention(qr, ks, vs), "q4")
+
+    def within(ks, rotated, cache):             # one step of the quantised rotation
+        step = np.repeat(q4_split(quantize_q4(rotated)[1])[0], 16, axis=-1)[..., :48]
+        assert np.all(np.abs(ks - round_to(rotated, "q4")) <= step * 1.0001)
+    rope_rounded_after_rotation(device, rng, "q4", within)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_q4_paged_batch_fork_and_variants(device, rng, monkeypatch, kernel):
     monkeypatch.setenv("VKATTN_KERNEL", kernel)
-    pool = vkattn.PagedKVCache(40, 8, 2, 40, 24, dtype="q4", device=device)
-    a, b = pool.add_sequence(), pool.add_sequence()
-    counts = [21, 6]
-    k = rng.standard_normal((2, 27, 40)).astype(np.float32)
-    v = rng.standard_normal((2, 27, 24)).astype(np.float32)
-    q = rng.standard_normal((6, 27, 40)).astype(np.float32)
-    out = pool.forward([a, b], q, k, v, n_new=counts)          # a ragged chunked prefill
-    for sid, rows in ((a, slice(0, 21)), (b, slice(21, 27))):
-        ks, vs = pool.read(sid)
-        assert_stored(ks, k[:, rows])
-        assert_stored(vs, v[:, rows])
-        assert_close(out[:, rows], attention(q[:, rows], ks, vs), "q4")
-    c = pool.fork(a)                                           # copies the partial block's rows
-    assert all(np.array_equal(bits(x), bits(y)) for x, y in zip(pool.read(a), pool.read(c)))
-    q = rng.standard_normal((6, 3, 40)).astype(np.float32)
-    k = rng.standard_normal((2, 3, 40)).astype(np.float32)
-    v = rng.standard_normal((2, 3, 24)).astype(np.float32)
-    out, lse = pool.forward([a, b, c], q, k, v, window=9, n_sink=1, softcap=4.0, return_lse=True)  # batch decode
-    for i, sid in enumerate((a, b, c)):
-        ks, vs = pool.read(sid)
-        ref, ref_lse = attention(q[:, i:i + 1], ks, vs, window=9, n_sink=1, softcap=4.0, return_lse=True)
-        assert_close(out[:, i:i + 1], ref, "q4")
-        np.testing.assert_allclose(lse[:, i:i + 1], ref_lse, atol=2e-5, rtol=2e-4)
-    # the fork diverged: a's and c's new rows differ, their shared past does not
-    ka, kc = pool.read(a)[0], pool.read(c)[0]
-    assert np.array_equal(bits(ka[:, :21]), bits(kc[:, :21])) and not np.array_equal(ka[:, 21], kc[:, 21])
+    paged_batch_fork_and_variants(device, rng, "q4")
 
 
 def test_q4_cascade_and_prefix_cache(device, rng, monkeypatch):
-    # sequences sharing a cached prefix decode by cascade: the shared blocks attended once
     monkeypatch.setenv("VKATTN_CASCADE", "1")
-    bs, hkv, d = 4, 2, 40
-    pool = vkattn.PagedKVCache(64, bs, hkv, d, dtype="q4", device=device)
-    prompt = list(range(100, 117))                             # 17 tokens: 4 full blocks
-    k = rng.standard_normal((hkv, 17, d)).astype(np.float32)
-    v = rng.standard_normal((hkv, 17, d)).astype(np.float32)
-    a = pool.add_sequence()
-    pool.forward([a], rng.standard_normal((4, 17, d)).astype(np.float32), k, v, n_new=[17], token_ids=[prompt])
-    b = pool.add_sequence(token_ids=prompt + [7])              # takes the cached blocks
-    assert pool.length(b) == 16 and pool.block_table(b)[:4] == pool.block_table(a)[:4]
-    kb, vb = pool.read(b)
-    assert_stored(kb, k[:, :16])
-    assert_stored(vb, v[:, :16])
-    q = rng.standard_normal((4, 3, d)).astype(np.float32)
-    kn = rng.standard_normal((hkv, 3, d)).astype(np.float32)
-    out = pool.forward([a, b], q, kn, kn, n_new=[1, 2])
-    assert "merge_lse" in pool._last_rec.ops                    # the cascade ran
-    for sid, rows in ((a, slice(0, 1)), (b, slice(1, 3))):
-        ks, vs = pool.read(sid)
-        assert_close(out[:, rows], attention(q[:, rows], ks, vs), "q4")
+    cascade_and_prefix_cache(device, rng, "q4", d=40)
 
 
 def test_q4_save_load_round_trip(device, rng, tmp_path):
@@ -280,19 +202,4 @@ def test_q4_memory_and_format_table(device):
 
 
 def test_planner_never_picks_coopmat_for_q4(device, monkeypatch):
-    # the stated fallback, as bfloat16's and fp8's: prefill and chunks go to attn.comp (GPUs) or
-    # attn_lane.comp (CPU drivers) even where attn_coopmat.comp is available or forced
-    monkeypatch.delenv("VKATTN_KERNEL", raising=False)
-    gpu = planning(device, monkeypatch, **GPU)
-    monkeypatch.setattr(gpu, "coopmat_pays", lambda: True)
-    f16 = StorageFormat(8, 128, dtype="float16")
-    q4 = StorageFormat(8, 128, dtype="q4")
-    for forced in ("", "coopmat"):
-        if forced:
-            monkeypatch.setenv("VKATTN_KERNEL", forced)
-        for rows in (2, 17, 512):
-            assert attn_pipeline(gpu, f16, 32, rows, 0, 1, 0, 4096, False)[0].kernel == "coopmat"
-            cfg, pipe = attn_pipeline(gpu, q4, 32, rows, 0, 1, 0, 4096, False)
-            assert cfg.kernel == "tile" and pipe.shader == "attn" and pipe.defines["KV_Q4"] == 1
-        assert not appends_first(gpu, 5, 5, q4._ch, q4._matrices)
-        assert not tuning.coopmat_takes(gpu, 64, q4._ch, q4._matrices)
+    planner_never_picks_coopmat(device, monkeypatch, "q4", "KV_Q4")

@@ -85,11 +85,17 @@ uint cache_row(uint bt, uint h, uint j) {
 // additive mask of q head hq, row r, key j (natural units) in log2 units. Callers evaluate it
 // for every query vector of a tile, also the padding ones (a row past q_len, a head past the
 // tile's G): the head and row are clamped into the mask (the caller discards those scores) and
-// j must be a key of the sequence (< past + n_new), so the read never leaves the sequence's mask
+// j must be a key of the sequence (< past + n_new), so the read never leaves the sequence's mask.
+// An entry below -2^127 counts as -inf (a mask built from float32's lowest value, as
+// transformers builds them, masks its key; times log2(e) such entries would overflow from
+// -2.36e38 on, and mask only some), one above 2^127 as 2^127 (a device mask's: the host
+// refuses such numpy masks) -- vkattn.reference.attention's MASK_LIMIT rule
 float mask_at(Seq sq, uint hq, uint r, uint j) {
     const uint r_in = min(r, sq.q_len - 1u);
     const uint row = AUX_MASK_HEADS != 0u ? min(hq, gl_NumWorkGroups.z * G - 1u) * sq.q_len + r_in : r_in;
-    return uintBitsToFloat(AUX_LANE(sq.mask + row * (sq.past + sq.n_new) + j)) * LOG2E;
+    const float m = uintBitsToFloat(AUX_LANE(sq.mask + row * (sq.past + sq.n_new) + j));
+    const float lim = uintBitsToFloat(0x7f000000u);        // 2^127
+    return (m < -lim ? uintBitsToFloat(0xff800000u) : min(m, lim)) * LOG2E;
 }
 
 // c * tanh(s / c), finite for every s (c > 0, a normal float: the host checks the softcap). GLSL
@@ -98,11 +104,16 @@ float mask_at(Seq sq, uint hq, uint r, uint j) {
 // tanh|x| = (1 - e) / (1 + e) with e = 2^(-2 log2(e) |x|) in (0, 1] (|x| clamped to 16, where
 // tanh is 1.0 in float32): no overflow, and the divisor lies in [1, 2], inside the range where
 // GLSL specifies division (2.5 ULP); c itself lies in [2^-126, 2^126], so s / c is specified
-// too. Against numpy's tanh: an absolute error of a few float32 ULP of c in the score.
+// too. Below |x| = 1/8, where 1 - e cancels (e rounds to 1 once |x| < 2^-25: a large softcap
+// made every score 0), the series x (1 - x^2/3 + 2 x^4/15), within 2.1e-7 of tanh there (its
+// next term, 17 x^7 / 315, over x). Against numpy's tanh: a relative error of about 1e-6 of the
+// score, at any softcap the host accepts.
 float softcap_score(float s, float c) {
     const float x = min(abs(s / c), 16.0);
     const float e = exp2(x * (-2.0 * LOG2E));
-    return sign(s) * c * ((1.0 - e) / (1.0 + e));
+    const float x2 = x * x;
+    const float t = x < 0.125 ? x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0))) : (1.0 - e) / (1.0 + e);
+    return sign(s) * c * t;
 }
 
 // score transforms; s in log2 units, already scaled

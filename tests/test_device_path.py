@@ -407,6 +407,18 @@ def test_graph_records_again_when_a_plan_changes_and_refuses_what_breaks_its_rul
         with pytest.raises(ValueError, match="already capturing"):
             with vkattn.Graph(device).capture():
                 pass
+        # append runs at once and is not recorded: refused while a graph captures, nothing written
+        n = cache.length
+        with pytest.raises(ValueError, match="append: a graph is capturing"):
+            cache.append(_data(rng, hkv, 2, d), _data(rng, hkv, 2, d))
+        pool = vkattn.PagedKVCache(4, 4, hkv, d, dtype="float32", device=device)
+        sid = pool.add_sequence()
+        with pytest.raises(ValueError, match="append: a graph is capturing"):
+            pool.append([sid], _data(rng, hkv, 2, d), _data(rng, hkv, 2, d), n_new=[2])
+        assert cache.length == n and pool.length(sid) == 0
+    pool.append([sid], _data(rng, hkv, 2, d), _data(rng, hkv, 2, d), n_new=[2])    # after the capture: runs
+    assert pool.length(sid) == 2
+    pool.close()
     full = vkattn.KVCache(2, hkv, d, dtype="float32", device=device)
     g2 = vkattn.Graph(device)
     with g2.capture():
@@ -756,3 +768,61 @@ def test_a_graph_whose_array_was_closed_refuses_its_replay(device, rng, paged):
         assert length() == 6 and graph.submissions == 1
     graph.close()
     cache.close()
+
+
+@pytest.mark.parametrize("item", ["upload", "download", "dispatch"])
+@pytest.mark.parametrize("when", ["before the first run", "before a replay"])
+def test_a_graph_whose_callers_array_was_closed_refuses_to_run(device, rng, scale_spirv, item, when):
+    """The caller's own items -- an upload, a download, a kp dispatch -- over an array closed
+    after capture: the run is a CacheClosedError and nothing is submitted (the recorded command
+    buffer would reach freed memory: a segmentation fault before the check), the other arrays
+    as the last run left them."""
+    a, b = vkattn.to_device(_data(rng, 4, 64), device), vkattn.empty((4, 64), device)
+    graph = vkattn.Graph(device)
+    with graph.capture():
+        if item == "upload":
+            graph.upload(a)
+        elif item == "download":
+            graph.download(a)
+        else:
+            graph.dispatch(_scale(a, b, scale_spirv), reads=[a], writes=[b])
+    if when == "before a replay":
+        graph.run()
+    before = b.numpy()
+    a.close()
+    for _ in range(2):
+        with pytest.raises(vkattn.CacheClosedError, match="DeviceArray is closed"):
+            graph.run()
+    assert graph.submissions == (1 if when == "before a replay" else 0)
+    assert np.array_equal(b.numpy(), before)
+    graph.close()
+
+
+def test_a_graphs_upload_download_and_dispatch_check_their_arrays(device, rng, scale_spirv):
+    """upload / download / dispatch take DeviceArrays of the graph's own Device object, open:
+    anything else is refused before anything is recorded (a bad second array leaves the first
+    unrecorded too)."""
+    a, b = vkattn.to_device(_data(rng, 4, 64), device), vkattn.empty((4, 64), device)
+    other = vkattn.Device(device.index)                 # another Device object: its own kp.Manager
+    c = vkattn.empty((4, 64), other)
+    closed = vkattn.empty((4, 64), device)
+    closed.close()
+    graph = vkattn.Graph(device)
+    with graph.capture():
+        for record in (graph.upload, graph.download):
+            with pytest.raises(ValueError, match="must be DeviceArrays on .* got ndarray"):
+                record(a, _data(rng, 4, 64))
+            with pytest.raises(ValueError, match="must be DeviceArrays on .* got list"):
+                record([a])
+            with pytest.raises(ValueError, match="another vkattn.Device object of the same device"):
+                record(a, c)
+            with pytest.raises(vkattn.CacheClosedError, match="DeviceArray is closed"):
+                record(a, closed)
+        with pytest.raises(ValueError, match="another vkattn.Device object"):
+            graph.dispatch(_scale(a, b, scale_spirv), reads=[a], writes=[c])
+        with pytest.raises(vkattn.CacheClosedError):
+            graph.dispatch(_scale(a, b, scale_spirv), reads=[a], writes=[closed])
+    assert graph._items == []
+    graph.close()
+    c.close()
+    other.close()

@@ -97,6 +97,8 @@ def test_bad_truncate(cache, length, exc):
     (dict(dtype="int4"), TypeError, "dtype"),
     (dict(dtype=np.float64), TypeError, "dtype"),
     (dict(device="gpu"), TypeError, "device"),
+    (dict(verify="no"), TypeError, "verify"),           # a string was taken as True
+    (dict(timestamps=1), TypeError, "timestamps"),
 ])
 def test_bad_construction(device, kwargs, exc, msg):
     args = dict(capacity=16, num_kv_heads=2, head_dim=8)
@@ -167,3 +169,27 @@ def test_check_array_quick_test_refuses_what_the_exact_checks_refuse(limit, dtyp
     with pytest.raises(ValueError, match="NaN or Inf"):
         check_array("q", np.full((1, 2, 8), np.nan, np.float32), (1, None, 8))
     assert check_array("q", huge, (1, None, 8)) is huge  # finite only: no limit
+
+
+def test_bad_calls_found_by_the_api_review(device, rng):
+    """Calls an adversarial review found taken silently or refused with an unclear error: a plan
+    with rope_q on a cache without a rope (refused as its forward is), a paged batch whose ids
+    are not a list, an array shape of the wrong kind -- each a typed error naming the argument,
+    nothing changed."""
+    cache = vkattn.KVCache(16, 2, 8, device=device)
+    for bad, exc in ((True, ValueError), ("yes", TypeError)):
+        with pytest.raises(exc, match="rope_q"):
+            cache.plan(4, rope_q=bad)
+    pool = vkattn.PagedKVCache(4, 4, 2, 8, device=device)
+    sid = pool.add_sequence()
+    k = v = np.zeros((2, 1, 8), np.float32)
+    for ids in (0, None, "ab"):
+        with pytest.raises(TypeError, match="seq_ids: expected a list"):
+            pool.forward(ids, np.zeros((4, 1, 8), np.float32), k, v)
+        with pytest.raises(TypeError, match="seq_ids: expected a list"):
+            pool.append(ids, k, v)
+    assert pool.length(sid) == 0
+    for shape in (2.0, None, "ab"):
+        with pytest.raises(TypeError, match="shape: expected an int or a tuple"):
+            vkattn.empty(shape, device)
+    assert vkattn.empty(np.array([2, 3]), device).shape == (2, 3)

@@ -95,7 +95,7 @@ def test_rope_paged_batch(device, rng, monkeypatch, kernel):
 @pytest.mark.parametrize("make,exc", [
     (lambda: vkattn.RoPE(style="llama"), ValueError),
     (lambda: vkattn.RoPE(base=0.5), ValueError),
-    (lambda: vkattn.RoPE(base="1e4"), ValueError),
+    (lambda: vkattn.RoPE(base="1e4"), TypeError),
     (lambda: vkattn.RoPE(rotary_dim=12), None),          # fine alone; refused by a cache (not a multiple of 8)
 ])
 def test_rope_config_errors(device, make, exc):

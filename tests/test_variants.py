@@ -168,3 +168,86 @@ def test_softcap_with_huge_scores_is_finite(device, rng, monkeypatch, kernel, s)
         assert np.isfinite(out).all() and np.isfinite(lse).all()
         assert_close(out, ref, "float32")
         np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_softcap_up_to_its_largest_equals_the_reference(device, rng, monkeypatch, kernel):
+    """Softcaps from 1e2 to the largest accepted (1e30), where |score / softcap| is small: tanh's
+    1 - e^-2x cancelled (float32 rounds e to 1 below |x| of 2^-25: every score 0, uniform weights
+    at softcap 1e10; 2.7e-5 off at 1e3), the series there keeps the float32 tolerance; at the
+    largest, the plain attention's result."""
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    cache = vkattn.KVCache(64, 2, 32, dtype="float32", device=device)
+    k, v = rand_kv(rng, cache, 41)
+    cache.append(k, v)
+    q = rand_q(rng, cache, 2, 3) * 3.0
+    for softcap in (1e2, 1e3, 1e4, 1e7, 1e10, 1e30):
+        out, lse = cache.attend(q, softcap=softcap, return_lse=True)
+        ref, ref_lse = vkattn.reference.attention(q, k, v, softcap=softcap, return_lse=True)
+        assert_close(out, ref, "float32")
+        np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
+    assert_close(out, vkattn.reference.attention(q, k, v), "float32")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_rules_past_32_bits_and_huge_scales_masks_and_slopes(device, rng, paged):
+    """A window or sink count of 2**32 and more means what 2**31 - 1 means (the kernels hold
+    32-bit words: 2**32 + 1 acted as a window of 1); a scale whose scale * log2(e) is no float32,
+    a numpy mask entry above 2**127 (NaN rows on the device) and an ALiBi slope past 2**32 are
+    refused with nothing written; mask entries below -2**127 -- a mask from float32's lowest
+    value -- count as -inf, in the reference and in the kernels alike (a row whose only key had
+    such an entry gave zeros there and v[0] in the reference)."""
+    from conftest import assert_unchanged, snapshot
+    from vkattn.checks import SCALE_MAX
+    hkv, d, hq = 2, 16, 4
+    if paged:
+        cache = vkattn.PagedKVCache(8, 8, hkv, d, dtype="float32", device=device)
+        sid = cache.add_sequence()
+        cache.append([sid], *rand_kv(rng, cache, 11), n_new=[11])
+        call = lambda q, k, v, **kw: cache.forward([sid], q, k, v, **kw)
+        read = lambda: cache.read(sid)
+        snap = lambda: [x.copy() for x in cache.read(sid)] + [cache.length(sid)]
+        same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(a, b))
+    else:
+        cache = vkattn.KVCache(24, hkv, d, dtype="float32", device=device)
+        cache.append(*rand_kv(rng, cache, 11))
+        call, read = cache.forward, cache.read
+        snap = lambda: snapshot(cache)
+        same = None
+    for window, n_sink in ((2 ** 32 + 1, 0), (2 ** 32, 0), (2 ** 40, 2 ** 32 + 1), (3, 2 ** 32 + 1)):
+        q, (k, v) = rand_q(rng, cache, 2, 1), rand_kv(rng, cache, 1)
+        out = call(q, k, v, window=window, n_sink=n_sink)
+        assert_close(out, vkattn.reference.attention(q, *read(), window=window, n_sink=n_sink), "float32")
+    assert_close(out, vkattn.reference.attention(q, *read()), "float32")     # every key a sink
+    n = read()[0].shape[1] + 1
+    bad = [(dict(scale=SCALE_MAX * 1.001), "scale: expected at most"), (dict(scale=1e300), "scale: expected at most"),
+           (dict(alibi_slopes=np.array([1, 1, 2.0 ** 33, 1], np.float32)), "alibi_slopes: expected"),
+           (dict(mask=np.full((1, n), 2.5e38, np.float32)), "at most 2"),
+           (dict(mask=np.where(np.arange(n) % 2, np.float32(-np.inf), np.float32(3e38))[None]), "at most 2")]
+    for kw, msg in bad:
+        before = snap()
+        if paged and "mask" in kw:
+            kw = dict(mask=[kw["mask"]])
+        with pytest.raises(ValueError, match=msg):
+            call(rand_q(rng, cache, 2, 1), *rand_kv(rng, cache, 1), **kw)
+        if same is None:
+            assert_unchanged(cache, before)
+        else:
+            assert same(before, snap())
+    big = np.float32(np.finfo(np.float32).max)
+    for low in (-big, np.float32(-2.5e38), np.float32(-2.0 ** 127 * 1.01)):    # every key masked but the new one
+        q, (k, v) = rand_q(rng, cache, 2, 1), rand_kv(rng, cache, 1)
+        m = np.zeros((1, n), np.float32)
+        m[0, :-1] = -np.inf
+        m[0, -1] = low                                 # the only visible key: masked too
+        out = call(q, k, v, mask=[m] if paged else m)
+        ref = vkattn.reference.attention(q, *read(), mask=m)
+        assert not ref.any() and not out.any()        # a row that sees no key gives zeros
+        n += 1
+    m = np.zeros((1, n), np.float32)                   # just above the limit: a key like any other
+    m[0, 1:] = -np.inf
+    m[0, 0] = np.float32(-2.0 ** 127)
+    q, (k, v) = rand_q(rng, cache, 2, 1), rand_kv(rng, cache, 1)
+    out = call(q, k, v, mask=[m] if paged else m)
+    assert_close(out, np.repeat(read()[1][:, :1], 2, axis=0), "float32")     # v of key 0, each head
+    cache.close()

@@ -51,8 +51,9 @@ class RoPE:
     def __post_init__(self):
         if self.style not in ("neox", "gptj"):
             raise ValueError(f"RoPE style: expected 'neox' or 'gptj', got {self.style!r}")
-        if isinstance(self.base, bool) or not isinstance(self.base, numbers.Real) or not np.isfinite(self.base) \
-                or self.base <= 1:
+        if isinstance(self.base, bool) or not isinstance(self.base, numbers.Real):
+            raise TypeError(f"RoPE base: expected a number, got {type(self.base).__name__}")
+        if not np.isfinite(self.base) or self.base <= 1:
             raise ValueError(f"RoPE base: expected a finite number > 1, got {self.base!r}")
         if self.rotary_dim is not None:
             check_int("rotary_dim", self.rotary_dim, 8)
@@ -125,10 +126,19 @@ def _kept_variant(window, n_sink: int, softcap) -> Variant:
     return _check_variant(0, window, n_sink, softcap, None)
 
 
+MASK_LIMIT = reference.MASK_LIMIT
+
+# a window or sink count at or past a sequence's keys means the same as that count (every key
+# in the window, every key a sink); the kernels hold them as 32-bit words: larger ones are held as this
+RULE_MAX = 2 ** 31 - 1
+# |ALiBi slope| at most this: slope * distance (< 2**31 keys) * log2(e) stays a float32
+ALIBI_MAX = 2.0 ** 32
+
+
 def _check_variant(num_qo_heads: int, window, n_sink, softcap, alibi_slopes) -> Variant:
     if window is not None:
-        window = check_int("window", window, 1)
-    n_sink = check_int("n_sink", n_sink, 0)
+        window = min(check_int("window", window, 1), RULE_MAX)
+    n_sink = min(check_int("n_sink", n_sink, 0), RULE_MAX)
     if n_sink and window is None:
         raise ValueError(f"n_sink: attention sinks need a window; got n_sink={n_sink} with window=None")
     if softcap is not None:
@@ -148,12 +158,16 @@ def _check_variant(num_qo_heads: int, window, n_sink, softcap, alibi_slopes) -> 
         alibi = np.asarray(alibi_slopes, np.float32)
         if not np.isfinite(alibi).all():
             raise ValueError("alibi_slopes: contains NaN or Inf")
+        if np.abs(alibi).max() > ALIBI_MAX:
+            raise ValueError(f"alibi_slopes: expected |slope| <= 2**32 (slope x distance x log2(e) must stay a "
+                             f"float32), got {float(np.abs(alibi).max()):g}")
     return Variant(window, n_sink, softcap, alibi)
 
 
 def check_mask(mask, num_qo_heads: int, s: int, total: int, device, name: str = "mask"):
-    """An additive mask (s, total) or (num_qo_heads, s, total): numpy (finite or -inf entries;
-    returned as contiguous float32) or a vkattn.DeviceArray on ``device`` of shape (s, C) or
+    """An additive mask (s, total) or (num_qo_heads, s, total): numpy (-inf or finite entries at
+    most MASK_LIMIT = 2**127 -- entries below -MASK_LIMIT count as -inf, as in
+    vkattn.reference.attention; returned as contiguous float32) or a vkattn.DeviceArray on ``device`` of shape (s, C) or
     (num_qo_heads, s, C) with C >= total -- its first ``total`` columns are the mask, so one array
     as wide as a cache's capacity serves every step of a replayed graph -- returned as it is (its
     values are not read: shaders/mask_copy.comp copies them on the device)."""
@@ -177,6 +191,9 @@ def check_mask(mask, num_qo_heads: int, s: int, total: int, device, name: str = 
     mask = as_f32(mask)
     if np.isnan(mask).any() or (mask == np.inf).any():
         raise ValueError(f"{name}: entries must be finite or -inf (NaN or +inf found)")
+    if mask.size and mask.max() > MASK_LIMIT:
+        raise ValueError(f"{name}: finite entries must be at most 2**127 = {MASK_LIMIT:.4g} (the kernels scale "
+                         f"them by log2(e)); got {float(mask.max()):g}")
     return mask
 
 
@@ -188,7 +205,7 @@ def fast_mask(mask, num_qo_heads: int, s: int, total: int):
                                                                    and mask.shape != (num_qo_heads, s, total)):
         return None
     mask = as_f32(mask)
-    return mask if mask.max() < np.inf else None
+    return mask if mask.max() <= MASK_LIMIT else None
 
 
 def as_f32(x: np.ndarray) -> np.ndarray:

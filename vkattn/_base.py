@@ -10,7 +10,7 @@ import numpy as np
 from . import reference
 from .array import DeviceArray, check_device_array
 from ._attn import Pipeline, RoPE, destroy, grid_groups, host_mask, put_rows, set_storage, token_bytes, unpack_rows
-from .checks import check_array, check_bool, check_int, check_scale, plainly_finite
+from .checks import SCALE_MAX, check_array, check_bool, check_int, check_scale, plainly_finite
 from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, DeviceLimitError, VerificationError
@@ -61,14 +61,15 @@ class CacheBase:
         if device is not None and not isinstance(device, Device):
             raise TypeError(f"device: expected a vkattn.Device or None, got {type(device).__name__}")
         self.device = device or default_device()
-        self.verify = (os.environ.get("VKATTN_VERIFY", "0") not in ("", "0")) if verify is None else bool(verify)
+        self.verify = (os.environ.get("VKATTN_VERIFY", "0") not in ("", "0")) if verify is None \
+            else check_bool("verify", verify)
         if rope is not None and not isinstance(rope, RoPE):
             raise TypeError(f"rope: expected a vkattn.RoPE or None, got {type(rope).__name__}")
         self.rope = rope
         self._rope_dim = rope.dim(self.head_dim) if rope else 0
         set_storage(self)
         self._scales = None
-        self.timestamps = bool(timestamps) and self.device.info.timestamp_compute_and_graphics
+        self.timestamps = check_bool("timestamps", timestamps) and self.device.info.timestamp_compute_and_graphics
         self._plans: OrderedDict = OrderedDict()
         self._last_rec = None
         # the device's lock: plans of all caches on a device share scratch buffers (Backend.shared_buffer)
@@ -244,12 +245,21 @@ class CacheBase:
             return None
         if scale is None:
             scale = self._scale
-        elif not 0.0 < scale < float("inf"):
+        elif not 0.0 < scale <= SCALE_MAX:
             return None
         if out is None and not (plainly_finite(q) and (k is None or (plainly_finite(k, self._f16)
                                                               and plainly_finite(v, self._f16)))):
             return None
         return scale
+
+    def _check_not_capturing(self, what: str) -> None:
+        """ValueError for a call that runs at once and that a graph does not record, made while
+        a graph captures this device's calls (vkattn.graph): it would run before the calls
+        captured ahead of it."""
+        if self.device._graph is not None:
+            raise ValueError(f"{what}: a graph is capturing this device's calls, and {what} runs at once (it is "
+                             f"not recorded): call it before or after `with graph.capture():` (a captured forward "
+                             f"appends its rows when the graph is submitted)")
 
     def _check_graph_call(self, q, k, v, call) -> None:
         """vkattn.graph's rules for a captured call (ValueError naming the first broken one)."""

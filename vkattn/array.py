@@ -44,6 +44,8 @@ class DeviceArray:
     device's lock)."""
 
     def __init__(self, shape, device: Device | None = None):
+        if not isinstance(shape, numbers.Integral) and (isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__")):
+            raise TypeError(f"shape: expected an int or a tuple of ints, got {type(shape).__name__}")
         shape = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
         if not shape or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1 for n in shape):
             raise ValueError(f"shape: expected a tuple of ints >= 1, got {shape!r}")
@@ -138,6 +140,7 @@ class DeviceArray:
             return
         if be is not None:
             with be.lock:
+                be.wait_pending()           # a submitted graph may still read or write this memory
                 for rec in (self._up, self._down):
                     if rec is not None:
                         rec.destroy()
@@ -194,7 +197,9 @@ def check_device_array(name: str, x: DeviceArray, shape: tuple, device: Device, 
         raise TypeError(f"{name}: expected a vkattn.DeviceArray, got {type(x).__name__}")
     x._check_open()
     if x.device is not device:
-        raise ValueError(f"{name}: this DeviceArray lives on {x.device.name!r}, the cache on {device.name!r}")
+        raise ValueError(f"{name}: this DeviceArray lives on {x.device!r}, the cache on {device!r}"
+                         + (" (another vkattn.Device of the same GPU: arrays and caches need the same Device object)"
+                            if x.device.index == device.index else ""))
     check_shape(name, x.shape, shape)
     if width_rule and x.shape[-1] % width_rule:
         raise ValueError(f"{name}: a device array's last dimension must be a multiple of {width_rule} for this "

@@ -64,6 +64,7 @@ class KVCache(CacheBase):
         """
         with self._lock:
             self._check_open()
+            self._check_not_capturing("append")
             k, v = self._check_kv(k, v)
             n = k.shape[1]
             self._check_fits(n)
@@ -146,7 +147,8 @@ class KVCache(CacheBase):
             hq = self._check_qo_heads(num_qo_heads)
             s = check_int("s", s, 1, self.capacity)
             n_new = check_int("n_new", n_new, 0, self.capacity)
-            flags = self.rope.flags(self._check_rope_q(rope_q)) if self.rope else 0
+            rope_q = self._check_rope_q(rope_q)           # bool, and no rope_q without a rope
+            flags = self.rope.flags(rope_q) if self.rope else 0
             total = min(self._length + n_new, self.capacity)
             for p in self._forward_plans(hq, s, n_new, flags, AttnPlan.aux_need(1, row_bucket(s), hq, 0, 0), total):
                 if p is not None:

@@ -84,6 +84,10 @@ def check_bool(name: str, value) -> bool:
     return bool(value)
 
 
+# the largest scale the kernels take: they multiply scores by scale * log2(e), a float32
+SCALE_MAX = float(np.finfo(np.float32).max) / 1.4426950408889634
+
+
 def check_scale(scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / float(np.sqrt(head_dim))
@@ -92,6 +96,9 @@ def check_scale(scale, head_dim: int) -> float:
     scale = float(scale)
     if not np.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale: expected a finite float > 0, got {scale}")
+    if scale > SCALE_MAX:
+        raise ValueError(f"scale: expected at most {SCALE_MAX:.6g} (the kernels multiply scores by scale * "
+                         f"log2(e), a float32), got {scale:g}")
     return scale
 
 

@@ -78,10 +78,12 @@ def algorithm(arrays, spirv: bytes, groups, spec=(), push=(), texel_words: dict 
 
 
 class _CallerProgram:
-    """A caller's kp.Algorithm as vkattn._kp.Recording.dispatch takes it."""
+    """A caller's kp.Algorithm as vkattn._kp.Recording.dispatch takes it; ``arrays``: the
+    DeviceArrays it reads and writes (each submission checks they are still open)."""
 
     def __init__(self, algorithm, reads, writes, name):
         self._algo = algorithm
+        self.arrays = list(reads) + list(writes)
         self.reads = {a.buffer for a in reads}
         self.writes = {a.buffer for a in writes}
         self.reads -= self.writes
@@ -126,7 +128,7 @@ class Graph:
         self.device = device or default_device()
         # a timestamp query around every recorded command (last_timings), where the device has them
         self.timestamps = timestamps and self.device.info.timestamp_compute_and_graphics
-        self._items = []            # ("cache", step) | ("dispatch", program) | ("upload"/"download", buffer)
+        self._items = []            # ("cache", step) | ("dispatch", program) | ("upload"/"download", DeviceArray)
         self._caches = set()
         self._rec = None
         self._progs = None
@@ -168,29 +170,48 @@ class Graph:
         tensors), dispatched at this point of the graph; ``reads`` / ``writes``: the DeviceArrays
         it reads and writes (the barriers follow from them)."""
         self._check_capture()
-        arrays = list(reads) + list(writes)
-        for a in arrays:
-            if not isinstance(a, DeviceArray) or a.device is not self.device:
-                raise ValueError(f"dispatch: reads and writes must be DeviceArrays on {self.device.name!r}")
+        reads, writes = list(reads), list(writes)
+        self._check_arrays("dispatch", "reads and writes", reads + writes)
         self._items.append(("dispatch", _CallerProgram(algorithm, reads, writes, name)))
 
     def upload(self, *arrays: DeviceArray) -> None:
         """Copy each array's host staging copy (DeviceArray.host_view) to the device at this
         point of the graph, as it is when the graph is submitted."""
         self._check_capture()
-        for a in arrays:
-            self._items.append(("upload", a.buffer))
+        self._check_arrays("upload", "arrays", arrays)
+        self._items.extend(("upload", a) for a in arrays)
 
     def download(self, *arrays: DeviceArray) -> None:
         """Copy each array to its host staging copy at this point (read it with host_view()
         after the wait)."""
         self._check_capture()
-        for a in arrays:
-            self._items.append(("download", a.buffer))
+        self._check_arrays("download", "arrays", arrays)
+        self._items.extend(("download", a) for a in arrays)
 
     def _check_capture(self) -> None:
         if not self._capturing:
             raise ValueError("record into a graph inside `with graph.capture():`")
+
+    def _check_arrays(self, what: str, which: str, arrays) -> None:
+        """Every one of ``arrays`` a DeviceArray on this graph's device (ValueError) and open
+        (CacheClosedError), checked before anything is recorded."""
+        for a in arrays:
+            if not isinstance(a, DeviceArray):
+                raise ValueError(f"{what}: {which} must be DeviceArrays on {self.device.name!r}, "
+                                 f"got {type(a).__name__}")
+            if a.device is not self.device:
+                raise ValueError(f"{what}: {which} must be DeviceArrays on this graph's device {self.device!r}, "
+                                 f"got one on {a.device!r}" + (" (another vkattn.Device object of the same device)"
+                                                               if a.device.index == self.device.index else ""))
+            a._check_open()
+
+    def _caller_arrays(self):
+        """The DeviceArrays the caller's own items (dispatches, uploads, downloads) use."""
+        for kind, item in self._items:
+            if kind == "dispatch":
+                yield from item.arrays
+            elif kind != "cache":
+                yield item
 
     # ------------------------------------------------------------------ submit
     def submit(self) -> Handle:
@@ -200,6 +221,8 @@ class Graph:
         with be.lock:
             if self.device.closed:
                 raise CacheClosedError(f"the device {self.device.name!r} is closed")
+            for a in self._caller_arrays():     # a closed array's memory is gone: nothing submitted
+                a._check_open()
             if self._handle is not None:
                 self._handle.wait()
             if be.pending is not None:
@@ -226,9 +249,9 @@ class Graph:
                     elif kind == "dispatch":
                         rec.dispatch(w, barriers=True)
                     elif kind == "upload":
-                        rec.upload_after(w)
+                        rec.upload_after(w.buffer)
                     else:
-                        rec.download(w)
+                        rec.download(w.buffer)
                 self._rec, self._progs = rec.build(self.timestamps), progs
                 self.recordings += 1
             self._rec.submit()

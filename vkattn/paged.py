@@ -210,6 +210,7 @@ class PagedKVCache(CacheBase):
         sequence changes."""
         with self._lock:
             self._check_open()
+            self._check_not_capturing("append")
             plan, k, v = self._check_new(seq_ids, n_new, k, v, token_ids)
             plan.evict_cached()
             self._append_plan(sum(plan.n_new)).run(k, v, *_new_rows(plan, self.block_size))
@@ -583,6 +584,8 @@ class PagedKVCache(CacheBase):
     def _plan_new(self, seq_ids, n_new, token_ids=None):
         """The pool's AppendPlan for ``n_new`` tokens (default 1) to each of ``seq_ids``: ids,
         counts >= 1, token ids and room checked; nothing changes."""
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+            raise TypeError(f"seq_ids: expected a list of sequence ids, got {type(seq_ids).__name__}")
         seq_ids = list(seq_ids) if not isinstance(seq_ids, np.ndarray) else seq_ids.tolist()
         if not seq_ids:
             raise ValueError("seq_ids: expected at least one sequence id, got none")

@@ -9,6 +9,10 @@ import numpy as np
 # Logits elements (float32) one block of ``attention`` holds at a time: long caches with many query
 # rows are processed in row blocks, so temporaries stay at a few hundred MiB (L = 70000, s = 512).
 _BLOCK = 1 << 25
+# a mask entry below -MASK_LIMIT counts as -inf (masks built from float32's lowest value, as
+# transformers builds them, mask their keys); the caches refuse numpy masks with entries above it
+# (the kernels scale entries by log2(e), which must stay a float32)
+MASK_LIMIT = 2.0 ** 127
 
 
 def attention(q, k, v, causal: bool = True, scale: float | None = None, *, window: int | None = None,
@@ -21,7 +25,8 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, *, windo
     Query row r sits at position p = L - s + r, key j at position j.
     Logits: ``scale`` * q.k (``scale`` defaults to 1/sqrt(head_dim)); then with ``softcap`` (> 0)
     softcap * tanh(logits / softcap); then with ``alibi_slopes`` ((num_qo_heads,)) + slope[head] * (j - p);
-    then with ``mask`` ((s, L), shared by all heads, or (num_qo_heads, s, L); may hold -inf) + mask.
+    then with ``mask`` ((s, L), shared by all heads, or (num_qo_heads, s, L); may hold -inf; entries
+    below -MASK_LIMIT = -2**127 count as -inf) + mask.
     Key j is visible to row r iff (not ``causal`` or j <= p) and (``window`` is None or p - j < window
     or j < ``n_sink``). Softmax runs over visible keys; a row that sees no key (or only -inf logits)
     gives zeros. Returns (num_qo_heads, s, v_head_dim) float32, or with ``return_lse`` (out, lse) where
@@ -55,6 +60,8 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, *, windo
         if mask.shape not in ((s, n), (hq, s, n)):
             raise ValueError(f"mask shape {mask.shape} is neither (s, L) = {(s, n)} nor "
                              f"(num_qo_heads, s, L) = {(hq, s, n)}")
+        if mask.size and mask.min() < -MASK_LIMIT:
+            mask = np.where(mask < -MASK_LIMIT, np.float32(-np.inf), mask)
 
     # With a window, keys in [n_sink, lo) are out of every row's reach: drop them up front.
     pos = np.arange(n)

@@ -234,3 +234,34 @@ def test_paged_batch_fork_read(device, rng, kernel, dtype):
             k_sid, v_sid = cache.read(sid)
             assert np.array_equal(k_sid, model[sid][0]) and np.array_equal(v_sid, model[sid][1])
     assert np.array_equal(cache.read(child)[0][:, :cache.length(sids[1])], cache.read(sids[1])[0])
+
+
+@pytest.mark.parametrize("kernel", ["lane", "tile"])
+def test_scratch_buffers_within_the_devices_buffer_limit(device, rng, monkeypatch, kernel):
+    """A plan's scratch buffers stay within the device's per-buffer limit (Device.max_buffer_bytes,
+    made small here: on a GPU, 512 sequences of 64 heads d128 over 256 splits need 4 GiB of
+    partials, one byte past 2**32 - 1): the partials by fewer key splits -- the result still the
+    reference's -- and a call whose q or out cannot fit is a DeviceLimitError with nothing written."""
+    monkeypatch.setenv("VKATTN_KERNEL", kernel)
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "8")
+    free, cache = (vkattn.KVCache(700, 2, 32, dtype="float16", device=device) for _ in range(2))
+    mirror = Mirror(cache)
+    k, v = (rng.standard_normal((2, 600, 32)).astype(np.float32) for _ in range(2))
+    for c in (free, cache, mirror):
+        c.append(k, v)
+    q = rng.standard_normal((4, 1, 32)).astype(np.float32)
+    want = free.attend(q)
+    assert [p.cfg.splits for p in free._plans.values() if hasattr(p, "cfg")] == [8]
+    per_split = 4 * 1 * 32 * 4                          # heads x rows x dv floats
+    monkeypatch.setattr(type(device), "max_buffer_bytes", property(lambda self: 3 * per_split + 100))
+    out = cache.attend(q)                               # a plan made under the limit
+    assert [p.cfg.splits for p in cache._plans.values() if hasattr(p, "cfg")] == [3]
+    assert_close(out, attention(q, mirror.k, mirror.v), "float16")
+    assert_close(out, want, "float16")
+    monkeypatch.setattr(type(device), "max_buffer_bytes", property(lambda self: 4 * 32 * 4 * 20))
+    with pytest.raises(vkattn.DeviceLimitError, match="pass fewer rows per call"):
+        cache.forward(rng.standard_normal((4, 21, 32)).astype(np.float32), *(rng.standard_normal((2, 21, 32))
+                                                                            .astype(np.float32) for _ in range(2)))
+    assert cache.length == 600
+    cache.close()
+    free.close()

@@ -347,9 +347,26 @@ class AttnPlan:
         aux_words = -(-aux_words // 4) * 4         # whole texels: a texel view of it reaches every word
         cfg, pipe = attn_pipeline(c.device, c, hq, rows, nn, nseq, flags, key_bound, decode, rope_dim, splits,
                                   aux_words)
-        self.cfg = cfg
         pv4 = c._dv4 * c._ch * 4
         nrows = hq * rows
+        # every scratch buffer within the device's per-buffer limit: the split-K partials (splits x
+        # rows x heads x dv floats: 512 sequences of 64 heads d128 over 256 splits are 4 GiB, one
+        # byte past a GPU's 2**32 - 1) by fewer splits, q and out by refusing the call's size
+        limit = c.device.max_buffer_bytes
+        for name, nbytes in (("q", nrows * c._dk4 * c._ch * 16), ("out", nrows * c.v_head_dim * 4)):
+            if nbytes > limit:
+                raise DeviceLimitError(f"{name}: {rows} query rows of {hq} heads need a {nbytes}-byte buffer; "
+                                       f"{c.device.name} allows {limit} bytes per buffer: pass fewer rows per call "
+                                       f"(a prefill in chunks, a smaller batch)")
+        per_split = nrows * pv4 * 4
+        if cfg.splits > 1 and cfg.splits * per_split > limit:
+            cfg, pipe = attn_pipeline(c.device, c, hq, rows, nn, nseq, flags, key_bound, decode, rope_dim,
+                                      max(1, limit // per_split), aux_words)
+            if cfg.splits > 1 and cfg.splits * per_split > limit:
+                raise DeviceLimitError(f"partials: {cfg.splits} key splits of {rows} query rows of {hq} heads need "
+                                       f"{cfg.splits * per_split} bytes; {c.device.name} allows {limit} per buffer: "
+                                       f"pass fewer rows per call")
+        self.cfg = cfg
         # scratch shared with every plan of the same sizes on this device (all layers of a model):
         # each call fills, dispatches and copies out under the device's lock (Backend.shared_buffer)
         def buf(size, dtype, host_visible=True, name=""):

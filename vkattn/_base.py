@@ -81,7 +81,7 @@ class CacheBase:
         with DeviceLimitError naming the largest ``name`` that fits (in steps of ``unit``
         positions) if one buffer would pass the device's limit."""
         dev = self.device
-        limit = min(dev.max_storage_buffer_range, dev.max_memory_allocation_size or dev.max_storage_buffer_range)
+        limit = dev.max_buffer_bytes
         unit_bytes = unit * self.num_kv_heads * 16 * max(self._rk4, self._rv4)
         need = unit_bytes * (positions // unit)
         if need > limit:

@@ -41,6 +41,12 @@ class _Limits:
         return self.info.max_memory_allocation_size
 
     @property
+    def max_buffer_bytes(self) -> int:
+        """The largest buffer vkattn binds whole: maxStorageBufferRange, or the allocation limit
+        (maintenance3) where that is lower."""
+        return min(self.max_storage_buffer_range, self.max_memory_allocation_size or self.max_storage_buffer_range)
+
+    @property
     def max_shared_memory(self) -> int:
         return self.info.max_compute_shared_memory_size
 

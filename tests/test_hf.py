@@ -406,3 +406,15 @@ def test_generate_demo_local_model_directory(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "LlamaForCausalLM" in out and "prompt 5 tokens" in out and "tokens   : match (5/5)" in out
     assert "text     : 'w" in out
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_generate_demo_model_directory_without_a_tokenizer(tmp_path, capsys, family):
+    """--model DIR holding weights and no tokenizer files: --prompt-len random ids, as the help
+    says (transformers 5 builds an empty tokenizer from a GPT-2 config instead of raising: the
+    prompt came out 0 ids long and generate() failed)."""
+    from vkattn.__main__ import main
+    model_for(family).save_pretrained(tmp_path)
+    assert main(["generate", "--model", str(tmp_path), "--prompt-len", "7", "--tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt 7 tokens" in out and "tokens   : match (3/3)" in out

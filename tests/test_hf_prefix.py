@@ -191,3 +191,27 @@ def test_a_loaded_chat_is_reused(tmp_path):
     assert_same(generate(model, "vkattn", turn2, cache=other, max_new_tokens=5),
                 generate(model, "eager", turn2, max_new_tokens=5))
     other.close()
+
+
+def test_record_tokens_refuses_rows_beam_search_moved():
+    """Beam search reorders the cache's rows every step (each row ends holding one beam's past, as
+    transformers' own caches do) and returns its beams in another order: recording
+    out.sequences would register another beam's K/V under their ids, and a later turn reuse it
+    (a review found the next turn's scores off by 1.47). record_tokens refuses with nothing
+    recorded; after match_prefix of the next request, greedy rows record again."""
+    model = model_for("llama")
+    beams = 3
+    cache = VkattnCache(model.config, 80, batch_size=beams, dtype="float32", prefix_cache=True)
+    turn = ids_of(3, 20)
+    cache.match_prefix(turn)
+    out = generate(model, "vkattn", turn, cache=cache, max_new_tokens=12, num_beams=beams,
+                   num_return_sequences=beams)
+    known = [layer._store.pool.token_ids(sid) for layer in cache.layers for sid in layer._store.ids]
+    with pytest.raises(ValueError, match="reordered, selected or repeated the cache's rows"):
+        cache.record_tokens(out.sequences)
+    assert [layer._store.pool.token_ids(sid) for layer in cache.layers for sid in layer._store.ids] == known
+    assert cache.match_prefix(turn) == 0                       # nothing learnt
+    out = generate(model, "vkattn", turn, cache=cache, max_new_tokens=14)
+    cache.record_tokens(out.sequences)                         # greedy, one row: 33 positions recorded
+    assert cache.match_prefix(torch.cat([out.sequences[:, :32], ids_of(4, 3)], dim=1)) == 32
+    cache.close()

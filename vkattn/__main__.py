@@ -172,6 +172,23 @@ def paged_demo(dev, hq, hkv, d, dtype, rng) -> bool:
     return ok_all
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
+
+
+def _tokenizer_of(transformers, model_dir):
+    """The tokenizer saved with a model directory, or None where it holds no tokenizer files:
+    transformers 5's AutoTokenizer then builds an empty one from the model type (GPT-2: a
+    vocabulary of 1) instead of raising, which tokenized the prompt to nothing."""
+    import os
+    if not any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+        return None
+    try:
+        return transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
 def generate(argv) -> int:
     """The generate demo; returns 0 when vkattn's tokens equal eager attention's."""
     p = argparse.ArgumentParser(prog="python -m vkattn generate", description=(
@@ -202,10 +219,7 @@ def generate(argv) -> int:
     if args.model:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True,
                                                                  dtype=torch.float32)
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-        except (OSError, ValueError):
-            tokenizer = None
+        tokenizer = _tokenizer_of(transformers, args.model)
         what = f"{args.model} ({type(model).__name__})"
     else:
         cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=704,
@@ -216,9 +230,11 @@ def generate(argv) -> int:
     model.eval()
     model.generation_config.eos_token_id = None           # always --tokens new tokens
     model.generation_config.pad_token_id = 0
+    ids = None
     if tokenizer is not None:
         ids = tokenizer([args.prompt] * args.batch, return_tensors="pt").input_ids
-    else:
+    if ids is None or ids.shape[1] == 0:                   # no tokenizer, or one that makes nothing of it
+        tokenizer = None
         ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len))
     mask = torch.ones_like(ids)
     for i in range(1, args.batch):                         # ragged: row i loses i * len / (2 * batch) tokens

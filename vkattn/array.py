@@ -25,6 +25,7 @@ host staging copy, which they go through (one submission each). vkattn._kp says 
 """
 from __future__ import annotations
 
+import itertools
 import numbers
 
 import numpy as np
@@ -36,12 +37,16 @@ from .errors import CacheClosedError
 SLACK = 4           # floats past the last element (module docstring)
 
 
+_CLOSES = itertools.count(1)
+
 class DeviceArray:
     """A float32 array of ``shape`` on ``device`` (default: vkattn.default_device()).
 
     Create with :func:`empty`, :func:`zeros` or :func:`to_device`; read back with
     :meth:`numpy`; free with :meth:`close` (or ``with``). Thread-safe per device (the
     device's lock)."""
+
+    closes = 0      # changes at every close (a fresh number each: a graph compares it with the one it saw)
 
     def __init__(self, shape, device: Device | None = None):
         if not isinstance(shape, numbers.Integral) and (isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__")):
@@ -138,6 +143,7 @@ class DeviceArray:
         be = self.device.backend if not self.device.closed else None
         if self._buf is None:
             return
+        DeviceArray.closes = next(_CLOSES)  # a graph checks its arrays again (vkattn.graph) after any close
         if be is not None:
             with be.lock:
                 be.wait_pending()           # a submitted graph may still read or write this memory

@@ -136,6 +136,7 @@ class Graph:
         self.recordings = 0         # how often the command buffer was recorded (replays reuse it)
         self.submissions = 0
         self._capturing = False
+        self._open_at = None        # DeviceArray.closes when the caller's arrays were last seen open
 
     # ------------------------------------------------------------------ capture
     @contextlib.contextmanager
@@ -173,6 +174,7 @@ class Graph:
         reads, writes = list(reads), list(writes)
         self._check_arrays("dispatch", "reads and writes", reads + writes)
         self._items.append(("dispatch", _CallerProgram(algorithm, reads, writes, name)))
+        self._open_at = None
 
     def upload(self, *arrays: DeviceArray) -> None:
         """Copy each array's host staging copy (DeviceArray.host_view) to the device at this
@@ -180,6 +182,7 @@ class Graph:
         self._check_capture()
         self._check_arrays("upload", "arrays", arrays)
         self._items.extend(("upload", a) for a in arrays)
+        self._open_at = None
 
     def download(self, *arrays: DeviceArray) -> None:
         """Copy each array to its host staging copy at this point (read it with host_view()
@@ -187,6 +190,7 @@ class Graph:
         self._check_capture()
         self._check_arrays("download", "arrays", arrays)
         self._items.extend(("download", a) for a in arrays)
+        self._open_at = None
 
     def _check_capture(self) -> None:
         if not self._capturing:
@@ -221,8 +225,10 @@ class Graph:
         with be.lock:
             if self.device.closed:
                 raise CacheClosedError(f"the device {self.device.name!r} is closed")
-            for a in self._caller_arrays():     # a closed array's memory is gone: nothing submitted
-                a._check_open()
+            if self._open_at != DeviceArray.closes:   # a closed array's memory is gone: nothing submitted
+                for a in self._caller_arrays():     # (looked at again only after some array was closed)
+                    a._check_open()
+                self._open_at = DeviceArray.closes
             if self._handle is not None:
                 self._handle.wait()
             if be.pending is not None:

@@ -172,6 +172,10 @@ class VkattnCache(Cache):
             raise
         super().__init__(layers=layers)
         self._mask_memo = (None, 0, None)       # (2-D mask, positions, its leading pads): one scan per forward
+        # rows reordered, selected or repeated since match_prefix / reset / load (beam search,
+        # num_return_sequences): a row then holds another row's past, and record_tokens cannot
+        # say which ids its positions hold
+        self._rows_moved = False
 
     @property
     def nbytes(self) -> int:
@@ -256,6 +260,7 @@ class VkattnCache(Cache):
             self.reset()
             raise
         self._mask_memo = (None, 0, None)
+        self._rows_moved = False
         if learn:
             self.record_tokens(ids)
         return ids
@@ -295,6 +300,7 @@ class VkattnCache(Cache):
             layer._seen = kept
             layer._pad = np.zeros(len(rows), np.int64)
         self._mask_memo = (None, 0, None)
+        self._rows_moved = False
         return kept
 
     def record_tokens(self, sequences) -> None:
@@ -307,6 +313,11 @@ class VkattnCache(Cache):
         rows = self._check_ids("sequences", sequences)
         if not self.prefix_cache:
             raise ValueError("prefix_cache: record_tokens needs a cache built with VkattnCache(..., prefix_cache=True)")
+        if self._rows_moved:
+            raise ValueError("sequences: generate() reordered, selected or repeated the cache's rows (beam search, "
+                             "num_beams / num_return_sequences > 1): a row's positions hold another row's past, so "
+                             "the ids of out.sequences do not name them and nothing is recorded. The prefix cache "
+                             "learns from greedy or sampled generate() calls of one sequence per row")
         for layer in self.layers:
             layer._flush()
         seen = self.layers[0]._seen
@@ -427,10 +438,15 @@ class VkattnLayer(CacheLayerMixin):
                              f"{tuple(key_states.shape[:3])}, got {tuple(value_states.shape[:3])}")
         b, n = key_states.shape[0], key_states.shape[2]
         if b != self.batch_size:
-            if self._seen or b > o.max_batch_size:
+            if b > o.max_batch_size:
                 raise ValueError(f"batch_size: this cache holds {self.batch_size} sequences (built with batch_size="
                                  f"{o.max_batch_size}); the model runs {b}. Build it with batch_size = prompts x "
                                  f"num_beams (or num_return_sequences)")
+            if self._seen:
+                raise ValueError(f"batch_size: this cache holds {self.batch_size} sequences of {self._seen} positions "
+                                 f"and the model runs {b}: a cache that holds positions (a prefix match_prefix "
+                                 f"kept, an earlier generate()) takes only its own rows -- match_prefix with the "
+                                 f"rows generate() runs, or reset() first")
         if self._seen + n > self.max_cache_len:
             raise CacheFullError(f"VkattnCache: {self._seen} positions + {n} new = {self._seen + n} > max_cache_len="
                                  f"{self.max_cache_len}; nothing was written. Build the cache with max_cache_len >= "
@@ -473,6 +489,7 @@ class VkattnLayer(CacheLayerMixin):
         self._select(np.repeat(np.arange(self.batch_size), check_int("repeats", repeats, 1)))
 
     def reset(self) -> None:
+        self._owner._rows_moved = False
         self._staged = None
         self._seen = 0
         self._store.reset(self._owner.max_batch_size)
@@ -584,6 +601,7 @@ class VkattnLayer(CacheLayerMixin):
             return
         self._store.select(rows.tolist())
         self._pad = self._pad[rows]
+        self._owner._rows_moved = True
 
 
 def vkattn_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,

@@ -180,7 +180,6 @@ def _tokenizer_of(transformers, model_dir):
     """The tokenizer saved with a model directory, or None where it holds no tokenizer files:
     transformers 5's AutoTokenizer then builds an empty one from the model type (GPT-2: a
     vocabulary of 1) instead of raising, which tokenized the prompt to nothing."""
-    import os
     if not any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
         return None
     try:

@@ -39,6 +39,7 @@ SLACK = 4           # floats past the last element (module docstring)
 
 _CLOSES = itertools.count(1)
 
+
 class DeviceArray:
     """A float32 array of ``shape`` on ``device`` (default: vkattn.default_device()).
 
@@ -143,15 +144,18 @@ class DeviceArray:
         be = self.device.backend if not self.device.closed else None
         if self._buf is None:
             return
-        DeviceArray.closes = next(_CLOSES)  # a graph checks its arrays again (vkattn.graph) after any close
-        if be is not None:
-            with be.lock:
-                be.wait_pending()           # a submitted graph may still read or write this memory
-                for rec in (self._up, self._down):
-                    if rec is not None:
-                        rec.destroy()
-                self._buf.destroy()
-        self._buf = self._up = self._down = None
+        if be is None:
+            self._buf = self._up = self._down = None
+            DeviceArray.closes = next(_CLOSES)
+            return
+        with be.lock:                       # (a graph checks and submits under it too)
+            be.wait_pending()               # a submitted graph may still read or write this memory
+            for rec in (self._up, self._down):
+                if rec is not None:
+                    rec.destroy()
+            self._buf.destroy()
+            self._buf = self._up = self._down = None
+            DeviceArray.closes = next(_CLOSES)  # a graph looks at its arrays again (vkattn.graph)
 
     def __enter__(self):
         return self

@@ -90,20 +90,24 @@ class CacheBase:
                 f"per buffer, so the largest {name} for this shape is {limit // unit_bytes}")
         be = dev.backend
         rows = self.num_kv_heads * positions
-        self._k = be.buffer(rows * 4 * self._rk4, np.uint32, host_visible=False, name="k_cache")
-        self._v = be.buffer(rows * 4 * self._rv4, np.uint32, host_visible=False, name="v_cache")
-        if self._fp8:                    # fp8: one float32 scale per kv head for K and for V, fixed
-            self._ks = be.buffer(self.num_kv_heads, np.float32, name="k_scale")
-            self._vs = be.buffer(self.num_kv_heads, np.float32, name="v_scale")
-            self._ks.view()[:] = self._scales[0]
-            self._vs.view()[:] = self._scales[1]
-            rec = be.recording().upload(self._ks, self._vs).build()
-            rec.run()
-            rec.destroy()
-            return
-        n = rows if self._i8 else 1      # int8: one float32 scale per K row and per V row
-        self._ks = be.buffer(n, np.float32, host_visible=False, name="k_scale")
-        self._vs = be.buffer(n, np.float32, host_visible=False, name="v_scale")
+        # under the device's lock, as every call: kp's manager is not for two threads at once, and
+        # fp8's upload waits for a graph another thread has in flight (without the lock both
+        # threads waited on one fence, and one forever)
+        with be.lock:
+            self._k = be.buffer(rows * 4 * self._rk4, np.uint32, host_visible=False, name="k_cache")
+            self._v = be.buffer(rows * 4 * self._rv4, np.uint32, host_visible=False, name="v_cache")
+            if self._fp8:                # fp8: one float32 scale per kv head for K and for V, fixed
+                self._ks = be.buffer(self.num_kv_heads, np.float32, name="k_scale")
+                self._vs = be.buffer(self.num_kv_heads, np.float32, name="v_scale")
+                self._ks.view()[:] = self._scales[0]
+                self._vs.view()[:] = self._scales[1]
+                rec = be.recording().upload(self._ks, self._vs).build()
+                rec.run()
+                rec.destroy()
+                return
+            n = rows if self._i8 else 1  # int8: one float32 scale per K row and per V row
+            self._ks = be.buffer(n, np.float32, host_visible=False, name="k_scale")
+            self._vs = be.buffer(n, np.float32, host_visible=False, name="v_scale")
 
     def _set_scales(self, k_scale, v_scale) -> None:
         """The fp8 scales (``_scales``: K's and V's, (num_kv_heads,) float32 each), checked before
@@ -151,6 +155,8 @@ class CacheBase:
         with self._lock:
             if self._closed:
                 return
+            if not self.device.closed:
+                self.device.backend.wait_pending()  # a graph in flight may hold this cache's calls
             for plan in self._plans.values():
                 plan.destroy()
             self._plans.clear()
@@ -256,7 +262,7 @@ class CacheBase:
         """ValueError for a call that runs at once and that a graph does not record, made while
         a graph captures this device's calls (vkattn.graph): it would run before the calls
         captured ahead of it."""
-        if self.device._graph is not None:
+        if self.device.capturing_graph() is not None:
             raise ValueError(f"{what}: a graph is capturing this device's calls, and {what} runs at once (it is "
                              f"not recorded): call it before or after `with graph.capture():` (a captured forward "
                              f"appends its rows when the graph is submitted)")

@@ -76,10 +76,12 @@ class DeviceArray:
         return self._buf._t
 
     @property
-    def manager(self):
-        """The device's kp.Manager: build algorithms on it to read or write :attr:`tensor`."""
+    def manager(self) -> "CallerManager":
+        """The device's kp.Manager, as :class:`CallerManager` hands it out (each of its calls
+        under the device's lock): build algorithms on it to read or write :attr:`tensor`."""
         self._check_open()
-        return self.device.backend._mgr
+        be = self.device.backend
+        return CallerManager(be._mgr, be.lock)
 
     @property
     def buffer(self):
@@ -149,6 +151,8 @@ class DeviceArray:
             DeviceArray.closes = next(_CLOSES)
             return
         with be.lock:                       # (a graph checks and submits under it too)
+            if self._buf is None:           # another thread closed it meanwhile
+                return
             be.wait_pending()               # a submitted graph may still read or write this memory
             for rec in (self._up, self._down):
                 if rec is not None:
@@ -172,6 +176,34 @@ class DeviceArray:
     def __repr__(self) -> str:
         state = "closed" if self._buf is None else self.device.name
         return f"DeviceArray(shape={self.shape}, dtype=float32, device={state!r})"
+
+
+class CallerManager:
+    """The device's kp.Manager as a caller's code gets it (:attr:`DeviceArray.manager`): every
+    attribute kp's (``kp``: the manager itself), each method call made under the device's lock.
+    vkattn sets per-pipeline options on the manager while it builds its own algorithms (texel
+    formats, a required subgroup size: vkattn._kp.Backend.algorithm), and an algorithm another
+    thread built in that window took them (a review built a caller's kernel as texel buffers
+    there: all zeros); and kp's manager is not for two threads at once. A sequence it makes
+    submits to the device's one queue: evaluate it under ``device.backend.lock`` too (or record the
+    dispatch into a vkattn.Graph, which takes the lock)."""
+
+    __slots__ = ("kp", "_lock")
+
+    def __init__(self, mgr, lock):
+        self.kp, self._lock = mgr, lock
+
+    def __getattr__(self, name):
+        attr = getattr(self.kp, name)
+        if not callable(attr):
+            return attr
+        lock = self._lock
+
+        def locked(*args, **kwargs):
+            with lock:
+                return attr(*args, **kwargs)
+        locked.__name__ = name
+        return locked
 
 
 def buffers(*arrays) -> list:

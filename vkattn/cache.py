@@ -437,7 +437,7 @@ class KVCache(CacheBase):
     def _run(self, q, k, v, call):
         """Plan (cached) and run one attend/forward; the length grows only after it succeeded.
         Inside a graph's capture (vkattn.graph) the call is recorded there instead."""
-        graph = self.device._graph
+        graph = self.device.capturing_graph()
         if graph is not None:
             return self._capture(graph, q, k, v, call)
         s, n = q.shape[1], 0 if k is None else k.shape[1]

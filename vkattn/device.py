@@ -240,7 +240,15 @@ class Device(_Limits):
 
     _coopmat_test_result = None     # the self-test's verdict: None before it ran, "" passed (or running)
     _coopmat_speed = None           # the speed probe's figures: None before it ran
-    _graph = None                   # the vkattn.Graph capturing this device's cache calls, if any
+    _graph = None                   # the vkattn.Graph capturing this device's cache calls, if any,
+    _graph_thread = None            # .. in this thread (threading.get_ident): other threads' calls run
+
+    def capturing_graph(self):
+        """The vkattn.Graph capturing the calling thread's cache calls on this device, or None:
+        a capture records the calls of the thread inside ``with graph.capture():`` only, and the
+        calls other threads make meanwhile run as they would without it."""
+        g = self._graph
+        return g if g is not None and self._graph_thread == threading.get_ident() else None
     _fresh = False                  # measure afresh, not from the disk cache (vkattn.measure.remeasure)
 
     def _measure(self, name: str):

@@ -41,6 +41,7 @@ columns as many as the keys, so one as wide as the cache's capacity replays as t
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 
@@ -141,19 +142,20 @@ class Graph:
     # ------------------------------------------------------------------ capture
     @contextlib.contextmanager
     def capture(self):
-        """Calls of the device's caches inside are recorded into this graph instead of run
-        (appended to what it holds)."""
+        """Calls of the device's caches inside, made by this thread, are recorded into this
+        graph instead of run (appended to what it holds); other threads' calls run meanwhile."""
         be = self.device.backend
         with be.lock:
             if getattr(self.device, "_graph", None) is not None:
-                raise ValueError("a graph is already capturing on this device")
-            self.device._graph = self
+                raise ValueError("a graph is already capturing on this device (one capture at a time a device, "
+                                 "in one thread: the others' calls run meanwhile)")
+            self.device._graph, self.device._graph_thread = self, threading.get_ident()
             self._capturing = True
         try:
             yield self
         finally:
             with be.lock:
-                self.device._graph = None
+                self.device._graph = self.device._graph_thread = None
                 self._capturing = False
                 self._rec, self._progs = self._destroy_rec(), None
 

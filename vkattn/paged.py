@@ -279,7 +279,7 @@ class PagedKVCache(CacheBase):
             split = self._split(plan)               # append all new rows first, attend from the pool
             seqs = _seq_calls(plan, masks, split)
             flags = F_PAGED | variant.flags(masks is not None) | (self.rope.flags(call["rope_q"]) if self.rope else 0)
-            if self.device._graph is not None:
+            if self.device.capturing_graph() is not None:
                 if token_ids is not None:
                     raise ValueError("token_ids: a call captured into a graph does not record token ids")
                 return self._capture(plan.seq_ids, list(counts), q, k, v, masks, flags, call,
@@ -476,7 +476,7 @@ class PagedKVCache(CacheBase):
                     cache._next = self.step
 
         self._graph_step_check(seq_ids)
-        self.device._graph.add_cache_call(self, Step())
+        self.device.capturing_graph().add_cache_call(self, Step())
         return (out, lse) if return_lse else out
 
     def _graph_step_check(self, seq_ids) -> None:

@@ -826,3 +826,34 @@ def test_a_graphs_upload_download_and_dispatch_check_their_arrays(device, rng, s
     graph.close()
     c.close()
     other.close()
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_paged_batch_of_more_device_masks_than_the_kept_programs(device, rng, graph):
+    """Twelve sequences, each with a DeviceArray mask, in one batch call (and in a graph): a plan
+    kept its last eight mask-copy programs, so building the ninth destroyed the first, which the
+    call then dispatched (a segmentation fault). Bit for bit the numpy masks' result."""
+    n, hkv, d, hq = 12, 1, 32, 2
+    pools = [vkattn.PagedKVCache(64, 16, hkv, d, dtype="float32", device=device) for _ in range(2)]
+    ids = [[p.add_sequence() for _ in range(n)] for p in pools]
+    k0 = _data(rng, hkv, 3 * n, d)
+    for p, i in zip(pools, ids):
+        p.append(i, k0, k0, n_new=[3] * n)
+    masks = [_data(rng, 1, 8) for _ in range(n)]
+    q, k, v = _data(rng, hq, n, d), _data(rng, hkv, n, d), _data(rng, hkv, n, d)
+    want = pools[1].forward(ids[1], q, k, v, mask=[np.ascontiguousarray(m[:, :4]) for m in masks])
+    dev_masks = [vkattn.to_device(m, device) for m in masks]
+    if graph:
+        out = vkattn.empty((hq, n, d), device)
+        qd, kd, vd = (vkattn.to_device(x, device) for x in (q, k, v))
+        g = vkattn.Graph(device)
+        with g.capture():
+            pools[0].forward(ids[0], qd, kd, vd, out=out, mask=dev_masks)
+        g.run()
+        got = out.numpy()
+        g.close()
+    else:
+        got = pools[0].forward(ids[0], q, k, v, mask=dev_masks)
+    assert np.array_equal(got, want)
+    for p in pools:
+        p.close()

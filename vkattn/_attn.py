@@ -491,14 +491,17 @@ class AttnPlan:
         """mask_copy.comp programs, one per sequence of ``seqs`` whose mask is a DeviceArray (in
         record order), to run between the upload of aux and the attention dispatch: each copies
         its mask's first past + n_new columns into the aux words fill() left for it (fill checked
-        the widths). Kept per (array, record, shape), the last eight."""
+        the widths). Kept per (array, record, shape), the last eight -- or as many as this call
+        has (a batch of nine device masks destroyed its first program while building its ninth,
+        then dispatched it: a segmentation fault)."""
+        keep = max(8, sum(isinstance(sq.mask, DeviceArray) for sq in seqs))
         progs = []
         for i, sq in enumerate(seqs):
             m = sq.mask
             if not isinstance(m, DeviceArray):
                 continue
             buf = m.buffer
-            progs.append(kept(self._mask_progs, (buf, i, m.shape), 8, lambda: buf._t is not None,
+            progs.append(kept(self._mask_progs, (buf, i, m.shape), keep, lambda: buf._t is not None,
                               lambda: mask_program(self.c.device, buf, self.aux, m.shape, i)))
         return progs
 

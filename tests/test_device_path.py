@@ -857,3 +857,35 @@ def test_a_paged_batch_of_more_device_masks_than_the_kept_programs(device, rng, 
     assert np.array_equal(got, want)
     for p in pools:
         p.close()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_out_must_not_be_an_input_of_the_call(device, rng, paged):
+    """``out=`` the very DeviceArray given as q, k or v: one dispatch reads those while its other
+    workgroups write out (out=k of 24 new int8 rows corrupted the output and the cache). Refused
+    with ValueError, on the fast path and the general one, in a graph too; nothing changed."""
+    hkv, d, n = 2, 32, 24
+    hq = hkv                                        # q, k, v and out of one shape
+    if paged:
+        cache = vkattn.PagedKVCache(16, 16, hkv, d, dtype="int8", device=device)
+        sid = cache.add_sequence()
+        call = lambda *a, **kw: cache.forward([sid], *a, n_new=[n], **kw)
+        length = lambda: cache.length(sid)
+    else:
+        cache = vkattn.KVCache(64, hkv, d, dtype="int8", device=device)
+        call, length = cache.forward, lambda: cache.length
+    q, k, v = (vkattn.to_device(_data(rng, hkv, n, d), device) for _ in range(3))
+    for alias in (q, k, v):
+        for kw in ({}, dict(window=8)):             # the fast path, and a call it hands over
+            with pytest.raises(ValueError, match="out: the same DeviceArray as q, k or v"):
+                call(q, k, v, out=alias, **kw)
+        g = vkattn.Graph(device)
+        with g.capture():
+            with pytest.raises(ValueError, match="out: the same DeviceArray as q, k or v"):
+                call(q, k, v, out=alias)
+        g.close()
+    assert length() == 0
+    out = vkattn.empty((hq, n, d), device)
+    call(q, k, v, out=out)
+    assert length() == n
+    cache.close()

@@ -197,10 +197,15 @@ class CacheBase:
         v = check_device_array("v", v, (self.num_kv_heads, n, self.v_head_dim), self.device, 4 * self._ch)
         return k, v
 
-    def _check_outputs(self, out, lse, hq: int, s: int) -> tuple:
+    def _check_outputs(self, out, lse, hq: int, s: int, ins=()) -> tuple:
         """``out=`` (num_qo_heads, s, v_head_dim) and ``lse=`` (num_qo_heads, s): None or
-        DeviceArrays on this device (written in place)."""
+        DeviceArrays on this device (written in place), neither one of the call's inputs ``ins``
+        (q, k, v): one dispatch reads those while its other workgroups write out (out=k of 24 new
+        int8 rows corrupted the output and the cache)."""
         if out is not None:
+            if any(out is x for x in ins):
+                raise ValueError("out: the same DeviceArray as q, k or v of the call; the kernel reads those while "
+                                 "it writes out: give out an array of its own")
             out = check_device_array("out", out, (hq, s, self.v_head_dim), self.device)
         if lse is not None:
             lse = check_device_array("lse", lse, (hq, s), self.device)
@@ -223,6 +228,8 @@ class CacheBase:
         for a in (q, out) if k is None and v is None else (q, k, v, out):
             if type(a) is not DeviceArray or a.device is not dev or a._buf is None or len(a.shape) != 3:
                 return False
+        if out is q or out is k or out is v:
+            return False                # the general path refuses it
         return not (self.head_dim | self.v_head_dim) % (4 * self._ch)
 
     def _fast_shapes(self, q, k, v, out):

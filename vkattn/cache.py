@@ -105,7 +105,7 @@ class KVCache(CacheBase):
             self._check_open()
             q = self._check_q(q, self._length)
             call = self._check_call(q, self._length, causal, scale, window, n_sink, mask, softcap,
-                                    alibi_slopes, return_lse, rope_q, out, lse)
+                                    alibi_slopes, return_lse, rope_q, out, lse, (q,))
             return self._run(q, None, None, call)
 
     def forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = True,
@@ -131,7 +131,7 @@ class KVCache(CacheBase):
             n = k.shape[1]
             q = self._check_q(q, self._length + n)
             call = self._check_call(q, self._length + n, causal, scale, window, n_sink, mask, softcap,
-                                    alibi_slopes, return_lse, rope_q, out, lse)
+                                    alibi_slopes, return_lse, rope_q, out, lse, (q, k, v))
             self._check_fits(n)
             return self._run(q, k, v, call)
 
@@ -406,12 +406,12 @@ class KVCache(CacheBase):
                                  f"{self.capacity} ({self.capacity - self._length} free)")
 
     def _check_call(self, q, total, causal, scale, window, n_sink, mask, softcap, alibi_slopes,
-                    return_lse, rope_q, out=None, lse=None) -> dict:
+                    return_lse, rope_q, out=None, lse=None, ins=()) -> dict:
         hq, s = q.shape[0], q.shape[1]
         variant = check_variant(hq, window, n_sink, softcap, alibi_slopes)
         if mask is not None:
             mask = check_mask(mask, hq, s, total, self.device)
-        out, lse = self._check_outputs(out, lse, hq, s)
+        out, lse = self._check_outputs(out, lse, hq, s, ins)
         return dict(causal=check_bool("causal", causal), scale=check_scale(scale, self.head_dim),
                     variant=variant, mask=mask, return_lse=check_bool("return_lse", return_lse),
                     rope_q=self._check_rope_q(rope_q), out=out, lse=lse)

@@ -265,7 +265,7 @@ class PagedKVCache(CacheBase):
             total = sum(counts)
             q = self._check_q_array(q, total)
             hq = q.shape[0]
-            out, lse = self._check_outputs(out, lse, hq, total)
+            out, lse = self._check_outputs(out, lse, hq, total, (q, k, v))
             on_device = any(isinstance(x, DeviceArray) for x in (q, k, v, out, lse))
             if hq % self.num_kv_heads:
                 raise ValueError(f"q: expected num_qo_heads a multiple of num_kv_heads={self.num_kv_heads}, "

@@ -889,3 +889,73 @@ def test_out_must_not_be_an_input_of_the_call(device, rng, paged):
     call(q, k, v, out=out)
     assert length() == n
     cache.close()
+
+
+def test_transfers_in_a_graph_are_ordered_in_both_host_memory_modes(rng, monkeypatch, scale_spirv):
+    """A graph's uploads and downloads against its dispatches (a review under synchronization
+    validation): with staging copies, an upload then a dispatch that writes the buffer, an upload
+    then a download of it, a device mask copied into an uploaded aux block (a plain call too)
+    each get a barrier (they gave write-after-write / read-after-write hazards: kp's copy orders
+    an upload before shader reads only); an upload after the buffer's download in the same
+    graph is refused in both modes (the download overwrote the staging copy the upload sent: a
+    wrong value); on direct memory an upload after a dispatch used the buffer is refused (an
+    upload there is the host's write before the submission: the graph computed with the wrong
+    value). The results equal in both modes, checked against numpy."""
+    results = {}
+    for mode in ("staging", "direct"):
+        monkeypatch.setenv("VKATTN_HOST_MEMORY", mode)
+        dev = vkattn.Device()
+        x = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+        a, b, c = (vkattn.to_device(x, dev) for _ in range(3))
+        f = lambda z: np.float32(0.5) * z + np.float32(1.0)     # noqa: E731
+        g = vkattn.Graph(dev)
+        with g.capture():
+            g.upload(a, b)
+            g.dispatch(_scale(a, b, scale_spirv), reads=[a], writes=[b])   # writes what it uploaded
+            g.download(b)
+            g.upload(c)
+            g.download(c)                                                  # an upload, then its download
+        a.host_view()[...] = x
+        c.host_view()[...] = 2 * x
+        g.run()
+        got = [b.host_view().copy(), c.host_view().copy()]
+        np.testing.assert_array_equal(got[0], f(x))
+        np.testing.assert_array_equal(got[1], 2 * x)
+        g.close()
+        bad = vkattn.Graph(dev)
+        with bad.capture():
+            bad.dispatch(_scale(a, b, scale_spirv), reads=[a], writes=[b])
+            bad.download(b)
+            bad.upload(b)
+        with pytest.raises(vkattn.SyncHazardError, match="after its download"):
+            bad.run()
+        bad.close()
+        late = vkattn.Graph(dev)
+        with late.capture():
+            late.dispatch(_scale(a, b, scale_spirv), reads=[a], writes=[b])
+            late.upload(a)
+            late.dispatch(_scale(a, c, scale_spirv), reads=[a], writes=[c])
+        if mode == "direct":
+            with pytest.raises(vkattn.SyncHazardError, match="direct host memory an upload is the host's write"):
+                late.run()
+        else:
+            a.host_view()[...] = 3 * x
+            late.run()
+            np.testing.assert_array_equal(c.numpy(), f(3 * x))
+        late.close()
+        # a device mask: copied into the aux block the call uploads (a plain call, then a graph)
+        cache = vkattn.KVCache(32, 1, 32, dtype="float32", device=dev)
+        cache.append(*(np.random.default_rng(5).standard_normal((1, 9, 32)).astype(np.float32) for _ in range(2)))
+        q = np.random.default_rng(6).standard_normal((2, 1, 32)).astype(np.float32)
+        m = np.random.default_rng(7).standard_normal((1, 16)).astype(np.float32)
+        dm = vkattn.to_device(m, dev)
+        got.append(cache.attend(q, mask=dm))
+        np.testing.assert_allclose(got[-1], attention(q, *cache.read(), causal=True, mask=m[:, :9]),
+                                   atol=2e-5, rtol=2e-4)
+        results[mode] = got
+        cache.close()
+        for arr in (a, b, c, dm):
+            arr.close()
+        dev.close()
+    for x, y in zip(results["staging"], results["direct"]):
+        assert np.array_equal(x, y)

@@ -468,16 +468,28 @@ class Recording:
         self._written = set()   # written by a dispatch, not downloaded since
         self._used = set()      # touched by a dispatch, no download (of any buffer) since
         self._fetched = set()   # direct buffers downloaded (the host reads their final value)
+        # transfers: kp's copy commands order an upload before later shader reads only
+        self._uploaded = set()  # staged buffers uploaded, no barrier on them since
+        self._downloaded = set()    # staged buffers downloaded (into the staging copy an upload sends)
+        self._touched = set()   # used by any dispatch of the recording (a direct upload is no command)
         self._seq = None
 
     def upload(self, *bufs: Buffer) -> "Recording":
         for b in bufs:
             if b in self._used or b in self._written:
                 raise SyncHazardError(f"upload of {b.name!r} after a dispatch used it in the same recording")
-            if b in self._fetched:
-                raise SyncHazardError(f"upload of {b.name!r} after its download in the same recording "
-                                      f"(direct host memory: the host would read the upload)")
+            if b in self._fetched or b in self._downloaded:
+                raise SyncHazardError(f"upload of {b.name!r} after its download in the same recording (the "
+                                      f"download overwrites the host copy the upload sends)")
+            if b.direct and b in self._touched:
+                raise SyncHazardError(f"upload of {b.name!r} after a dispatch of the same recording used it: on "
+                                      f"direct host memory an upload is the host's write before the submission, "
+                                      f"not a command at this point (record it in a submission of its own)")
         copied = [b for b in bufs if not b.direct]      # a direct buffer's host writes need no copy
+        again = [b for b in copied if b in self._uploaded]
+        if again:                                       # two copies into one buffer: ordered
+            self.barrier(*again)
+        self._uploaded.update(copied)
         if copied:
             self._ops.append(kp.OpTensorSyncDevice([b._t for b in copied]))
             self._names.append("upload " + ",".join(b.name for b in copied))
@@ -487,11 +499,16 @@ class Recording:
         """Record ``prog``'s dispatch. A buffer an earlier dispatch wrote (no download or barrier
         since), or one it would write that an earlier dispatch used, is a SyncHazardError -- or,
         with ``barriers``, gets a barrier (:meth:`barrier`) first."""
+        # a copy's write, then a shader's (aux's split-K counters, a mask's copy into aux): kp's copy
+        # orders itself before shader reads only; a barrier, with the dispatch's others where it has some
+        uploaded = [b for b in prog.writes if b in self._uploaded] if HAS_BARRIER else []
         hazards = [b for b in prog.reads | prog.writes if b in self._written] + \
                   [b for b in prog.writes if b in self._used and b not in self._written]
         if hazards and barriers:
-            self.barrier(*hazards)
+            self.barrier(*uploaded, *hazards)
         else:
+            if uploaded:
+                self.barrier(*uploaded)
             for b in prog.reads | prog.writes:
                 if b in self._written:
                     raise SyncHazardError(
@@ -506,6 +523,7 @@ class Recording:
                                       f"(direct host memory: the host would read this write, not the downloaded value)")
         self._written |= prog.writes
         self._used |= prog.reads | prog.writes
+        self._touched |= prog.reads | prog.writes
         self._ops.append(kp.OpAlgoDispatch(prog._algo))
         self._names.append(prog.name)
         return self
@@ -521,6 +539,7 @@ class Recording:
         self._names.append("barrier " + ",".join(b.name for b in bufs))
         for b in bufs:
             self._written.discard(b)
+            self._uploaded.discard(b)
         self._used.clear()
         return self
 
@@ -532,10 +551,15 @@ class Recording:
         return self.upload(*bufs)
 
     def download(self, *bufs: Buffer) -> "Recording":
+        again = [b for b in bufs if b in self._uploaded]
+        if again and HAS_BARRIER:                       # an upload's copy, then this one's
+            self.barrier(*again)
         for b in bufs:
             if not b.host_visible:
                 raise RuntimeError(f"download of device-only buffer {b.name!r}")
             self._written.discard(b)
+            if not b.direct:
+                self._downloaded.add(b)
         self._used.clear()      # every earlier dispatch now happens-before every later op
         copied = [b for b in bufs if not b.direct]
         direct = [b for b in bufs if b.direct]

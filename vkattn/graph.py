@@ -18,8 +18,10 @@ decode step of a 30-layer model is one submission per token, as CUDA graphs repl
 
 Ordering: the recording inserts a buffer memory barrier (vkattn._kp.Recording.barrier: kp built
 with scripts/kp-0.9.0-features.patch) before any dispatch that reads or writes what an earlier
-dispatch of the submission wrote, or writes what one read, so the chain is correct on any Vulkan
-device, whatever the driver overlaps. A caller's dispatches say what they read and write
+dispatch of the submission wrote, or writes what one read, and orders uploads and downloads the
+same way (an upload of an array the graph downloaded earlier is refused; on direct host memory,
+one after a dispatch used the array too: SyncHazardError at submit), so the chain is correct on
+any Vulkan device, whatever the driver overlaps. A caller's dispatches say what they read and write
 (``reads=`` / ``writes=``) for that. Host calls on the device wait for a submitted graph first.
 
 Waiting: :meth:`Graph.submit` returns as soon as the command buffer is queued (kp with vkattn's

@@ -1,4 +1,5 @@
 """Device selection, limits, the shader compiler and the recording hazard checker."""
+import hashlib
 import os
 
 import numpy as np
@@ -64,6 +65,30 @@ def test_spirv_disk_cache(tmp_path, monkeypatch):
     compiler.compile_shader("append", {"KV_F16": 0})
     compiler.compile_shader("append", {"KV_F16": 1})
     assert len(calls) == 3                                                # defines are in the key
+    # a damaged or unreadable file is a miss, compiled again and written anew (it was used as it
+    # was, in every later process: a crash, or wrong results from a module that still parsed)
+    path = next(tmp_path.glob("copy_rows-*.spv"))
+    good = path.read_bytes()
+    assert good[:-32] == a and (path.stat().st_mode & 0o777) == 0o644    # readable by a shared cache's users
+    flipped = bytearray(good)
+    flipped[100] ^= 0x10
+    for damage in (b"", good[:len(good) // 2], good[:-32], bytes(flipped), b"\x00" * 64, None):
+        if damage is None:
+            path.unlink()
+            path.mkdir()                                                  # unreadable as a file
+        else:
+            path.write_bytes(damage)
+        monkeypatch.setattr(compiler, "_memo", {})
+        n = len(calls)
+        assert compiler.compile_shader("copy_rows") == a and len(calls) == n + 1
+        if damage is None:
+            path.rmdir()
+        else:
+            assert path.read_bytes() == good                              # written anew
+    # a list of seen pipelines that is not text: an empty one (it raised UnicodeDecodeError)
+    (tmp_path / f"pipelines-{hashlib.sha256(b'dev').hexdigest()[:16]}.txt").write_bytes(b"\xff\xfe\x80 not text")
+    monkeypatch.setattr(compiler, "_seen", {})
+    assert compiler.first_build("dev", a, (1, 2)) is True and compiler.first_build("dev", a, (1, 2)) is False
 
 
 def test_a_module_built_is_found_by_its_sources_stamps(tmp_path, monkeypatch):

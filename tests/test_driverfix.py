@@ -1,4 +1,5 @@
 """The llvmpipe workaround of vkattn._driverfix: which drivers it covers and when it stays away."""
+import json
 import os
 
 import pytest
@@ -52,6 +53,26 @@ def test_probe_result_is_remembered(monkeypatch, tmp_path):
     monkeypatch.setattr(_driverfix, "_lavapipe_libraries", lambda: ["/x/libvulkan_lvp.so:1:3"])   # upgraded
     monkeypatch.setattr(_driverfix, "_probe", lambda: [("llvmpipe", "Mesa 26.1.6 (LLVM 19.1.7)")])
     assert _driverfix.apply() == {} and "GALLIUM_OVERRIDE_CPU_CAPS" not in os.environ
+
+
+
+def test_a_remembered_entry_of_the_wrong_type_is_probed_again(monkeypatch, tmp_path):
+    """An entry for this machine's lavapipe that is not a dict (a damaged driverfix.json) is
+    probed again and written anew, not read (AttributeError inside `import vkattn`)."""
+    for var in ("LP_NATIVE_VECTOR_WIDTH", "GALLIUM_OVERRIDE_CPU_CAPS", "VKATTN_DRIVER_WORKAROUNDS"):
+        monkeypatch.setenv(var, "")             # (recorded first: see the test above)
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("VKATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_driverfix, "_avx512", lambda: True)
+    monkeypatch.setattr(_driverfix, "_lavapipe_libraries", lambda: ["/x/libvulkan_lvp.so:1:2"])
+    monkeypatch.setattr(_driverfix, "applied", {})
+    calls = []
+    monkeypatch.setattr(_driverfix, "_probe", lambda: calls.append(1) or [("llvmpipe", "Mesa 26.1.6 (LLVM 19.1.7)")])
+    for bad in (5, None, ["x"], "affected"):
+        (tmp_path / "driverfix.json").write_text(json.dumps({"/x/libvulkan_lvp.so:1:2": bad}))
+        assert _driverfix.apply() == {}
+    assert len(calls) == 4
+    assert json.loads((tmp_path / "driverfix.json").read_text())["/x/libvulkan_lvp.so:1:2"]["affected"] is False
 
 
 M26 = "Mesa 26.1.6-1~bpo13+1 (LLVM 19.1.7)"

@@ -78,18 +78,20 @@ def test_a_corrupt_file_is_measured_over(disk):
     assert m(dev) == "" and m(dev) == "" and runs == [1]
 
 
-def test_the_device_runs_the_registered_measurements(device, disk, monkeypatch):
-    # the device stores verdicts and builds no cache: it calls what vkattn.measure registered
-    calls = []
-    monkeypatch.setitem(vkattn.device._MEASURES, "coopmat_speed",
-                        lambda dev, fresh=False: calls.append(fresh) or {"error": "fake"})
-    monkeypatch.setattr(device, "_coopmat_speed", None)
-    monkeypatch.setattr(device, "_coopmat_test_result", device._coopmat_test_result)   # restored after
-    monkeypatch.setattr(device, "_coopmat_broken", getattr(device, "_coopmat_broken", ""), raising=False)
-    assert device.coopmat_speed() == {"error": "fake"} and device.coopmat_speed() == {"error": "fake"}
-    assert calls == [False]
-    device.forget_measures()
-    with device.fresh_measures():
-        device.coopmat_speed()
-    assert calls == [False, True] and not device._fresh
-    assert not device.coopmat_pays()
+@pytest.mark.parametrize("name,bad,good", [
+    ("coopmat_speed", {"coopmat": 1.0}, {"coopmat": 1.0, "other": "tile", "tile": 2.0}),   # KeyError: 'other'
+    ("coopmat_speed", [1, 2], {"coopmat": 1.0, "other": "tile", "tile": 2.0}),
+    ("coopmat_speed", None, {"coopmat": 1.0, "other": "tile", "tile": 2.0}),
+    ("coopmat_speed", {"coopmat": "fast", "other": "tile", "tile": 2.0}, {"coopmat": 1.0, "other": "tile", "tile": 2.0}),
+    ("coopmat_self_test", ["bad"], ""), ("coopmat_self_test", 0, "int8 chunk: off by 3"),
+])
+def test_a_stored_value_of_the_wrong_shape_is_measured_over(disk, name, bad, good):
+    """An entry that parses but is not what the measure returns (a damaged file, another
+    version's layout): measured again and stored anew, not returned (the planner indexed a
+    speed entry without "other": KeyError)."""
+    dev = FakeDevice()
+    measure._path(dev).write_text(json.dumps({measure._build_key(): {name: bad, "device": dev.key}}))
+    runs = []
+    m = measure._cached(name, lambda d: runs.append(1) or good)
+    assert m(dev) == good and m(dev) == good and runs == [1]
+

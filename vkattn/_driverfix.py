@@ -191,6 +191,8 @@ def apply() -> dict:
         known = {}
     if not isinstance(known, dict):
         known = {}
+    if not isinstance(known.get(key), dict):    # not there, or not an entry this code wrote: probe
+        known.pop(key, None)
     if key not in known:
         try:
             drivers = _probe()

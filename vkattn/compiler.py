@@ -172,20 +172,35 @@ def compile_shader(name: str, defines: dict | None = None, src_dir=None) -> byte
     if key in _memo:
         return _memo[key]
     cached = cache_dir() / f"{name}-{key}.spv"
-    if cached.is_file():
-        spirv = cached.read_bytes()
-    else:
+    spirv = _read_cached(cached)
+    if spirv is None:
         spirv = _run_glslang(name, src_dir, defines)
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
+            os.fchmod(fd, 0o644)        # (mkstemp's 0600 would lock other users of a shared cache out)
             with os.fdopen(fd, "wb") as f:
-                f.write(spirv)
+                f.write(spirv + hashlib.sha256(spirv).digest())
             os.replace(tmp, cached)
         except OSError:
             pass  # a read-only home still works, just without the disk cache
     _audit(name, defines, spirv, logged=own)
     _memo[key] = spirv
+    return spirv
+
+
+def _read_cached(path) -> bytes | None:
+    """A cached module: its SPIR-V, stored with the sha256 of it after it; None where the file is
+    missing, unreadable, or damaged (its digest does not match): the caller compiles again and
+    writes it anew. A damaged file was used as it was, in every later process: a crash, or
+    wrong results from a module that still parsed."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    spirv, digest = data[:-32], data[-32:]
+    if len(data) <= 32 or len(spirv) % 4 or hashlib.sha256(spirv).digest() != digest:
+        return None
     return spirv
 
 
@@ -255,7 +270,7 @@ def first_build(device_key: str, spirv: bytes, spec, name: str = "") -> bool:
     if seen is None:
         try:
             seen = {line.split()[0] for line in path.read_text().splitlines() if line.strip()}
-        except OSError:
+        except (OSError, ValueError):   # unreadable, or not text: only the first-build message depends on it
             seen = set()
         _seen[path] = seen
     if key in seen:

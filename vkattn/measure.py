@@ -281,11 +281,25 @@ def _store(device, name: str, value) -> None:
         pass                            # a read-only home still works, measuring per process
 
 
+def _valid_speed(v) -> bool:
+    """A stored speed probe's figures as coopmat_speed_probe returns them (errors are not stored)."""
+    num = (int, float)
+    return (isinstance(v, dict) and isinstance(v.get("coopmat"), num) and isinstance(v.get("other"), str)
+            and isinstance(v.get(v["other"]), num))
+
+
+# what a stored value of each measure must be to be taken: anything else (a damaged file, another
+# version's layout) is measured again (a speed entry without "other" raised KeyError in the planner)
+_VALID = {"coopmat_self_test": lambda v: isinstance(v, str), "coopmat_speed": _valid_speed}
+
+
 def _cached(name: str, run):
+    valid = _VALID.get(name, lambda v: True)
+
     def measure(device, fresh: bool = False):
         if _enabled() and not fresh:
             entry = _load(device)
-            if name in entry:
+            if name in entry and valid(entry[name]):
                 return entry[name]
         value = run(device)
         if _enabled() and not (isinstance(value, dict) and value.get("error")):

@@ -428,6 +428,14 @@ def test_graph_records_again_when_a_plan_changes_and_refuses_what_breaks_its_rul
     with pytest.raises(vkattn.CacheFullError):
         g2.run()                                       # nothing submitted, nothing changed
     assert full.length == 2 and g2.submissions == 2
+    g3 = vkattn.Graph(device)                          # captured on the full cache: its fit is the
+    with g3.capture():                                 # submission's (a capture refused it: a model's
+        full.forward(q, k, v, out=o)                   # prompt that filled its caches could not decode)
+    with pytest.raises(vkattn.CacheFullError):
+        g3.run()
+    full.truncate(1)
+    g3.run()
+    assert full.length == 2 and g3.submissions == 1
     with pytest.raises(ValueError, match="inside `with graph.capture"):
         g2.upload(q)
 

@@ -442,6 +442,31 @@ def test_bad_input_raises_typed_errors(device, small, monkeypatch):
         assert m.generate(list(range(10)), 7) == m.generate(list(range(10)), 7)     # 16 positions: fits
     finally:
         m.close()
+    for capacity in (0, -3, 2.7, True):
+        with pytest.raises(ModelInputError, match="capacity"):
+            DeviceLlama(cfg, sd, capacity=capacity, device=device)
+
+
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_a_prompt_that_fills_the_caches_on_a_fresh_model(device, small, return_logits):
+    """A prompt of exactly ``capacity`` tokens and one new token (capacity positions: generate()
+    accepts it) on a model whose decode graph was never captured: the capture ran after the
+    prompt had filled the caches, and KVCache.forward checked the fit at the capture -- a
+    CacheFullError every time. A captured call now fits or not when it is submitted. Eager's
+    token (and logits)."""
+    cfg, sd = small
+    m = DeviceLlama(cfg, sd, capacity=16, device=device)
+    try:
+        ids = list(range(3, 19))
+        got = m.generate(ids, 1, return_logits=return_logits)
+        want, want_logits, _ = eager_generate(eager_model(cfg, sd), ids, 1)
+        if return_logits:
+            _check(got[0], got[1], want, want_logits)
+        else:
+            assert got == want
+        assert m.generate(list(range(5)), 12, return_logits=return_logits)     # the decode graph works on
+    finally:
+        m.close()
 
 
 # ------------------------------------------------------------------ the real model

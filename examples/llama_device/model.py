@@ -23,6 +23,7 @@ pairs or uint32: the layout is bytes, DeviceArray's float32 is only its host vie
 from __future__ import annotations
 
 import math
+import numbers
 import pathlib
 import time
 
@@ -232,6 +233,8 @@ class DeviceLlama:
         self.d = d = _Dims(config)
         self.device = device
         self.weight_dtype, self.cache_dtype = weight_dtype, cache_dtype
+        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1:
+            raise ModelInputError(f"capacity: an int >= 1, got {capacity!r}")
         self.capacity = int(capacity)
         self._wg, self._lanes, self._rows, self._tiles = wg, lanes, rows, tuple(sorted(set(tiles)))
         self._prompt_rows = prompt_rows
@@ -433,10 +436,11 @@ class DeviceLlama:
         return vkattn.algorithm(arrays, self._spirv("linear", self._fmt_of[w], **defines),
                                 (math.ceil(t / tile), math.ceil(rows / rpw)), spec, push=[t, t0, tx or t])
 
-    def _step(self, g, a: _Acts, ids, return_logits: bool):
+    def _step(self, g, a: _Acts, ids, return_logits: bool, algos: list | None = None):
         """Record one step of a.t tokens (ids: the DeviceArray of their ids) into graph g; returns
-        the algorithms (kept alive with the graph)."""
-        d, t, algos = self.d, a.t, []
+        the algorithms (kept alive with the graph), appended to ``algos`` as they are built where
+        given (the caller destroys them on an error)."""
+        d, t, algos = self.d, a.t, ([] if algos is None else algos)
 
         def disp(algo, reads, writes, name):
             algos.append(algo)
@@ -470,8 +474,16 @@ class DeviceLlama:
         key = (return_logits, timestamps)
         if key not in self._graphs:
             g = vkattn.Graph(self.device, timestamps=timestamps)
-            with g.capture():
-                g._algos = self._step(g, self._dec, self.tok, return_logits)
+            algos = []
+            try:
+                with g.capture():
+                    self._step(g, self._dec, self.tok, return_logits, algos)
+            except BaseException:           # nothing half-captured left behind
+                g.close()
+                for a in algos:
+                    a.destroy()
+                raise
+            g._algos = algos
             self._graphs[key] = g
         return self._graphs[key]
 

@@ -29,11 +29,13 @@ def test_user_settings_and_opt_out_win(monkeypatch):
             assert _driverfix.apply() == {}
 
 
-def test_probe_result_is_remembered(monkeypatch, tmp_path):
+def _isolated(monkeypatch, tmp_path, driver: str) -> list:
+    """apply() on a pretend AVX-512 machine with one lavapipe library, its cache in ``tmp_path``,
+    the probe reporting llvmpipe of ``driver``; the probe's calls, for the caller to count."""
     for var in ("LP_NATIVE_VECTOR_WIDTH", "GALLIUM_OVERRIDE_CPU_CAPS", "VKATTN_DRIVER_WORKAROUNDS"):
         # setenv first, so that monkeypatch records the variable's state before the test (delenv
-        # of an unset one records nothing): apply() sets GALLIUM_OVERRIDE_CPU_CAPS below, and the
-        # undo of the later delenv calls put "avx" back for the rest of the process, whose llvmpipe
+        # of an unset one records nothing): apply() sets GALLIUM_OVERRIDE_CPU_CAPS, and the undo
+        # of the later delenv calls put "avx" back for the rest of the process, whose llvmpipe
         # then ran with other CPU caps than the shader cache's code (a texel test's segmentation
         # fault on Mesa 26, session 42)
         monkeypatch.setenv(var, "")
@@ -43,7 +45,12 @@ def test_probe_result_is_remembered(monkeypatch, tmp_path):
     monkeypatch.setattr(_driverfix, "_lavapipe_libraries", lambda: ["/x/libvulkan_lvp.so:1:2"])
     monkeypatch.setattr(_driverfix, "applied", {})
     calls = []
-    monkeypatch.setattr(_driverfix, "_probe", lambda: calls.append(1) or [("llvmpipe", "Mesa 25.0.7 (LLVM 19.1.7)")])
+    monkeypatch.setattr(_driverfix, "_probe", lambda: calls.append(1) or [("llvmpipe", driver)])
+    return calls
+
+
+def test_probe_result_is_remembered(monkeypatch, tmp_path):
+    calls = _isolated(monkeypatch, tmp_path, "Mesa 25.0.7 (LLVM 19.1.7)")
     assert _driverfix.apply() == _driverfix.FIX
     assert os.environ["GALLIUM_OVERRIDE_CPU_CAPS"] == "avx"
     monkeypatch.delenv("GALLIUM_OVERRIDE_CPU_CAPS")
@@ -55,25 +62,15 @@ def test_probe_result_is_remembered(monkeypatch, tmp_path):
     assert _driverfix.apply() == {} and "GALLIUM_OVERRIDE_CPU_CAPS" not in os.environ
 
 
-
 def test_a_remembered_entry_of_the_wrong_type_is_probed_again(monkeypatch, tmp_path):
     """An entry for this machine's lavapipe that is not a dict (a damaged driverfix.json) is
     probed again and written anew, not read (AttributeError inside `import vkattn`)."""
-    for var in ("LP_NATIVE_VECTOR_WIDTH", "GALLIUM_OVERRIDE_CPU_CAPS", "VKATTN_DRIVER_WORKAROUNDS"):
-        monkeypatch.setenv(var, "")             # (recorded first: see the test above)
-        monkeypatch.delenv(var)
-    monkeypatch.setenv("VKATTN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_driverfix, "_avx512", lambda: True)
-    monkeypatch.setattr(_driverfix, "_lavapipe_libraries", lambda: ["/x/libvulkan_lvp.so:1:2"])
-    monkeypatch.setattr(_driverfix, "applied", {})
-    calls = []
-    monkeypatch.setattr(_driverfix, "_probe", lambda: calls.append(1) or [("llvmpipe", "Mesa 26.1.6 (LLVM 19.1.7)")])
+    calls = _isolated(monkeypatch, tmp_path, "Mesa 26.1.6 (LLVM 19.1.7)")
     for bad in (5, None, ["x"], "affected"):
         (tmp_path / "driverfix.json").write_text(json.dumps({"/x/libvulkan_lvp.so:1:2": bad}))
         assert _driverfix.apply() == {}
     assert len(calls) == 4
     assert json.loads((tmp_path / "driverfix.json").read_text())["/x/libvulkan_lvp.so:1:2"]["affected"] is False
-
 
 M26 = "Mesa 26.1.6-1~bpo13+1 (LLVM 19.1.7)"
 M25 = "Mesa 25.0.7-2+deb13u1 (LLVM 19.1.7)"

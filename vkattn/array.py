@@ -206,6 +206,13 @@ class CallerManager:
         return locked
 
 
+def same_device_hint(a: Device, b: Device) -> str:
+    """What an error about an array on Device ``a`` where ``b`` was wanted adds when both are
+    objects of one physical device (their reprs read alike)."""
+    return (" (another vkattn.Device object of the same device: arrays, caches and graphs need the same "
+            "Device object)" if a.index == b.index else "")
+
+
 def buffers(*arrays) -> list:
     """Each array's buffer (DeviceArray.buffer; None for None) for a caller that has tested the
     device already (a graph step, after its cache's _check_open): only a closed array takes the
@@ -240,8 +247,7 @@ def check_device_array(name: str, x: DeviceArray, shape: tuple, device: Device, 
     x._check_open()
     if x.device is not device:
         raise ValueError(f"{name}: this DeviceArray lives on {x.device!r}, the cache on {device!r}"
-                         + (" (another vkattn.Device of the same GPU: arrays and caches need the same Device object)"
-                            if x.device.index == device.index else ""))
+                         + same_device_hint(x.device, device))
     check_shape(name, x.shape, shape)
     if width_rule and x.shape[-1] % width_rule:
         raise ValueError(f"{name}: a device array's last dimension must be a multiple of {width_rule} for this "

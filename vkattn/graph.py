@@ -48,7 +48,7 @@ import threading
 import numpy as np
 
 from ._kp import HAS_BARRIER
-from .array import DeviceArray
+from .array import DeviceArray, same_device_hint
 from .device import Device, default_device
 from .errors import CacheClosedError, SyncHazardError
 
@@ -209,8 +209,7 @@ class Graph:
                                  f"got {type(a).__name__}")
             if a.device is not self.device:
                 raise ValueError(f"{what}: {which} must be DeviceArrays on this graph's device {self.device!r}, "
-                                 f"got one on {a.device!r}" + (" (another vkattn.Device object of the same device)"
-                                                               if a.device.index == self.device.index else ""))
+                                 f"got one on {a.device!r}" + same_device_hint(a.device, self.device))
             a._check_open()
 
     def _caller_arrays(self):

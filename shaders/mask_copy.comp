@@ -10,12 +10,17 @@
 //   aux : the attention call's aux block (attn_common.glsl), written by the host before this
 //         dispatch: sequence record SEQ (at aux[12] + 12*SEQ) gives past, n_new, q_len (= Q) and
 //         the mask's offset; this dispatch fills aux[offset .. offset + HEADS*q_len*T), T = past
-//         + n_new, with the float bits of src's first T keys of every row, in the kernels' order
-// numpy (T = past + n_new, o = the record's mask offset):
-//   aux[o:o + HEADS*q_len*T] = src.reshape(HEADS*q_len, COLS)[:, :T].ravel().view(np.uint32)
+//         + n_new, with src's first T keys of every row (the rule below applied), in the
+//         kernels' order
+// numpy (T = past + n_new, o = the record's mask offset, rule(): below):
+//   aux[o:o + HEADS*q_len*T] = rule(src.reshape(HEADS*q_len, COLS)[:, :T]).ravel().view(np.uint32)
 //
-// Values are copied bit for bit (no conversion); the host checks shapes, not values (the mask is
-// not read back). One invocation per word, a grid-stride loop over HEADS*q_len*T.
+// Each value is copied with vkattn.reference.attention's MASK_LIMIT rule applied, as the host's
+// mask check applies it to numpy masks (the kernels' mask_at reads entries as written): below
+// -2^127 it is -inf, above 2^127 it is 2^127, any other value bit for bit (NaN stays undefined:
+// the host checks shapes, not values, as the mask is not read back).
+//   rule(m) = np.where(m < -2**127, -inf, np.minimum(m, 2**127))
+// One invocation per word, a grid-stride loop over HEADS*q_len*T.
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint COLS = 1u;     // src's last dimension (keys per row)
 layout(constant_id = 2) const uint HEADS = 1u;    // 1, or the call's q heads (a per-head mask)
@@ -29,8 +34,10 @@ void main() {
     const uint T = aux[rec] + aux[rec + 1u], q_len = aux[rec + 3u], dst = aux[rec + 7u];
     const uint n = HEADS * q_len * T;
     const uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    const float LIM = uintBitsToFloat(0x7f000000u);       // 2^127
     for (uint i = gl_GlobalInvocationID.x; i < n; i += stride) {
         const uint row = i / T;
-        aux[dst + i] = src[row * COLS + (i - row * T)];
+        const float m = uintBitsToFloat(src[row * COLS + (i - row * T)]);
+        aux[dst + i] = m < -LIM ? 0xff800000u : floatBitsToUint(min(m, LIM));   // -inf, or at most 2^127
     }
 }

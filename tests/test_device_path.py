@@ -657,6 +657,42 @@ def test_device_masks_equal_numpy_masks_bit_for_bit(device, rng, dtype, per_head
                           twin[0].attend(q, mask=np.ascontiguousarray(wide[..., :twin[0].length])))
 
 
+def test_device_masks_apply_the_mask_limit_rule(device, rng):
+    """A device mask's entries past 2**127 (which the host never reads): below -2**127 -- float32's
+    lowest value, -2.5e38, just past the limit -- they mask their key (-inf), as the reference's
+    rule has it for numpy masks; above 2**127 they count as 2**127; -2**127 itself is a finite
+    entry like any other. shaders/mask_copy.comp applies the rule while copying (the kernels read
+    entries as written); the result equals the numpy mask's with the rule applied, bit for bit."""
+    hkv, g, d = 1, 2, 24
+    big = np.float32(np.finfo(np.float32).max)
+    twin = [vkattn.KVCache(32, hkv, d, dtype="float32", device=device) for _ in range(2)]
+    for c in twin:
+        c.append(*(_data(np.random.default_rng(3), hkv, 7, d) for _ in range(2)))
+    for low in (-big, np.float32(-2.5e38), np.float32(-2.0 ** 127 * 1.01)):
+        m = np.zeros((1, 8), np.float32)
+        m[0, :-1] = -np.inf
+        m[0, -1] = low                                        # every key masked
+        q, k, v = _data(rng, hkv * g, 1, d), _data(rng, hkv, 1, d), _data(rng, hkv, 1, d)
+        got = twin[1].forward(q, k, v, mask=vkattn.to_device(m, device))
+        twin[0].forward(q, k, v, mask=m)
+        assert not got.any()                                  # a row that sees no key gives zeros
+        for c in twin:
+            c.truncate(7)
+    m = np.zeros((2, 9), np.float32)                          # 7 keys and 2 new rows
+    m[0, 1:] = -np.inf
+    m[0, 0] = np.float32(-2.0 ** 127)                         # the limit itself: key 0 stays visible
+    m[1, :3] = np.float32(3e38)                               # past the limit: 2**127 on each
+    q, k, v = _data(rng, hkv * g, 2, d), _data(rng, hkv, 2, d), _data(rng, hkv, 2, d)
+    got = twin[1].forward(q, k, v, mask=vkattn.to_device(m, device))
+    ruled = np.minimum(m, np.float32(2.0 ** 127))
+    assert np.array_equal(got, twin[0].forward(q, k, v, mask=ruled))
+    ks, vs = twin[1].read()
+    np.testing.assert_allclose(got, attention(q, ks, vs, mask=ruled), atol=2e-5, rtol=2e-4)
+    np.testing.assert_array_equal(got[:, 0], np.repeat(vs[:, 0], g, axis=0))    # v of key 0, each head
+    for c in twin:
+        c.close()
+
+
 def test_device_mask_checks_lose_nothing(device, rng):
     """A device mask of the wrong rows or heads, narrower than the keys, or closed: a typed error
     naming it, the cache unchanged; a numpy mask inside a graph replayed at another length, or a

@@ -79,9 +79,34 @@ def test_adversarial_rows_catch_other_roundings():
     assert (scale == 0).any() and (scale[scale > 0] < 1e-30).any()     # zero rows and tiny rows
 
 
-def test_check_refuses_bad_arguments():
+def test_check_refuses_bad_arguments(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         check.main(["--repeats", "1"])
+    # a report path it cannot write: refused before any case runs (it failed after all of them)
+    monkeypatch.setattr(check, "run_check", lambda *a, **k: pytest.fail("cases ran"))
+    (tmp_path / "file").write_text("")
+    for bad in (tmp_path, tmp_path / "file" / "report.json"):
+        with pytest.raises(SystemExit) as e:
+            check.main(["--quick", "--json", str(bad)])
+        assert e.value.code == 2
+        assert f"--json {bad}: cannot write the report there" in capsys.readouterr().err
+
+
+def test_check_fails_when_the_forced_coopmat_kernel_cannot_run(device, tmp_path, monkeypatch, capsys):
+    """VKATTN_KERNEL=coopmat on a device whose cooperative matrices vkattn cannot use: the check
+    runs the kernel's cases, each fails naming why, and the verdict fails (it passed on the
+    other kernels' cases alone before)."""
+    problem = device.coopmat_problem()
+    if not problem:
+        pytest.skip("attn_coopmat.comp runs on this device (its forced pass: the test below)")
+    monkeypatch.setenv("VKATTN_KERNEL", "coopmat")
+    path = tmp_path / "report.json"
+    assert check.main(["--quick", "--repeats", "3", "--json", str(path)]) == 1
+    rep = json.loads(path.read_text())
+    mine = [c for c in rep["cases"] if c["kernel"].startswith("coopmat")]
+    assert mine and not any(c["ok"] for c in mine) and rep["failed"] == len(mine)
+    assert all("VKATTN_KERNEL=coopmat" in c["detail"] for c in mine)
+    assert all(c["ok"] for c in rep["cases"] if not c["kernel"].startswith("coopmat"))
 
 
 def test_check_covers_the_coopmat_kernel_when_it_is_forced(device, tmp_path, monkeypatch, capsys):

@@ -55,3 +55,25 @@ def test_demo_cli_logs_first_builds(tmp_path):
                          timeout=600)
     assert run.returncode == 0, run.stderr
     assert "pipeline (spec" in run.stderr and "for the first time" in run.stderr, run.stderr
+
+
+def test_the_command_line_reads_its_arguments(monkeypatch, capsys):
+    """--help describes (exit 0) and runs nothing; an unknown command or argument exits 2 naming
+    it (demo and devices ignored their arguments: `demo --help` ran the demo); a bad
+    VKATTN_DEMO_DTYPE stops with the variable's name, not a traceback from inside."""
+    import pytest
+    import vkattn.__main__ as cli
+    monkeypatch.setattr(cli, "demo", lambda: pytest.fail("the demo ran"))
+    monkeypatch.setattr(cli, "devices", lambda: pytest.fail("devices ran"))
+    assert main(["--help"]) == 0
+    assert "usage: python -m vkattn [demo|check|generate|devices]" in capsys.readouterr().out
+    assert main(["demo", "--help"]) == 0
+    assert "VKATTN_DEMO_HEADS" in capsys.readouterr().out
+    assert main(["devices", "--help"]) == 0
+    assert main(["devices", "--x"]) == 2 and "unrecognized arguments: --x" in capsys.readouterr().err
+    assert main(["demo", "extra"]) == 2
+    assert main(["bogus"]) == 2 and "unknown command 'bogus'" in capsys.readouterr().err
+    monkeypatch.undo()
+    monkeypatch.setenv("VKATTN_DEMO_DTYPE", "bogus")
+    with pytest.raises(SystemExit, match="VKATTN_DEMO_DTYPE='bogus': expected one of float32"):
+        cli.demo()

@@ -32,6 +32,13 @@ def test_device_selection(monkeypatch):
         Device()
     with pytest.raises(ValueError, match="index"):
         Device(len(vkattn.list_devices()))
+    monkeypatch.setenv("VKATTN_DEVICE", str(len(vkattn.list_devices())))     # an index past the devices
+    with pytest.raises(ValueError, match=r"VKATTN_DEVICE='\d+' matches no Vulkan device \(0: "):
+        Device()
+    monkeypatch.setenv("VKATTN_DEVICE", " 0 ")
+    dev = Device()
+    assert dev.index == 0
+    dev.close()
 
 
 def test_closed_device_closes_its_caches(rng):
@@ -40,6 +47,26 @@ def test_closed_device_closes_its_caches(rng):
     dev.close()
     with pytest.raises(vkattn.CacheClosedError, match="device"):
         c.attend(np.ones((1, 1, 8), np.float32))
+
+
+def test_a_graph_closes_quietly_after_its_device(rng):
+    """A Graph whose device was closed: close() is harmless (a cache's is), so a ``with`` body's
+    own error is the one raised (close raised CacheClosedError over it)."""
+    dev = Device(vkattn.default_device().index)
+    c = vkattn.KVCache(8, 1, 8, device=dev)
+    g = vkattn.Graph(dev)
+    q, k, v, out = (vkattn.to_device(np.ones((1, 1, 8), np.float32), dev) for _ in range(4))
+    with g.capture():
+        c.forward(q, k, v, out=out)
+    g.submit().wait()
+    assert c.length == 1
+    dev.close()
+    g.close()
+    g.close()
+    with pytest.raises(KeyError, match="the body's own"):
+        with vkattn.Graph(Device(vkattn.default_device().index)) as g2:
+            g2.device.close()
+            raise KeyError("the body's own error")
 
 
 def test_compile_error_names_shader(tmp_path):
@@ -200,3 +227,18 @@ def test_tile_shuffles_need_subgroup_votes(device, monkeypatch):
         # without shuffles a key row may still be split over cfg.ds invocations: they sum through
         # shared memory (tile_config), so only the shuffle flag follows the votes
         assert pipe.defines["TILE_SHUFFLE"] == shuffle and cfg.shuffle == bool(shuffle)
+
+
+def test_cache_files_are_replaced_whole_or_not_at_all(tmp_path):
+    """vkattn._files.replace_file, which the SPIR-V, verdict and driver caches write through: the
+    file whole, readable by all; where it cannot be written (a folder in its place) False and no
+    temporary file left behind (they piled up in the cache folder before)."""
+    import os
+    from vkattn._files import replace_file
+    path = tmp_path / "sub" / "a.json"
+    assert replace_file(path, b"one") and path.read_bytes() == b"one"
+    assert replace_file(path, b"two") and path.read_bytes() == b"two"
+    assert os.stat(path).st_mode & 0o777 == 0o644
+    (tmp_path / "sub" / "b.json").mkdir()
+    assert not replace_file(tmp_path / "sub" / "b.json", b"x")
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["a.json", "b.json"]

@@ -193,3 +193,62 @@ def test_bad_calls_found_by_the_api_review(device, rng):
         with pytest.raises(TypeError, match="shape: expected an int or a tuple"):
             vkattn.empty(shape, device)
     assert vkattn.empty(np.array([2, 3]), device).shape == (2, 3)
+
+
+def test_a_bad_glslang_path_is_a_shader_compile_error(tmp_path, monkeypatch):
+    """VKATTN_GLSLANG naming a missing file, a file that is not executable or a folder: the
+    ShaderCompileError docs/errors.md lists for a missing compiler, naming the variable (it was
+    FileNotFoundError / PermissionError from subprocess at the first build)."""
+    from vkattn import compiler
+    plain = tmp_path / "glslangValidator"
+    plain.write_text("not a program")
+    for bad in (tmp_path / "missing", plain, tmp_path):
+        monkeypatch.setenv("VKATTN_GLSLANG", str(bad))
+        with pytest.raises(vkattn.ShaderCompileError, match="VKATTN_GLSLANG="):
+            compiler._glslang()
+    monkeypatch.setenv("VKATTN_GLSLANG", "glslangValidator")       # a name on PATH still works
+    assert compiler._glslang().endswith("glslangValidator")
+
+
+def test_decode_splits_past_the_workgroup_count_are_refused(cache, rng, monkeypatch):
+    """VKATTN_DECODE_SPLITS above the device's workgroups in x (each split is one): a ValueError
+    naming the variable, nothing written (it dispatched past maxComputeWorkGroupCount[0], which
+    the validation layer reports and a GPU need not survive)."""
+    limit = cache.device.max_workgroup_count[0]
+    before = snapshot(cache)
+    q = rng.standard_normal((2 * H, 1, D), dtype=np.float32)
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", str(limit + 1))
+    with pytest.raises(ValueError, match="VKATTN_DECODE_SPLITS='%d': the device allows %d" % (limit + 1, limit)):
+        cache.forward(q, *rand_kv(rng, cache, 1))
+    assert_unchanged(cache, before)
+    monkeypatch.setenv("VKATTN_DECODE_SPLITS", "3")
+    k, v = rand_kv(rng, cache, 1)
+    out = cache.forward(q, k, v)
+    ks, vs = cache.read()
+    np.testing.assert_allclose(out, vkattn.reference.attention(q, ks, vs), atol=2e-5, rtol=2e-4)
+
+
+@pytest.mark.parametrize("var", ["VKATTN_VERIFY", "VKATTN_TEXEL_KV", "VKATTN_HALF_NATIVE", "VKATTN_MEASURE_CACHE",
+                                 "VKATTN_DRIVER_WORKAROUNDS", "VKATTN_PIN_SUBGROUP", "VKATTN_TILE_V_EARLY"])
+def test_switches_take_0_or_1_only(device, monkeypatch, var):
+    """Every 0/1 switch is read alike (tuning.env_flag): "false", "off", "no" -- which turned
+    VKATTN_VERIFY on and left the texel and half paths on before -- are a ValueError naming the
+    variable; blanks around 0 / 1 are fine."""
+    from vkattn import _driverfix, device as device_mod, measure, tuning
+    read = {"VKATTN_VERIFY": lambda: vkattn.KVCache(8, 1, 8, device=device).verify,
+            "VKATTN_TEXEL_KV": lambda: tuning._texel_views(device, "lane", 4),
+            "VKATTN_HALF_NATIVE": device.half_native,
+            "VKATTN_MEASURE_CACHE": measure._enabled,
+            "VKATTN_DRIVER_WORKAROUNDS": _driverfix.apply,
+            "VKATTN_PIN_SUBGROUP": device_mod.pinning_enabled,
+            "VKATTN_TILE_V_EARLY": tuning.tile_v_early}[var]
+    for bad in ("false", "off", "no", "2", "yes"):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=f"{var}='{bad}': expected 0 or 1"):
+            read()
+    monkeypatch.setenv(var, " 0 ")
+    read()
+    if var == "VKATTN_VERIFY":
+        assert read() is False
+        monkeypatch.setenv(var, "1")
+        assert read() is True

@@ -59,6 +59,18 @@ def test_the_build_key_follows_the_shaders(disk, tmp_path, monkeypatch):
     assert measure._build_key() != before
 
 
+@pytest.mark.parametrize("switch,value", [("VKATTN_COOPMAT_TILE", "8,4"), ("VKATTN_COOPMAT_FIXED_TRIPS", "0"),
+                                          ("VKATTN_COOPMAT_STAGE_BATCH", "0")])
+def test_the_build_key_follows_the_coopmat_build_switches(disk, monkeypatch, switch, value):
+    """A switch that builds attn_coopmat.comp's pipelines otherwise gives verdicts of their own
+    (the key held only the sources: a forced run of another build read the default build's)."""
+    before = measure._build_key()
+    monkeypatch.setenv(switch, value)
+    assert measure._build_key() != before
+    monkeypatch.delenv(switch)
+    assert measure._build_key() == before
+
+
 def test_errors_are_not_cached_and_the_switch_turns_the_file_off(disk, monkeypatch):
     runs = []
     m = measure._cached("probe_z", lambda dev: runs.append(1) or {"error": "no timestamps"})

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import KVCache, PagedKVCache, default_device, list_devices
 from .check import main as check_main
+from .formats import FORMATS
 from .reference import TOLERANCE, attention, round_to
 
 
@@ -49,6 +50,8 @@ def demo() -> int:
     steps = _env_int("VKATTN_DEMO_STEPS", 32)
     cap = _env_int("VKATTN_DEMO_CAPACITY", 4096)
     dtype = os.environ.get("VKATTN_DEMO_DTYPE", "float16")
+    if dtype not in FORMATS:
+        raise SystemExit(f"VKATTN_DEMO_DTYPE={dtype!r}: expected one of {', '.join(FORMATS)}")
     if hq % hkv:
         raise SystemExit(f"VKATTN_DEMO_HEADS={hq} must be a multiple of VKATTN_DEMO_KV_HEADS={hkv}")
     if prompt + steps > cap:
@@ -278,8 +281,29 @@ def generate(argv) -> int:
 def devices() -> int:
     for d in list_devices():
         print(f"[{d.index}] {d.name}  type={d.device_type} software={d.is_software} subgroup={d.subgroup_size} "
-              f"shared={d.max_compute_shared_memory_size} storage_range={d.max_storage_buffer_range}")
+              f"shared={d.max_compute_shared_memory_size} storage_range={d.max_storage_buffer_range} "
+              f"max_allocation={d.max_memory_allocation_size} "
+              f"max_workgroup_size={min(d.max_compute_workgroup_invocations, d.max_compute_workgroup_size[0])}")
     return 0
+
+
+COMMANDS = {"demo": "a model-shaped prefill + decode loop and a paged batch, every result verified (the default)",
+            "check": "the self-test for this machine's Vulkan device (--help: its options)",
+            "generate": "transformers generate() through vkattn and eager (--help: its options)",
+            "devices": "list the Vulkan devices and their limits"}
+
+
+def _usage() -> str:
+    return "usage: python -m vkattn [demo|check|generate|devices] [--help]\n\n" + \
+        "\n".join(f"  {name:9} {what}" for name, what in COMMANDS.items())
+
+
+def _no_options(cmd: str, argv: list) -> None:
+    """demo and devices take no arguments: --help describes them (exit 0), anything else exits 2."""
+    epilog = __doc__.split("Shape knobs for the demo")[1].strip() if cmd == "demo" else None
+    p = argparse.ArgumentParser(prog=f"python -m vkattn {cmd}", description=COMMANDS[cmd],
+                                epilog=epilog and "Shape knobs for the demo " + epilog)
+    p.parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -303,17 +327,22 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
     cmd = argv[0] if argv else "demo"
-    if cmd == "demo":
-        return demo()
-    if cmd == "devices":
-        return devices()
+    if cmd in ("-h", "--help"):
+        print(_usage())
+        return 0
     if cmd == "check":
         return check_main(argv[1:])
     if cmd == "generate":
         return generate(argv[1:])
-    print("usage: python -m vkattn [demo|check|generate|devices]", file=sys.stderr)
+    if cmd in ("demo", "devices"):
+        try:
+            _no_options(cmd, argv[1:])
+        except SystemExit as e:                 # --help: 0; an unknown argument: 2 (argparse said why)
+            return int(e.code or 0)
+        return demo() if cmd == "demo" else devices()
+    print(f"python -m vkattn: unknown command {cmd!r}\n{_usage()}", file=sys.stderr)
     return 2
 
 

@@ -304,6 +304,9 @@ def attn_pipeline(dev, fmt, hq: int, rows: int, nn: int, nseq: int, flags: int, 
                            matrices=fmt._matrices, nseq=nseq if decode else 1)
     tiles_max = max(1, min(nseq * cfg.qtiles(rows), cfg.qtiles(rows) + nseq - 1))   # sum of ceil(q_len/bq)
     grid = (cfg.splits, tiles_max, hkv)
+    if grid[0] > dev.max_workgroup_count[0]:
+        raise DeviceLimitError(f"{grid[0]} key splits need as many workgroups in x; the device allows "
+                               f"{dev.max_workgroup_count[0]}")
     if grid[1] > dev.max_workgroup_count[1]:
         raise DeviceLimitError(f"q: {rows} rows need {grid[1]} workgroups in y; the device allows "
                                f"{dev.max_workgroup_count[1]}")

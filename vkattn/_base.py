@@ -2,7 +2,6 @@
 the plan LRU, timings and closing."""
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import numpy as np
@@ -16,7 +15,7 @@ from .device import Device, default_device
 from .errors import CacheClosedError, DeviceLimitError, VerificationError
 from .formats import DTYPES, dtype_list
 from .reference import check_fp8_scale
-from .tuning import FUSED_APPEND_MAX_ROWS, TEXEL_APPEND_MIN_WORDS, WORKGROUP, coopmat_takes, kernel_for, row_bucket, \
+from .tuning import FUSED_APPEND_MAX_ROWS, TEXEL_APPEND_MIN_WORDS, WORKGROUP, coopmat_takes, env_flag, kernel_for, row_bucket, \
     texel_kv
 
 MAX_PLANS = 8
@@ -61,7 +60,7 @@ class CacheBase:
         if device is not None and not isinstance(device, Device):
             raise TypeError(f"device: expected a vkattn.Device or None, got {type(device).__name__}")
         self.device = device or default_device()
-        self.verify = (os.environ.get("VKATTN_VERIFY", "0") not in ("", "0")) if verify is None \
+        self.verify = env_flag("VKATTN_VERIFY", False) if verify is None \
             else check_bool("verify", verify)
         if rope is not None and not isinstance(rope, RoPE):
             raise TypeError(f"rope: expected a vkattn.RoPE or None, got {type(rope).__name__}")

@@ -28,6 +28,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ._files import replace_file
+from .tuning import env_flag
+
 # what apply() sets for an affected llvmpipe (docs/platforms.md: measured against the others)
 FIX = {"GALLIUM_OVERRIDE_CPU_CAPS": "avx"}
 _KNOBS = ("LP_NATIVE_VECTOR_WIDTH", "GALLIUM_OVERRIDE_CPU_CAPS")
@@ -176,7 +179,7 @@ def _probe() -> list:
 def apply() -> dict:
     """Set :data:`FIX` in ``os.environ`` where this machine's lavapipe is affected; returns what
     it set ({} where nothing)."""
-    if os.environ.get("VKATTN_DRIVER_WORKAROUNDS", "1") == "0" or any(k in os.environ for k in _KNOBS):
+    if not env_flag("VKATTN_DRIVER_WORKAROUNDS", True) or any(k in os.environ for k in _KNOBS):
         return {}
     if not _avx512():
         return {}
@@ -203,13 +206,7 @@ def apply() -> dict:
         else:
             hit = any(affected(n, i) for n, i in drivers)
             known[key] = {"affected": hit, "drivers": [f"{n} {i}" for n, i in drivers if n == "llvmpipe"]}
-            try:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cache.with_name(f"{cache.name}.{os.getpid()}")
-                tmp.write_text(json.dumps(known, indent=1))
-                tmp.replace(cache)
-            except OSError:
-                pass
+            replace_file(cache, json.dumps(known, indent=1).encode())
     else:
         hit = bool(known[key].get("affected"))
     if hit:

@@ -505,8 +505,9 @@ def run_check(dev=None, *, quick: bool = False, repeats: int = 20, progress=None
         prefill_default = default
     # attn_coopmat.comp wherever it can run, picked or not (VKATTN_KERNEL=coopmat where it cannot:
     # the cases fail, naming why)
+    forced = tuning.forced_kernel() == "coopmat"
     kernels = ["tile"] + (["lane"] if dev.lane_subgroup() else []) + \
-        (["coopmat"] if prefill_default == "coopmat" or not dev.coopmat_problem() else [])
+        (["coopmat"] if forced or prefill_default == "coopmat" or not dev.coopmat_problem() else [])
     env = {k: v for k, v in os.environ.items() if k.startswith(("VKATTN_", "LP_", "MESA_", "RADV_", "VK_"))}
     rep = Report(device=device_facts(dev), vkattn=__version__, default_kernel=default, kernels=kernels,
                  prefill_kernel=prefill_default,
@@ -551,6 +552,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 2:
         p.error("--repeats: expected an integer >= 2")
+    if args.json != "-":                # a report path that cannot be written fails now, not after every case
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "a"):
+                pass
+        except OSError as e:
+            p.error(f"--json {args.json}: cannot write the report there ({type(e).__name__}: {e.strerror or e})")
     logging.getLogger("vkattn").setLevel(logging.WARNING)     # the table, not every first pipeline build
     try:
         dev = default_device()
@@ -590,7 +598,6 @@ def main(argv=None) -> int:
     print(f"kernel * = what vkattn picks on this device ({picks}); tolerances "
           f"{', '.join(f'{k} atol {a:g} rtol {r:g}' for k, (a, r) in TOLERANCE.items())}; storage: bit-exact")
     if args.json != "-":
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rep.to_json(), f, indent=1, default=str)
         print(f"report   : {args.json}")

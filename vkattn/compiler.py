@@ -30,6 +30,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from ._files import replace_file
 from .errors import ShaderCompileError
 from .spirv import matrix_problem, matrix_uses
 
@@ -63,7 +64,16 @@ def _package_shaders():
 
 
 def _glslang() -> str:
-    exe = os.environ.get("VKATTN_GLSLANG") or shutil.which("glslangValidator")
+    """glslangValidator's path: VKATTN_GLSLANG (a path or a name on PATH) or the one on PATH;
+    ShaderCompileError where it is missing or not an executable file."""
+    env = os.environ.get("VKATTN_GLSLANG")
+    if env:
+        exe = shutil.which(env)
+        if exe is None or not os.path.isfile(exe):
+            raise ShaderCompileError(f"VKATTN_GLSLANG={env!r}: not an executable file (point it at glslangValidator, "
+                                     f"or unset it to use the one on PATH)")
+        return exe
+    exe = shutil.which("glslangValidator")
     if not exe:
         raise ShaderCompileError(
             "glslangValidator not found: install it (Debian/Ubuntu: apt-get install glslang-tools) "
@@ -175,15 +185,7 @@ def compile_shader(name: str, defines: dict | None = None, src_dir=None) -> byte
     spirv = _read_cached(cached)
     if spirv is None:
         spirv = _run_glslang(name, src_dir, defines)
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
-            os.fchmod(fd, 0o644)        # (mkstemp's 0600 would lock other users of a shared cache out)
-            with os.fdopen(fd, "wb") as f:
-                f.write(spirv + hashlib.sha256(spirv).digest())
-            os.replace(tmp, cached)
-        except OSError:
-            pass  # a read-only home still works, just without the disk cache
+        replace_file(cached, spirv + hashlib.sha256(spirv).digest())    # (a read-only home: no disk cache)
     _audit(name, defines, spirv, logged=own)
     _memo[key] = spirv
     return spirv

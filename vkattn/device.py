@@ -16,7 +16,7 @@ from ._vkinfo import DeviceInfo, VulkanUnavailableError, query_devices
 from . import compiler
 from .errors import CacheClosedError
 from .tuning import (COMPUTE_STAGE, COOPMAT_MARGIN, COOPMAT_SUBGROUP, SUBGROUP_SHUFFLE, SUBGROUP_VOTE,
-                     TILE_CLUSTER, WORKGROUP)
+                     TILE_CLUSTER, WORKGROUP, env_flag)
 
 
 class _Limits:
@@ -332,7 +332,7 @@ class Device(_Limits):
         the integer construction that is exact everywhere (common.glsl halves_to_float), and fp8
         through its half bit patterns (fp8x4_native): the same bits, cheaper (lavapipe with F16C: decode L=4096 32/8 heads d128 about 2.05 -> 1.65 ms,
         session 31). ``VKATTN_HALF_NATIVE=0`` keeps the integer form."""
-        if os.environ.get("VKATTN_HALF_NATIVE", "").strip() == "0":
+        if not env_flag("VKATTN_HALF_NATIVE", True):
             return False
         if self._half_native is None:
             self._half_native = self._probe_halves()
@@ -472,19 +472,16 @@ def forced_tile_cluster():
 def pinning_enabled() -> bool:
     """VKATTN_PIN_SUBGROUP: "0" turns required subgroup sizes off (the probing fallback), "1" or
     unset leaves them on where the device offers them; anything else is a ValueError."""
-    env = os.environ.get("VKATTN_PIN_SUBGROUP", "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"VKATTN_PIN_SUBGROUP={env!r}: expected 0 or 1")
-    return env != "0"
+    return env_flag("VKATTN_PIN_SUBGROUP", True)
 
 
 def _pick(devices, selector: str | None) -> int:
     if selector:
         sel = selector.strip()
-        if sel.isdigit():
+        if sel.isdigit() and int(sel) < len(devices):
             return int(sel)
         for d in devices:
-            if sel.lower() in d.name.lower():
+            if not sel.isdigit() and sel.lower() in d.name.lower():     # digits: an index only
                 return d.index
         names = ", ".join(f"{d.index}: {d.name}" for d in devices)
         raise ValueError(f"VKATTN_DEVICE={selector!r} matches no Vulkan device ({names})")

@@ -302,7 +302,13 @@ class Graph:
         return None
 
     def close(self) -> None:
-        """Wait for a pending submission and free the recording."""
+        """Wait for a pending submission and free the recording. After the device's close (which
+        freed everything on it) it only forgets the recording: harmless, as a cache's close is, so
+        a ``with Graph(dev)`` body's own error is the one raised."""
+        if self.device.closed:
+            self._rec = self._handle = None
+            self._items, self._caches = [], set()
+            return
         with self.device.backend.lock:
             self._destroy_rec()
             self._items, self._caches = [], set()

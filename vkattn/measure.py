@@ -26,11 +26,13 @@ import hashlib
 import json
 import os
 import time
+from pathlib import Path
 from datetime import datetime, timezone
 
 import numpy as np
 
-from . import compiler, reference
+from . import compiler, reference, tuning
+from ._files import replace_file
 from ._attn import RoPE
 from .cache import KVCache
 from .device import register_measure
@@ -231,9 +233,16 @@ def coopmat_speed_probe(device) -> dict:
 # ------------------------------------------------------------------------------ on disk
 
 def _build_key() -> str:
-    """The shader build the verdicts hold for: compiler, every kernel source, the cases."""
+    """The shader build the verdicts hold for: compiler, every kernel source, the build switches
+    that change attn_coopmat.comp's pipelines (VKATTN_COOPMAT_TILE, _FIXED_TRIPS, _STAGE_BATCH:
+    a run with other switches measures its own build), the planner's code (tuning.py, _attn.py:
+    how the kernels are planned), the cases."""
     h = hashlib.sha256(compiler.compiler_version().encode())
     h.update(f"cases {CASES_VERSION} {COOPMAT_PROBE} {COOPMAT_PROBE_ROUNDS}".encode())
+    h.update(f"switches {tuning.coopmat_tile()} {tuning.coopmat_fixed_trips()} {tuning.coopmat_stage_batch()}".encode())
+    here = Path(__file__).resolve().parent
+    for name in ("tuning.py", "_attn.py"):
+        h.update(here.joinpath(name).read_bytes())
     src = compiler.shader_dir()
     for name in sorted(p.name for p in src.iterdir() if p.name.endswith((".comp", ".glsl"))):
         h.update(name.encode())
@@ -246,7 +255,7 @@ def _path(device):
 
 
 def _enabled() -> bool:
-    return os.environ.get("VKATTN_MEASURE_CACHE", "1") != "0"
+    return tuning.env_flag("VKATTN_MEASURE_CACHE", True)
 
 
 def _load(device) -> dict:
@@ -272,13 +281,7 @@ def _store(device, name: str, value) -> None:
     entry["device"] = device.key
     entry[f"{name}_when"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     found = {key: entry}                # verdicts of other builds are stale: dropped
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(found, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass                            # a read-only home still works, measuring per process
+    replace_file(path, json.dumps(found, indent=1).encode())     # (a read-only home: measured per process)
 
 
 def _valid_speed(v) -> bool:

@@ -163,7 +163,7 @@ def coopmat_fixed_trips() -> bool:
     words were walked from the lane index (before session 24) NAK kept o[] in local memory, read and
     written at every key block. VKATTN_COOPMAT_FIXED_TRIPS=0 builds the earlier loops (to time both
     on a GPU: perf/gpu_session.sh)."""
-    return _flag("VKATTN_COOPMAT_FIXED_TRIPS", True)
+    return env_flag("VKATTN_COOPMAT_FIXED_TRIPS", True)
 
 
 def coopmat_stage_batch() -> bool:
@@ -171,7 +171,7 @@ def coopmat_stage_batch() -> bool:
     is stored to shared memory, so their memory latencies overlap (NVK's NAK kept each load beside
     its store and waited for it, 8 words a thread at float16 d128). VKATTN_COOPMAT_STAGE_BATCH=0
     builds the word-at-a-time loop (perf/gpu_session.sh times both)."""
-    return _flag("VKATTN_COOPMAT_STAGE_BATCH", True)
+    return env_flag("VKATTN_COOPMAT_STAGE_BATCH", True)
 
 
 def tile_merge_batch() -> int | None:
@@ -210,12 +210,14 @@ def tile_v_early() -> bool:
     until a GPU times it (perf/gpu_session.sh's vearly step): RADV builds the same code either way
     (ACO hoists those loads already), NVK's float16 decode 128 GPRs instead of 120 at the same 16
     warps per SM (perf/gpu_report_nvk.md)."""
-    return _flag("VKATTN_TILE_V_EARLY", False)
+    return env_flag("VKATTN_TILE_V_EARLY", False)
 
 
-def _flag(name: str, default: bool) -> bool:
-    """A 0/1 variable, ``default`` where unset (ValueError naming it for anything else)."""
-    env = os.environ.get(name, "")
+def env_flag(name: str, default: bool) -> bool:
+    """A 0/1 variable (surrounding blanks ignored), ``default`` where unset or empty; ValueError
+    naming it for anything else (every VKATTN_* switch is read through here: "false", "off" or
+    "no" turned some on before)."""
+    env = os.environ.get(name, "").strip()
     if env not in ("", "0", "1"):
         raise ValueError(f"{name}={env!r}: expected 0 or 1")
     return default if env == "" else env == "1"
@@ -293,7 +295,7 @@ def _texel_views(device, kernel: str, texels: int | None) -> bool:
     """The lane kernel, texel views not turned off (VKATTN_TEXEL_KV=0), a device that binds them
     (a planning device: never) and a view of ``texels`` (four words each; None: not known yet)
     within its maxTexelBufferElements."""
-    if kernel != "lane" or os.environ.get("VKATTN_TEXEL_KV", "1").strip() == "0":
+    if kernel != "lane" or not env_flag("VKATTN_TEXEL_KV", True):
         return False
     if not getattr(device, "texel_buffers", False):
         return False
@@ -501,6 +503,9 @@ def decode_splits(device, kernel: str, num_kv_heads: int, capacity: int, nseq: i
     if env:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"VKATTN_DECODE_SPLITS={env!r}: expected a positive integer")
+        if int(env) > device.max_workgroup_count[0]:     # a split is a workgroup in x
+            raise ValueError(f"VKATTN_DECODE_SPLITS={env!r}: the device allows {device.max_workgroup_count[0]} "
+                             f"workgroups in x, one a split")
         return int(env)
     cores = os.cpu_count() or 1
     if kernel == "lane":

@@ -99,15 +99,16 @@ test-subgroup16: setup
 # attn_coopmat.comp (cooperative matrices): its parity tests under the Khronos layer's
 # synchronization validation (less the tests that rerun the self-test with a wrong reference and
 # the speed probe's, whose recordings are the parity tests' own: minutes under the layer, and the GPU
-# build's, which make test-platform runs: its unrolled pipelines compile for seconds),
-# then the bounds sweep's coopmat cases under GPU-assisted validation (two processes: int8's cases and the rest)
+# build's, which make test-platform runs: its unrolled pipelines compile for seconds), and the
+# planner's fallback from it for the formats its matrices cannot hold (bfloat16, q4; fp8 taken),
+# whose real-device branch runs only where the kernel can; then the bounds sweep's coopmat cases under GPU-assisted validation (two processes: int8's cases and the rest)
 # (0 messages each). They skip, naming why, where the device or glslang has no cooperative
 # matrices; CI runs this on Mesa 26's lavapipe (scripts/distro.sh trixie --mesa backports), its
 # sync pass alone (VKATTN_VALIDATION=sync make test-coopmat): the coopmat cases run there in the
 # whole GPU-AV sweep (VKATTN_VALIDATION=gpuav scripts/validation.sh)
 test-coopmat: setup
-	VKATTN_REQUIRE_COOPMAT=1 VKATTN_GPUAV_KERNELS="coopmat and not int8;coopmat and int8" bash scripts/validation.sh tests/test_coopmat.py tests/test_check.py \
-		-k "coopmat and not failed_case_is_named and not speed_probe and not gpu_build" --durations=5
+	VKATTN_REQUIRE_COOPMAT=1 VKATTN_GPUAV_KERNELS="coopmat and not int8;coopmat and int8" bash scripts/validation.sh tests/test_coopmat.py tests/test_check.py tests/test_bfloat16.py tests/test_q4.py tests/test_fp8.py \
+		-k "coopmat and not failed_case_is_named and not speed_probe and not gpu_build and not cannot_run" --durations=5
 
 # every shader variant, and every module a test run logged (SHADER_LOG=file: the run's
 # VKATTN_SHADER_LOG), compiled by this glslang and glslang 13.1.1, validated by spirv-val 2025.5

@@ -86,16 +86,17 @@ uint cache_row(uint bt, uint h, uint j) {
 // for every query vector of a tile, also the padding ones (a row past q_len, a head past the
 // tile's G): the head and row are clamped into the mask (the caller discards those scores) and
 // j must be a key of the sequence (< past + n_new), so the read never leaves the sequence's mask.
-// The entry is used as written: whoever writes masks into aux applies vkattn.reference.attention's
-// MASK_LIMIT rule first -- an entry below -2^127 is -inf (a mask built from float32's lowest
-// value, as transformers builds them, masks its key; times log2(e) such entries would overflow
-// from -2.36e38 on, and mask only some), none lies above 2^127 -- the host's mask checks
-// (vkattn._attn.check_mask) for numpy masks, mask_copy.comp for device ones; so every finite
-// entry times log2(e) stays finite.
+// An entry below -2^127 counts as -inf (a mask built from float32's lowest value, as transformers
+// builds them, masks its key; times log2(e) such entries would overflow from -2.36e38 on, and
+// mask only some) -- vkattn.reference.attention's MASK_LIMIT rule. None lies above 2^127: the
+// host refuses such numpy masks, and mask_copy.comp clamps device masks to 2^127 as it copies
+// them (it applies the whole rule; this test stays for the numpy masks the host writes as they
+// are: a pass over a large mask on the host would cost more than the test per score).
 float mask_at(Seq sq, uint hq, uint r, uint j) {
     const uint r_in = min(r, sq.q_len - 1u);
     const uint row = AUX_MASK_HEADS != 0u ? min(hq, gl_NumWorkGroups.z * G - 1u) * sq.q_len + r_in : r_in;
-    return uintBitsToFloat(AUX_LANE(sq.mask + row * (sq.past + sq.n_new) + j)) * LOG2E;
+    const float m = uintBitsToFloat(AUX_LANE(sq.mask + row * (sq.past + sq.n_new) + j));
+    return (m < -uintBitsToFloat(0x7f000000u) ? uintBitsToFloat(0xff800000u) : m) * LOG2E;
 }
 
 // c * tanh(s / c), finite for every s (c > 0, a normal float: the host checks the softcap). GLSL

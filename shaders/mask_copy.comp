@@ -15,10 +15,10 @@
 // numpy (T = past + n_new, o = the record's mask offset, rule(): below):
 //   aux[o:o + HEADS*q_len*T] = rule(src.reshape(HEADS*q_len, COLS)[:, :T]).ravel().view(np.uint32)
 //
-// Each value is copied with vkattn.reference.attention's MASK_LIMIT rule applied, as the host's
-// mask check applies it to numpy masks (the kernels' mask_at reads entries as written): below
-// -2^127 it is -inf, above 2^127 it is 2^127, any other value bit for bit (NaN stays undefined:
-// the host checks shapes, not values, as the mask is not read back).
+// Each value is copied with vkattn.reference.attention's MASK_LIMIT rule applied: below -2^127 it
+// is -inf, above 2^127 it is 2^127 (the kernels' mask_at reads entries up to 2^127 only: the host
+// refuses larger numpy masks), any other value bit for bit (NaN stays undefined: the host checks
+// shapes, not values, as the mask is not read back).
 //   rule(m) = np.where(m < -2**127, -inf, np.minimum(m, 2**127))
 // One invocation per word, a grid-stride loop over HEADS*q_len*T.
 layout(local_size_x_id = 0) in;

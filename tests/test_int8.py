@@ -91,10 +91,13 @@ def test_int8_paged_fork_and_variants(device, rng, monkeypatch, kernel):
         np.testing.assert_allclose(lse[:, i:i + 1], ref_lse, atol=2e-5, rtol=2e-4)
 
 
-def test_int8_verify_mode(device, rng):
+def test_int8_verify_mode(device, rng, monkeypatch):
     cache = vkattn.KVCache(50, 2, 24, dtype="int8", device=device, verify=True)
     cache.append(*rand_kv(rng, cache, 30))
-    cache.forward(rand_q(rng, cache, 2, 3), *rand_kv(rng, cache, 3))
+    cache.forward(rand_q(rng, cache, 2, 3), *rand_kv(rng, cache, 3))     # passes against the int8 values
+    monkeypatch.setitem(vkattn.reference.TOLERANCE, "int8", (-1.0, 0.0))   # any result fails now
+    with pytest.raises(vkattn.VerificationError, match="max abs error"):
+        cache.attend(rand_q(rng, cache, 2, 1))
     assert round_to(np.ones((1, 1, 4), np.float32), "int8").tolist() == [[[1.0, 1.0, 1.0, 1.0]]]
 
 

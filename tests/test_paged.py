@@ -247,6 +247,26 @@ def test_verify_mode_and_memory_report(device, rng):
     assert sids == [7, 0]
     x = rng.standard_normal((2, 5, 8)).astype(np.float32)
     cache.forward(sids, rng.standard_normal((2, 5, 8)).astype(np.float32), x, x, n_new=[2, 3])
+    # verify mode checks each sequence of a batch: a tolerance nothing meets fails the next call,
+    # and a wrong row in one sequence only (its output patched after the kernel) fails it too
+    q1 = rng.standard_normal((2, 2, 8)).astype(np.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(vkattn.reference.TOLERANCE, "float16", (-1.0, 0.0))
+        with pytest.raises(vkattn.VerificationError, match="max abs error"):
+            cache.forward(sids, q1, x[:, :2], x[:, :2])
+    assert [cache.length(s) for s in sids] == [3, 4]     # checked after the call: its rows stay (docs/errors.md)
+    for s, n in zip(sids, (2, 3)):
+        cache.truncate(s, n)
+    with pytest.MonkeyPatch.context() as mp:
+        real = vkattn.reference.attention
+        def off_in_the_second(q, *a, **k):
+            got = real(q, *a, **k)
+            if a[0].shape[1] != 4:                    # the second sequence's 3 + 1 keys: off by one
+                return got
+            return (got[0] + 1.0, got[1]) if isinstance(got, tuple) else got + 1.0
+        mp.setattr(vkattn.reference, "attention", off_in_the_second)
+        with pytest.raises(vkattn.VerificationError):
+            cache.forward(sids, q1, x[:, :2], x[:, :2])
     assert cache.bytes_per_token == 2 * 16 * 2          # 8 halves = one 16-byte row per head, K and V
     assert cache.nbytes == 10 * 4 * cache.bytes_per_token
     cache.close()

@@ -139,12 +139,20 @@ def test_checked_variants_are_kept_and_bad_ones_raise_every_time():
         assert check_variant(4, window=w).window == w
 
 
-def test_verify_mode_covers_variants(device, rng):
+def test_verify_mode_covers_variants(device, rng, monkeypatch):
+    """verify=True checks a call with every score variant against the reference with the same
+    variants: the result passes (a check without them would fail it), and a tolerance nothing
+    meets makes the same call fail (a check skipped for variants would not)."""
     cache = vkattn.KVCache(64, 1, 8, device=device, verify=True)
     cache.append(*rand_kv(rng, cache, 30))
     q = rand_q(rng, cache, 2, 4)
-    out = cache.attend(q, window=5, n_sink=2, softcap=3.0, alibi_slopes=np.array([0.1, 0.2], np.float32))
-    assert out.shape == (2, 4, 8)
+    kw = dict(window=5, n_sink=2, softcap=3.0, alibi_slopes=np.array([0.1, 0.2], np.float32),
+              mask=rng.standard_normal((4, 30)).astype(np.float32))
+    out = cache.attend(q, **kw)
+    assert_close(out, vkattn.reference.attention(q, *cache.read(), **kw, causal=True), "float16")
+    monkeypatch.setitem(vkattn.reference.TOLERANCE, "float16", (-1.0, 0.0))   # any result fails now
+    with pytest.raises(vkattn.VerificationError, match="max abs error"):
+        cache.attend(q, **kw)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -168,7 +168,7 @@ def _check_variant(num_qo_heads: int, window, n_sink, softcap, alibi_slopes) -> 
 def check_mask(mask, num_qo_heads: int, s: int, total: int, device, name: str = "mask"):
     """An additive mask (s, total) or (num_qo_heads, s, total): numpy (-inf or finite entries at
     most MASK_LIMIT = 2**127 -- entries below -MASK_LIMIT count as -inf, as in
-    vkattn.reference.attention; returned as contiguous float32 with those entries -inf) or a vkattn.DeviceArray on ``device`` of shape (s, C) or
+    vkattn.reference.attention, as the kernels' mask_at reads them; returned as contiguous float32) or a vkattn.DeviceArray on ``device`` of shape (s, C) or
     (num_qo_heads, s, C) with C >= total -- its first ``total`` columns are the mask, so one array
     as wide as a cache's capacity serves every step of a replayed graph -- returned as it is (its
     values are not read: shaders/mask_copy.comp copies them on the device)."""
@@ -195,15 +195,6 @@ def check_mask(mask, num_qo_heads: int, s: int, total: int, device, name: str = 
     if mask.size and mask.max() > MASK_LIMIT:
         raise ValueError(f"{name}: finite entries must be at most 2**127 = {MASK_LIMIT:.4g} (the kernels scale "
                          f"them by log2(e)); got {float(mask.max()):g}")
-    return masked_below_limit(mask)
-
-
-def masked_below_limit(mask: np.ndarray) -> np.ndarray:
-    """A checked float32 mask with its entries below -MASK_LIMIT made -inf (reference.attention's
-    rule), itself where it has none: the kernels read masks as written (attn_common.glsl mask_at
-    scales each entry and tests nothing; shaders/mask_copy.comp applies the rule to device masks)."""
-    if mask.size and mask.min() < -MASK_LIMIT:
-        return np.where(mask < -MASK_LIMIT, np.float32(-np.inf), mask)
     return mask
 
 
@@ -215,7 +206,7 @@ def fast_mask(mask, num_qo_heads: int, s: int, total: int):
                                                                    and mask.shape != (num_qo_heads, s, total)):
         return None
     mask = as_f32(mask)
-    return masked_below_limit(mask) if mask.max() <= MASK_LIMIT else None
+    return mask if mask.max() <= MASK_LIMIT else None
 
 
 def as_f32(x: np.ndarray) -> np.ndarray:

@@ -235,6 +235,49 @@ def test_a_kvcache_file_loads_into_a_paged_sequence_and_back(device, rng, tmp_pa
     assert same_bits(bits(a), bits(b))
 
 
+def test_a_salted_sequence_keeps_its_salt_through_save_and_load(device, rng, tmp_path):
+    """The prefix cache's salt survives save / load: the loaded sequence's full blocks match
+    requests of its salt only (they came back unsalted, so another salt's -- or no salt's --
+    request with the same ids was handed this salt's K/V); an explicit ``salt=`` is checked
+    against the file's (CacheFileMismatchError naming it, nothing changed) and supplies one
+    where the file keeps none (a KVCache's file)."""
+    ids = list(range(100, 112))
+    p = paged(device)
+    a = p.add_sequence(token_ids=[], salt="adapter-A")
+    x = rand(rng, HKV, 12, D)
+    p.append([a], x, rand(rng, HKV, 12, DV), n_new=[12], token_ids=[ids])
+    assert p.match_prefix(ids + [1], salt="adapter-A") == 10 and p.match_prefix(ids + [1]) == 0
+    p.save_sequence(a, tmp_path / "a.safetensors", token_ids=ids)
+    q = paged(device)
+    with pytest.raises(vkattn.CacheFileMismatchError, match="another salt") as e:
+        q.load_sequence(tmp_path / "a.safetensors", salt="adapter-B")
+    assert e.value.field == "salt" and q.sequences == [] and q.free_blocks == q.num_blocks
+    sid, got = q.load_sequence(tmp_path / "a.safetensors")
+    assert got.tolist() == ids and same_state(q.read(sid), p.read(a))
+    assert q.match_prefix(ids + [1], salt="adapter-A") == 10
+    assert q.match_prefix(ids + [1]) == 0 and q.match_prefix(ids + [1], salt="adapter-B") == 0
+    q.load_sequence(tmp_path / "a.safetensors", salt="adapter-A")        # the file's own salt: fine
+    # a KVCache's file keeps no salt: ``salt=`` gives its blocks one
+    k = filled(device, rng, 12)
+    k.save(tmp_path / "kv.safetensors", token_ids=ids)
+    r = paged(device)
+    r.load_sequence(tmp_path / "kv.safetensors", salt=b"adapter-C")
+    assert r.match_prefix(ids + [1], salt=b"adapter-C") == 10 and r.match_prefix(ids + [1]) == 0
+
+
+def test_an_empty_sequence_saves_with_its_empty_token_ids(device, tmp_path):
+    """``token_ids=[]`` -- what token_ids() gives for an empty sequence -- saves and loads (numpy
+    reads [] as float64: it was a TypeError about a dtype the caller never gave)."""
+    p = paged(device)
+    s = p.add_sequence(token_ids=[])
+    p.save_sequence(s, tmp_path / "e.safetensors", token_ids=p.token_ids(s))
+    sid, got = p.load_sequence(tmp_path / "e.safetensors")
+    assert p.length(sid) == 0 and got.tolist() == []
+    kv_cache(device).save(tmp_path / "k.safetensors", token_ids=[])
+    with pytest.raises(TypeError, match="expected integers"):
+        p.save_sequence(s, tmp_path / "f.safetensors", token_ids=[0.5])     # a float id: still refused
+
+
 # ---------------------------------------------------------------------- errors
 
 @pytest.fixture

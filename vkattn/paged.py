@@ -16,9 +16,9 @@ from .checks import check_array, check_bool, check_int, check_scale
 from .compiler import compile_shader
 from . import persist
 from .device import Device
-from .errors import CacheFullError
+from .errors import CacheFileMismatchError, CacheFullError
 from .array import DeviceArray, buffers
-from .paging import _INT, _LIST, BlockPool, UnknownSequenceError, _plain_ids, _slots_of
+from .paging import _INT, _LIST, BlockPool, UnknownSequenceError, _plain_ids, _slots_of, root_hash
 from .tuning import FUSED_APPEND_MAX_ROWS, WORKGROUP, decode_key_bound, kernel_for, own_splits, row_bucket
 
 
@@ -519,14 +519,17 @@ class PagedKVCache(CacheBase):
         """Write sequence ``seq_id`` to the file ``path``, as :meth:`KVCache.save` writes a
         cache (the same file format: either loads into the other): its positions in order, as
         stored, with the settings a load checks, this cache's block size (informational) and a
-        checksum. ``token_ids``: optional (length,) integers, returned by :meth:`load_sequence`.
-        The cache is not changed."""
+        checksum. ``token_ids``: optional (length,) integers, returned by :meth:`load_sequence`;
+        the file also keeps the hash of the salt the sequence was added with (not the salt), so
+        that a load puts its blocks back in the prefix cache under that salt. The cache is not
+        changed."""
         with self._lock:
             self._check_open()
             slots = self._pool.slots(seq_id, 0, self._pool.length(seq_id))
-            persist.save_sequence(self, slots, path, token_ids, block_size=self.block_size)
+            persist.save_sequence(self, slots, path, token_ids, block_size=self.block_size,
+                                  salt_root=self._pool.root(seq_id).hex())
 
-    def load_sequence(self, path, seq_id: int | None = None) -> tuple:
+    def load_sequence(self, path, seq_id: int | None = None, salt=None) -> tuple:
         """Add a sequence holding a file that :meth:`save_sequence` or KVCache.save wrote (on
         this device or another, any block size), bit for bit as stored. ``seq_id``: its id (an
         unused one; default the smallest free). The file must be intact
@@ -535,19 +538,27 @@ class PagedKVCache(CacheBase):
         free blocks (CacheFullError); an id in use is a ValueError. Every check runs before
         anything is written: on any error the cache is unchanged. Returns ``(seq_id,
         token_ids)``: the new sequence's id and the token ids saved with it ((length,) int64,
-        or None); the sequence knows them, so its full blocks enter the prefix cache."""
+        or None); the sequence knows them, so its full blocks enter the prefix cache -- under the
+        salt it was saved with (the file keeps its hash): blocks of one salt never match another
+        salt's requests. ``salt``: None (the file's), or the salt the caller expects, checked
+        against the file's where it keeps one (CacheFileMismatchError naming ``salt``) and used
+        where it keeps none (a KVCache's file)."""
         with self._lock:
             self._check_open()
-            n, tensors, token_ids = persist.read_sequence(self, path)
-            return self._restore_sequence(n, tensors, seq_id=seq_id, token_ids=token_ids), token_ids
+            root = None if salt is None else root_hash(salt)
+            n, tensors, token_ids, saved = persist.read_sequence(self, path, with_root=True)
+            if root is not None and saved is not None and root != saved:
+                raise CacheFileMismatchError(f"{path}: saved under another salt than the one given", "salt")
+            sid = self._restore_sequence(n, tensors, seq_id=seq_id, token_ids=token_ids, root=saved or root)
+            return sid, token_ids
 
     def _restore_sequence(self, n: int, tensors: dict, prefix: str = "", seq_id: int | None = None,
-                          token_ids=None) -> int:
+                          token_ids=None, root: bytes | None = None) -> int:
         """A new sequence (id ``seq_id`` or the smallest free) of ``n`` positions of checked file
         tensors (names prefixed by ``prefix``; vkattn.persist), written as stored, knowing
-        ``token_ids`` ((n,) ints) if given; its id. A bad id or too few free blocks raise before
-        anything is written."""
-        sid = self._pool.add(seq_id)
+        ``token_ids`` ((n,) ints) if given, under the salt hash ``root`` (None: no salt); its id.
+        A bad id or too few free blocks raise before anything is written."""
+        sid = self._pool.add(seq_id, root=root)
         try:
             try:
                 plan = self._pool.plan_append([sid], [n], token_ids=None if token_ids is None else [token_ids])

@@ -398,7 +398,7 @@ class BlockPool:
 
     # ------------------------------------------------------------------ sequences
 
-    def add(self, seq_id: Optional[int] = None, token_ids=None, salt=None) -> int:
+    def add(self, seq_id: Optional[int] = None, token_ids=None, salt=None, root: Optional[bytes] = None) -> int:
         """Add a sequence and return its id (the smallest unused one if None).
 
         Without ``token_ids`` it is empty. With them (the ids of the prompt the caller is about to
@@ -408,9 +408,10 @@ class BlockPool:
         (their K/V are in the cache); append the rest, with their token ids so that the blocks
         they fill become cacheable. ``salt`` (None, str or bytes) separates caches whose equal
         token ids do not mean equal K/V; a block matches only blocks registered under the same salt.
+        ``root``: the salt's root hash itself (root_hash; a saved sequence's), instead of ``salt``.
         """
         seq_id = self._new_id("seq_id", seq_id)
-        root = root_hash(salt)
+        root = root_hash(salt) if root is None else root
         token_ids = [] if token_ids is None else check_token_ids("token_ids", token_ids)
         matched = self._match(token_ids, root)
         for block, _ in matched:
@@ -423,6 +424,10 @@ class BlockPool:
         self._roots[seq_id] = root
         self._version += 1
         return seq_id
+
+    def root(self, seq_id: int) -> bytes:
+        """The root hash of ``seq_id``'s blocks (root_hash of the salt it was added with)."""
+        return self._roots[self._known("seq_id", seq_id)]
 
     def match_prefix(self, token_ids, salt=None) -> int:
         """How many leading tokens of ``token_ids`` :meth:`add` would find cached now (whole

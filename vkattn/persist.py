@@ -211,7 +211,7 @@ def check_token_ids(token_ids, shape: tuple):
         t = np.asarray(token_ids)
     except Exception as e:
         raise TypeError(f"token_ids: expected integers, got {type(token_ids).__name__} ({e})") from e
-    if t.dtype.kind not in "iu":
+    if t.size and t.dtype.kind not in "iu":      # (an empty list is float64 to numpy: an empty sequence's ids)
         raise TypeError(f"token_ids: expected integers, got dtype {t.dtype}")
     if t.shape != tuple(shape):
         raise ValueError(f"token_ids: expected shape {tuple(shape)} (one id per stored position), got {t.shape}")
@@ -352,15 +352,27 @@ def save_sequence(c, slots: np.ndarray, path, token_ids=None, **extra) -> None:
     write_file(path, SEQUENCE, dict(format_meta(c), length=n, source=type(c).__name__, **extra), tensors)
 
 
-def read_sequence(c, path) -> tuple:
+def read_sequence(c, path, with_root: bool = False) -> tuple:
     """(length, tensors, token_ids or None) of a sequence file, checked against cache ``c``'s
-    format: everything a load needs to know before it writes."""
+    format: everything a load needs to know before it writes; ``with_root``: and the prefix
+    cache's root hash the file was saved under (32 bytes: a PagedKVCache sequence's, its salt's;
+    None where the file has none -- a KVCache's, or a file from before session 45)."""
     path = check_path(path)
     meta, tensors = read_file(path, (SEQUENCE,))
     check_format(meta, c, path)
     n = meta_int(meta, "length", path)
     check_tensors(tensors, expected_tensors(c, n), path, {"token_ids": (np.dtype(np.int64), (n,))})
-    return n, tensors, tensors.get("token_ids")
+    if not with_root:
+        return n, tensors, tensors.get("token_ids")
+    root = meta.get("salt_root")
+    if root is not None:
+        try:
+            root = bytes.fromhex(root)
+        except ValueError:
+            root = b""
+        if len(root) != 32:
+            raise CacheFileCorruptError(f"{path}: salt_root is not a 32-byte hash")
+    return n, tensors, tensors.get("token_ids"), root
 
 
 def file_info(path) -> dict:

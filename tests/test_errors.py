@@ -252,3 +252,49 @@ def test_switches_take_0_or_1_only(device, monkeypatch, var):
         assert read() is False
         monkeypatch.setenv(var, "1")
         assert read() is True
+
+
+@pytest.mark.parametrize("dtype,big", [("float16", 60000.0), ("bfloat16", 3e38), ("float32", 3e38), ("fp8_e5m2", 3e38),
+                                       ("int8", 3e38)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_keys_a_rope_would_rotate_past_the_range_are_refused(device, rng, dtype, big, paged):
+    """A cache with a RoPE stores rotated keys, and a rotated value is as large as its pair's
+    length (up to sqrt(2) times its larger value): keys within the format's range whose rotation
+    is not were stored as Inf, and every later output that saw them was NaN. Now a ValueError
+    naming the rope, nothing written; the same keys at 2/3 the size are stored finite, as the
+    reference rotates and rounds them."""
+    rope = vkattn.RoPE(style="neox" if dtype != "int8" else "gptj")
+    if paged:
+        c = vkattn.PagedKVCache(4, 4, 1, 8, dtype=dtype, device=device, rope=rope)
+        sid = c.add_sequence()
+        call = lambda k: c.append([sid], k, np.ones((1, 2, 8), np.float32), n_new=[2])   # noqa: E731
+        length = lambda: c.length(sid)                                                   # noqa: E731
+        read = lambda: c.read(sid)                                                       # noqa: E731
+    else:
+        c = vkattn.KVCache(8, 1, 8, dtype=dtype, device=device, rope=rope)
+        call = lambda k: c.append(k, np.ones((1, 2, 8), np.float32))                     # noqa: E731
+        length = lambda: c.length                                                        # noqa: E731
+        read = c.read
+    k = np.full((1, 2, 8), big, np.float32)
+    with pytest.raises(ValueError, match="k: the cache's rope rotates pairs of values"):
+        call(k)
+    assert length() == 0
+    call(k / 1.5)
+    ks, _ = read()
+    assert length() == 2 and np.isfinite(ks).all()
+    want = vkattn.reference.round_to(vkattn.reference.rope(k / 1.5, np.arange(2), style=rope.style), dtype,
+                                     **({"scale": c.k_scale} if dtype.startswith("fp8") else {}))
+    assert np.array_equal(ks, want)
+
+
+def test_an_int8_row_at_float32s_largest_value_is_refused(device):
+    """int8 stores max / 127 as each row's scale: at float32's largest value that rounds up and
+    127 times it is Inf (the row read back Inf, as the reference's definition has it); that one
+    value is refused, the one below it stored finite."""
+    from vkattn.formats import INT8_MAX_ABS
+    c = vkattn.KVCache(8, 1, 4, dtype="int8", device=device)
+    with pytest.raises(ValueError, match="int8 range"):
+        c.append(np.array([[[np.finfo(np.float32).max, 1, -1, 0]]], np.float32), np.ones((1, 1, 4), np.float32))
+    assert c.length == 0
+    c.append(np.array([[[INT8_MAX_ABS, 1, -1, 0]]], np.float32), np.ones((1, 1, 4), np.float32))
+    assert np.isfinite(c.read()[0]).all() and c.read()[0][0, 0, 0] == np.float32(INT8_MAX_ABS)

@@ -992,6 +992,8 @@ def set_storage(c) -> None:
     c._defines = dict(fmt.defines)
     c._matrices = fmt.matrices
     c._max_abs = None if fmt.max_abs is None else (fmt.max_abs, fmt.name)
+    rope = getattr(c, "rope", None)     # keys its RoPE rotates: their pairs are checked (checks.check_rotated)
+    c._rotary = None if rope is None or fmt.rotation_room else (rope.dim(c.head_dim), rope.style)
 
 
 class StorageFormat:

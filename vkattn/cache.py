@@ -386,7 +386,8 @@ class KVCache(CacheBase):
         if isinstance(k, DeviceArray) or isinstance(v, DeviceArray):
             k, v = self._check_device_kv(k, v, None)
         else:
-            k = check_array("k", k, (self.num_kv_heads, None, self.head_dim), max_abs=self._max_abs)
+            k = check_array("k", k, (self.num_kv_heads, None, self.head_dim), max_abs=self._max_abs,
+                            rotary=self._rotary)
             v = check_array("v", v, (self.num_kv_heads, None, self.v_head_dim), max_abs=self._max_abs)
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"v: expected {k.shape[1]} positions like k, got {v.shape[1]}")

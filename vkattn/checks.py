@@ -11,13 +11,17 @@ FP16_MAX = 65504.0
 
 
 def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: bool = False,
-                max_abs: tuple | None = None) -> np.ndarray:
+                max_abs: tuple | None = None, rotary: tuple | None = None) -> np.ndarray:
     """Validate ``x`` and return it as a C-contiguous float32 array.
 
     ``shape`` holds an int (that exact size) or ``None`` (any size >= 1) per axis. Raises TypeError for a non-numpy or non-float input, ValueError for a wrong
     rank, a wrong size, a non-finite value (if ``finite``) or, with ``fp16_range``, a value a
     float16 cache cannot hold; with ``max_abs`` = (limit, storage dtype name), a value above the
-    limit in magnitude, which that cache would store as Inf (a cache's ``_max_abs``).
+    limit in magnitude, which that cache would store as Inf (a cache's ``_max_abs``); with
+    ``rotary`` = (rotary_dim, style) -- keys a cache's RoPE rotates before storing them -- a pair
+    of values whose rotation can reach past that limit (float32's largest value where the
+    format has none): a rotated value is as large as its pair's length, up to sqrt(2) times its
+    larger value.
     """
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
@@ -35,7 +39,30 @@ def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: boo
     if max_abs is not None and x.size and float(np.abs(x).max()) > max_abs[0]:
         limit, dtype = max_abs
         raise ValueError(f"{name}: values exceed the {dtype} range (|x| > {limit:.8g}) of this {dtype} cache")
+    if rotary is not None and x.size:
+        check_rotated(name, x, rotary, FP16_MAX if fp16_range else None, max_abs)
     return x
+
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def check_rotated(name: str, x: np.ndarray, rotary: tuple, fp16_limit, max_abs) -> None:
+    """check_array's test of keys a RoPE rotates: every rotated pair's length (float64) at most
+    the storage's limit, less 2**-20 of it (the float32 rotation's rounding: cos and sin rounded,
+    two products and a sum, within 2**-22 of the length). Only reached where plainly_finite did
+    not pass the array (then every value is below 1.9e19, and so is every rotated one)."""
+    rd, style = rotary
+    h = rd // 2
+    y = x.astype(np.float64)
+    a, b = (y[..., :h], y[..., h:rd]) if style == "neox" else (y[..., 0:rd:2], y[..., 1:rd:2])
+    top = float(np.hypot(a, b).max())
+    limit, dtype = max_abs or (FLT_MAX, "float32")
+    if fp16_limit is not None and fp16_limit < limit:
+        limit, dtype = fp16_limit, "float16"
+    if top > limit * (1 - 2.0 ** -20):
+        raise ValueError(f"{name}: the cache's rope rotates pairs of values; a pair of length {top:.8g} can reach "
+                         f"past the {dtype} range ({limit:.8g}) of this cache, which would store Inf")
 
 
 # plainly_finite's dot overflowing to Inf is its signal, not a fault: numpy's warning for it is

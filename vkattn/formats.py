@@ -18,8 +18,12 @@ cache creation (the fp8 formats: value = decode(byte) * scale, vkattn.reference.
 ``max_abs``: the largest
 |x| a cache accepts from numpy (a larger value would be stored as Inf: float16 refuses what
 passes its largest value, 65504, as it always has; bfloat16 exactly what rounds to Inf, from
-0x7f7f8000 on; q4 above 2^126, where a level could pass float32's range); None: any finite value
-(the fp8 formats saturate finite overflow).
+0x7f7f8000 on; q4 above 2^126, where a level could pass float32's range; int8 float32's largest
+value itself, whose row scale (max / 127, rounded to nearest) rounds up so that 127 times it is
+Inf -- every smaller value reads back finite); None: any finite value (the fp8 formats saturate
+finite overflow). A cache with a RoPE also refuses keys whose rotated pairs could pass the
+format's limit (float32's largest value where it has none): vkattn.checks.check_rotated; not q4,
+whose limit leaves room for that growth (``rotation_room``).
 """
 from __future__ import annotations
 
@@ -29,6 +33,10 @@ import numpy as np
 
 from .checks import FP16_MAX
 from .reference import BF16_FINITE_INPUT, Q4_MAX_ABS
+
+# the largest |x| an int8 row takes: one float32 below float32's largest value (that value's scale
+# max / 127 rounds up, and 127 times the scale overflows: the row would read back Inf)
+INT8_MAX_ABS = float(np.nextafter(np.float32(np.finfo(np.float32).max), np.float32(0)))
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class KVFormat:
     max_abs: float | None = None  # numpy inputs above this magnitude are refused
     head_scale: bool = False      # a float32 scale per kv head (K and V), set at creation (fp8)
     block_scale: bool = False     # a parameter word per 16-value block, after the row's data words (q4)
+    rotation_room: bool = False   # max_abs leaves room for RoPE's growth of a key (q4: Q4_MAX_ABS)
 
     @property
     def ch(self) -> int:
@@ -58,7 +67,8 @@ FORMATS = {
                         matrices=False),
     "float16": KVFormat("float16", 8, {"KV_F16": 1, "KV_I8": 0}, np.uint16, np.dtype(np.float16),
                         max_abs=FP16_MAX),
-    "int8": KVFormat("int8", 16, {"KV_F16": 0, "KV_I8": 1}, np.uint8, np.dtype(np.int8), row_scale=True),
+    "int8": KVFormat("int8", 16, {"KV_F16": 0, "KV_I8": 1}, np.uint8, np.dtype(np.int8), row_scale=True,
+                     max_abs=INT8_MAX_ABS),
     # numpy has no bfloat16: files hold its bits as uint16, the metadata's dtype says "bfloat16"
     "bfloat16": KVFormat("bfloat16", 8, {"KV_F16": 0, "KV_I8": 0, "KV_BF16": 1}, np.uint16,
                          np.dtype(np.uint16), matrices=False, max_abs=BF16_FINITE_INPUT),
@@ -75,7 +85,7 @@ FORMATS = {
     # reference.quantize_q4). Files hold the stored row words as uint32 (format "q4z"). Not on
     # attn_coopmat.comp (as bfloat16)
     "q4": KVFormat("q4", 32, {"KV_F16": 0, "KV_I8": 0, "KV_Q4": 1}, np.uint32, np.dtype(np.uint32),
-                   matrices=False, block_scale=True, max_abs=Q4_MAX_ABS),
+                   matrices=False, block_scale=True, max_abs=Q4_MAX_ABS, rotation_room=True),
 }
 DTYPES = tuple(FORMATS)
 

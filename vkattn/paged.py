@@ -588,7 +588,8 @@ class PagedKVCache(CacheBase):
         if isinstance(k, DeviceArray) or isinstance(v, DeviceArray):
             k, v = self._check_device_kv(k, v, total)
         else:
-            k = check_array("k", k, (self.num_kv_heads, total, self.head_dim), max_abs=self._max_abs)
+            k = check_array("k", k, (self.num_kv_heads, total, self.head_dim), max_abs=self._max_abs,
+                            rotary=self._rotary)
             v = check_array("v", v, (self.num_kv_heads, total, self.v_head_dim), max_abs=self._max_abs)
         return plan, k, v
 

@@ -34,33 +34,41 @@ def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: boo
         return x                        # shown by one dot product; the rest get the exact checks
     if finite and not np.isfinite(x).all():
         raise ValueError(f"{name}: contains NaN or Inf")
-    if fp16_range and x.size and float(np.abs(x).max()) > FP16_MAX:
+    if not x.size or not (fp16_range or max_abs is not None or rotary is not None):
+        return x
+    top = float(np.abs(x).max())
+    if fp16_range and top > FP16_MAX:
         raise ValueError(f"{name}: values exceed the float16 range (|x| > {FP16_MAX}) of this float16 cache")
-    if max_abs is not None and x.size and float(np.abs(x).max()) > max_abs[0]:
+    if max_abs is not None and top > max_abs[0]:
         limit, dtype = max_abs
         raise ValueError(f"{name}: values exceed the {dtype} range (|x| > {limit:.8g}) of this {dtype} cache")
-    if rotary is not None and x.size:
-        check_rotated(name, x, rotary, FP16_MAX if fp16_range else None, max_abs)
+    if rotary is not None:
+        check_rotated(name, x, top, rotary, FP16_MAX if fp16_range else None, max_abs)
     return x
 
 
 FLT_MAX = float(np.finfo(np.float32).max)
 
 
-def check_rotated(name: str, x: np.ndarray, rotary: tuple, fp16_limit, max_abs) -> None:
-    """check_array's test of keys a RoPE rotates: every rotated pair's length (float64) at most
-    the storage's limit, less 2**-20 of it (the float32 rotation's rounding: cos and sin rounded,
-    two products and a sum, within 2**-22 of the length). Only reached where plainly_finite did
-    not pass the array (then every value is below 1.9e19, and so is every rotated one)."""
+def check_rotated(name: str, x: np.ndarray, top: float, rotary: tuple, fp16_limit, max_abs) -> None:
+    """check_array's test of keys a RoPE rotates (``top``: their largest |value|): every rotated
+    pair's length (float64) at most the storage's limit, less 2**-20 of it (the float32
+    rotation's rounding: cos and sin rounded, two products and a sum, within 2**-22 of the
+    length); no pair is measured where ``top`` times sqrt(2) is within that. Only reached where
+    plainly_finite did not pass the array (then every value is below 1.9e19, and so is every
+    rotated one)."""
+    limit, dtype = max_abs or (FLT_MAX, "float32")
+    if fp16_limit is not None and fp16_limit < limit:
+        limit, dtype = fp16_limit, "float16"
+    bound = limit * (1 - 2.0 ** -20)
+    if top * 1.4142136 <= bound:        # (sqrt(2) rounded up)
+        return
     rd, style = rotary
     h = rd // 2
     y = x.astype(np.float64)
     a, b = (y[..., :h], y[..., h:rd]) if style == "neox" else (y[..., 0:rd:2], y[..., 1:rd:2])
     top = float(np.hypot(a, b).max())
-    limit, dtype = max_abs or (FLT_MAX, "float32")
-    if fp16_limit is not None and fp16_limit < limit:
-        limit, dtype = fp16_limit, "float16"
-    if top > limit * (1 - 2.0 ** -20):
+    if top > bound:
         raise ValueError(f"{name}: the cache's rope rotates pairs of values; a pair of length {top:.8g} can reach "
                          f"past the {dtype} range ({limit:.8g}) of this cache, which would store Inf")
 

@@ -231,7 +231,7 @@ def test_decode_splits_past_the_workgroup_count_are_refused(cache, rng, monkeypa
 @pytest.mark.parametrize("var", ["VKATTN_VERIFY", "VKATTN_TEXEL_KV", "VKATTN_HALF_NATIVE", "VKATTN_MEASURE_CACHE",
                                  "VKATTN_DRIVER_WORKAROUNDS", "VKATTN_PIN_SUBGROUP", "VKATTN_TILE_V_EARLY"])
 def test_switches_take_0_or_1_only(device, monkeypatch, var):
-    """Every 0/1 switch is read alike (tuning.env_flag): "false", "off", "no" -- which turned
+    """Every 0/1 switch is read alike (checks.env_flag): "false", "off", "no" -- which turned
     VKATTN_VERIFY on and left the texel and half paths on before -- are a ValueError naming the
     variable; blanks around 0 / 1 are fine."""
     from vkattn import _driverfix, device as device_mod, measure, tuning

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # lowest first; a module may import modules of its own layer or below
 LAYERS = [
-    {"errors", "_version", "checks", "reference", "formats", "spirv", "_driverfix", "_vkinfo"},
+    {"errors", "_version", "checks", "reference", "formats", "spirv", "_driverfix", "_vkinfo", "_files"},
     {"compiler", "tuning"},
     {"_kp"},
     {"device"},                         # limits, features, verdicts: builds no cache

@@ -9,13 +9,13 @@ import numpy as np
 from . import reference
 from .array import DeviceArray, check_device_array
 from ._attn import Pipeline, RoPE, destroy, grid_groups, host_mask, put_rows, set_storage, token_bytes, unpack_rows
-from .checks import SCALE_MAX, check_array, check_bool, check_int, check_scale, plainly_finite
+from .checks import SCALE_MAX, check_array, check_bool, check_int, check_scale, env_flag, plainly_finite
 from .compiler import compile_shader
 from .device import Device, default_device
 from .errors import CacheClosedError, DeviceLimitError, VerificationError
 from .formats import DTYPES, dtype_list
 from .reference import check_fp8_scale
-from .tuning import FUSED_APPEND_MAX_ROWS, TEXEL_APPEND_MIN_WORDS, WORKGROUP, coopmat_takes, env_flag, kernel_for, row_bucket, \
+from .tuning import FUSED_APPEND_MAX_ROWS, TEXEL_APPEND_MIN_WORDS, WORKGROUP, coopmat_takes, kernel_for, row_bucket, \
     texel_kv
 
 MAX_PLANS = 8

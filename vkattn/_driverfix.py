@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from ._files import replace_file
-from .tuning import env_flag
+from .checks import env_flag
 
 # what apply() sets for an affected llvmpipe (docs/platforms.md: measured against the others)
 FIX = {"GALLIUM_OVERRIDE_CPU_CAPS": "avx"}

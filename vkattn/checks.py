@@ -1,7 +1,8 @@
-"""One checker for every array argument: typed errors that name the argument."""
+"""One checker for every array argument (and every 0/1 environment switch): typed errors that name it."""
 from __future__ import annotations
 
 import numbers
+import os
 import warnings
 
 import numpy as np
@@ -90,6 +91,16 @@ def plainly_finite(x: np.ndarray, fp16_range: bool = False, limit: float | None 
         limit = FP16_MAX if limit is None else min(limit, FP16_MAX)
     ssq = float(np.vdot(x, x))        # flattens a C-contiguous array in place (others: a copy)
     return ssq < float("inf") if limit is None else ssq <= limit * limit * 0.99
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A 0/1 variable (surrounding blanks ignored), ``default`` where unset or empty; ValueError
+    naming it for anything else (every VKATTN_* switch is read through here: "false", "off" or
+    "no" turned some on before)."""
+    env = os.environ.get(name, "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{name}={env!r}: expected 0 or 1")
+    return default if env == "" else env == "1"
 
 
 def check_shape(name: str, got: tuple, shape: tuple) -> None:

@@ -14,9 +14,10 @@ import numpy as np
 from . import _driverfix, _kp
 from ._vkinfo import DeviceInfo, VulkanUnavailableError, query_devices
 from . import compiler
+from .checks import env_flag
 from .errors import CacheClosedError
 from .tuning import (COMPUTE_STAGE, COOPMAT_MARGIN, COOPMAT_SUBGROUP, SUBGROUP_SHUFFLE, SUBGROUP_VOTE,
-                     TILE_CLUSTER, WORKGROUP, env_flag)
+                     TILE_CLUSTER, WORKGROUP)
 
 
 class _Limits:

@@ -33,6 +33,7 @@ import numpy as np
 
 from . import compiler, reference, tuning
 from ._files import replace_file
+from .checks import env_flag
 from ._attn import RoPE
 from .cache import KVCache
 from .device import register_measure
@@ -255,7 +256,7 @@ def _path(device):
 
 
 def _enabled() -> bool:
-    return tuning.env_flag("VKATTN_MEASURE_CACHE", True)
+    return env_flag("VKATTN_MEASURE_CACHE", True)
 
 
 def _load(device) -> dict:

@@ -21,6 +21,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 
+from .checks import env_flag
 from .errors import DeviceLimitError
 
 WORKGROUP = 64          # threads of the grid-stride kernels (append, gather, copy); attn.comp's target
@@ -211,16 +212,6 @@ def tile_v_early() -> bool:
     (ACO hoists those loads already), NVK's float16 decode 128 GPRs instead of 120 at the same 16
     warps per SM (perf/gpu_report_nvk.md)."""
     return env_flag("VKATTN_TILE_V_EARLY", False)
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """A 0/1 variable (surrounding blanks ignored), ``default`` where unset or empty; ValueError
-    naming it for anything else (every VKATTN_* switch is read through here: "false", "off" or
-    "no" turned some on before)."""
-    env = os.environ.get(name, "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{name}={env!r}: expected 0 or 1")
-    return default if env == "" else env == "1"
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ perf/out/results.{json,csv}. Shapes come from VKATTN_PERF_* (see perf/common.py)
 ``python -m perf modelgpu``: the whole-model example's pipelines through GPU compilers, no GPU (perf/modelgpu.py)."""
 from __future__ import annotations
 
+import os
 import sys
 
 import vkattn
@@ -72,6 +73,11 @@ def main(argv=None) -> int:
             rows += SCRIPTS[n].run(shape, device)
     except PerfConfigError as e:
         print(f"perf: {e}", file=sys.stderr)
+        return 2
+    if not rows:                    # a VKATTN_PERF_CASE that matches nothing: not a pass, and no results written
+        print(f"perf: no case of {', '.join(names)} ran: VKATTN_PERF_CASE="
+              f"{os.environ.get('VKATTN_PERF_CASE', '')!r} matches none, or VKATTN_PERF_CONTEXT leaves none (a "
+              f"prefill's context counts its VKATTN_PERF_QLEN rows)", file=sys.stderr)
         return 2
     print_table(rows, device.name)
     print(f"\nmachine copy bandwidth (read + write): {copy_bandwidth():.1f} GB/s")

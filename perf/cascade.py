@@ -28,7 +28,7 @@ import numpy as np
 
 import vkattn
 from vkattn.device import PlanningDevice
-from vkattn.reference import attention
+from vkattn.reference import attention, round_to
 from vkattn.tools import vkpipeline as vp
 from vkattn.tuning import decode_key_bound
 
@@ -82,8 +82,10 @@ def run(shape: Shape, device) -> list:
         traffic = _traffic(device, shape, bs, shared, [n - shared for n in lens])
         outs = [step(i) for i in (0, 1)]            # builds the plans; checked against the reference
         ok = all(outs[i][3] == (modes[i] == "1") for i in (0, 1))
-        for j, sid in enumerate(sids):
-            kk, vv = caches[0].read(sid)
+        starts = np.cumsum([0] + own)
+        for j, sid in enumerate(sids):   # the reference on the inputs as stored (not the cache's read-back)
+            kk, vv = (round_to(np.concatenate([p, o[:, starts[j]:starts[j + 1]], n[:, j:j + 1]], axis=1), shape.dtype)
+                      for p, o, n in ((kp, ko, k1), (vp, vo, v1)))
             ref = attention(q[:, j:j + 1], kk, vv)
             ok = ok and all(check(o[0][:, j:j + 1], ref, shape.dtype) for o in outs)
         for _ in range(shape.warmup):

@@ -4,11 +4,14 @@ Environment (a bad value is an error, never a silent default):
   VKATTN_PERF_HEADS (32)        query heads          VKATTN_PERF_KV_HEADS (8)   kv heads
   VKATTN_PERF_HEAD_DIM (128)    head_dim             VKATTN_PERF_V_HEAD_DIM     v_head_dim (= head_dim)
   VKATTN_PERF_CONTEXT (per script, comma list)       context lengths L
-  VKATTN_PERF_CAPACITY          cache capacity (default: the largest context + query length)
+  VKATTN_PERF_CAPACITY          cache capacity (default: the context a case needs; decode also 8x it:
+                                VKATTN_PERF_CAPACITY_MULT)
   VKATTN_PERF_QLEN (512)        prefill query rows   VKATTN_PERF_DTYPE (float16) cache dtype
   VKATTN_PERF_ITERS (20)        timed iterations     VKATTN_PERF_WARMUP (3) untimed iterations
   VKATTN_PERF_CASE              run only cases whose name contains this substring
-  VKATTN_PERF_OUT (perf/out)    where results.json / results.csv go
+  VKATTN_PERF_OUT (perf/out)    where results.json / results.csv go (and every script's reports)
+  VKATTN_PERF_TORCH_DEVICE (cpu) torch beside vkattn: cpu or cuda
+Empty means the default.
 """
 from __future__ import annotations
 
@@ -148,7 +151,7 @@ def torch_case(q, k, v, causal: bool, ref, dtype: str, iters: int, warmup: int):
         import torch.nn.functional as F
     except ImportError:
         return True, None
-    dev = os.environ.get("VKATTN_PERF_TORCH_DEVICE", "cpu")
+    dev = torch_device()
     half = dev != "cpu" and dtype == "float16"
     qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(x))[None].to(dev, torch.float16 if half else torch.float32)
                   for x in (q, k, v))
@@ -223,10 +226,25 @@ def print_table(rows: list, device_name: str, torch_label: str = "torch") -> Non
               f"{r.speedup_vs_numpy:8.2f} {tt} {metric:>16}  {'yes' if r.verified else 'NO'}")
 
 
-def write_results(rows: list, device_name: str, copy_gbs: float | None = None, stem: str = "results",
-                  extra: dict | None = None) -> Path:
+def torch_device() -> str:
+    """VKATTN_PERF_TORCH_DEVICE: "cpu" (also where empty or unset) or "cuda" (torch's GPU: CUDA or
+    ROCm); PerfConfigError naming it for anything else."""
+    dev = os.environ.get("VKATTN_PERF_TORCH_DEVICE", "").strip() or "cpu"
+    if dev not in ("cpu", "cuda"):
+        raise PerfConfigError(f"VKATTN_PERF_TORCH_DEVICE={dev!r}: expected cpu or cuda")
+    return dev
+
+
+def out_dir() -> Path:
+    """Where the perf scripts write their reports: VKATTN_PERF_OUT, default perf/out (made)."""
     out = Path(os.environ.get("VKATTN_PERF_OUT") or Path(__file__).parent / "out")
     out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def write_results(rows: list, device_name: str, copy_gbs: float | None = None, stem: str = "results",
+                  extra: dict | None = None) -> Path:
+    out = out_dir()
     data = {"device": device_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "copy_bandwidth_gbs": copy_gbs,
             **(extra or {}), "rows": [asdict(r) for r in rows]}
     (out / f"{stem}.json").write_text(json.dumps(data, indent=2))

@@ -13,7 +13,6 @@ alike: the rows "decode L=... <dtype> alternated"."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import numpy as np
@@ -22,7 +21,7 @@ import vkattn
 from vkattn.formats import FORMATS
 from vkattn.reference import attention, round_to
 
-from .common import PerfConfigError, Row, Shape, check, env_int_list, selected, time_calls, torch_case
+from .common import Row, Shape, check, env_int, env_int_list, selected, time_calls, torch_case
 
 DEFAULT_CONTEXT = [512, 4096]
 ROUNDS = 4
@@ -36,12 +35,8 @@ def capacities(shape: Shape, L: int) -> list:
     """VKATTN_PERF_CAPACITY if set, else L and 8 x L (capacity must cost nothing)."""
     if shape.capacity:
         return [shape.capacity_for(L)]
-    mult = os.environ.get("VKATTN_PERF_CAPACITY_MULT", "8")
-    try:
-        m = int(mult)
-    except ValueError:
-        raise PerfConfigError(f"VKATTN_PERF_CAPACITY_MULT={mult!r}: expected a positive integer")
-    return [L] if m <= 1 else [L, m * L]
+    m = env_int("VKATTN_PERF_CAPACITY_MULT", 8)      # a positive integer (empty: the default)
+    return [L] if m == 1 else [L, m * L]
 
 
 def run(shape: Shape, device) -> list:

@@ -72,6 +72,10 @@ def main(argv=None) -> int:
     except PerfConfigError as e:
         print(f"gpu-bench: {e}", file=sys.stderr)
         return 2
+    if not rows:
+        print(f"gpu-bench: no case ran (VKATTN_PERF_CASE={os.environ.get('VKATTN_PERF_CASE', '')!r} matches none)",
+              file=sys.stderr)
+        return 2
     problem = dev.coopmat_problem()
     print("cooperative matrices: " + (f"attn_coopmat.comp, {'x'.join(map(str, dev.coopmat_shape()))} float16 -> "
                                       f"float32, subgroup {dev.coopmat_subgroup()}" if not problem else

@@ -28,7 +28,7 @@ the Python of a replay with the submission stubbed out (every cache call's host 
 replayed prompt (``--prompt`` tokens, 32; 3 runs) and of a decode token (``--new`` runs), from
 Vulkan timestamps (lavapipe's read more than its wall time: compare ops with each other there).
 
-Writes perf/out/model.json (``--random``: perf/out/model_random.json).
+Writes model.json (``--random``: model_random.json) in VKATTN_PERF_OUT (default perf/out).
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ import platform
 import statistics
 import subprocess
 import sys
+
+from .common import out_dir
 
 
 def cpu_name() -> str:
@@ -143,8 +145,7 @@ def main(argv=None) -> int:
               f"| {r['device_decode_tps'] / r['eager_decode_tps']:.2f} "
               f"| {r['device_generate_tps']:.2f} / {r['eager_generate_tps']:.2f} "
               f"({r['device_generate_tps'] / r['eager_generate_tps']:.2f}) | {r['tokens_equal']} |")
-    out = pathlib.Path(__file__).resolve().parent / "out"
-    out.mkdir(exist_ok=True)
+    out = out_dir()
     (out / "model.json").write_text(json.dumps(dict(device=dev.name, cpu=cpu_name(), rows=rows), indent=1))
     print(f"\nresults: {out / 'model.json'}")
     return 0 if all(r["tokens_equal"] for r in rows) else 1
@@ -277,8 +278,7 @@ def random_main(args) -> int:
         for op in sorted(set(pro) | set(dec), key=lambda o: (-pro.get(o, 0.0), -dec.get(o, 0.0))):
             print(f"| {op} | {pro.get(op, 0.0):.3f} | {dec.get(op, 0.0):.3f} |")
         print(f"| all | {sum(pro.values()):.3f} | {sum(dec.values()):.3f} |")
-    out = pathlib.Path(__file__).resolve().parent / "out"
-    out.mkdir(exist_ok=True)
+    out = out_dir()
     (out / "model_random.json").write_text(json.dumps(dict(device=dev.name, cpu=cpu_name(), rows=rows), indent=1))
     print(f"\nresults: {out / 'model_random.json'}")
     return 0

@@ -25,7 +25,7 @@ def run(shape: Shape, device) -> list:
     for ctx in contexts:
         past = ctx - s
         name = f"prefill S={s} past={past}"
-        if past < 0 or not selected(name):
+        if past < 0 or not selected(name):     # (shorter than its rows: no case; none at all exits 2)
             continue
         cap = shape.capacity_for(ctx)
         cache = vkattn.KVCache(cap, shape.kv_heads, shape.head_dim, shape.v_head_dim, dtype=shape.dtype,

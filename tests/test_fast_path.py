@@ -837,13 +837,19 @@ def test_paged_steady_decode_runs_its_last_step_again(device, rng, dtype, rope, 
 
 
 def test_paged_steady_decode_replans_after_any_change(device, rng, monkeypatch, steady_hits):
-    """A steady decode step (vkattn.paged._Steady) runs only where nothing changed since the last
-    one: after a truncate, a fork, a sequence added or removed, token ids set, the prefix cache
-    evicted, another scale, head count or variant, token ids other than one plain int each, its
-    plan built again by plan(), its plan dropped from the LRU, or its plan's aux filled for
-    another batch between a planned call and the next (a graph's prepare), the next call plans (and the
-    one after it is steady again); new tokens' ids are learnt as the planned way learns them; every output is bit for bit the general path's, and a batch that no longer fits is
-    the general path's CacheFullError with nothing changed."""
+    """A steady decode step (vkattn.paged._Steady) runs where its sequences are as the aux holds
+    them: after a truncate (a token, or a whole block), a fork, a sequence added or removed, token
+    ids set, a block cached, the prefix cache evicted, the next call takes on (lengths read from
+    the pool, its aux words the planned way's); where a sequence's block table is no longer a
+    prefix of the one the aux holds (a block dropped, another sequence taking it, the sequence
+    given another), after a step that raised once it had written the aux, another scale, head
+    count or variant, token ids other than one plain int each, its plan built again by plan(),
+    its plan dropped from the LRU, its plan's aux filled for another batch between a planned call
+    and the next (a graph's prepare) or filled again with the very words the memo holds (its fill
+    count), or a fork sharing a first block with cascade on, the next call plans (and the one
+    after it is steady again); new tokens' ids are learnt as the planned way learns them; every
+    output is bit for bit the general path's, and a batch that no longer fits is the general
+    path's CacheFullError with nothing changed."""
     hits = steady_hits
     monkeypatch.setenv("VKATTN_CASCADE", "0")      # a forked prefix attended per sequence (below: by cascade)
     hkv, d = 2, 16
@@ -865,6 +871,8 @@ def test_paged_steady_decode_replans_after_any_change(device, rng, monkeypatch, 
         assert fast.lengths() == general.lengths()
         if expect is not None:
             assert len(hits) - before == expect, (kw, expect)
+        if len(hits) > before:
+            _aux_as_planned(fast)
 
     call()
     call(expect=1)
@@ -878,12 +886,38 @@ def test_paged_steady_decode_replans_after_any_change(device, rng, monkeypatch, 
     changes = [lambda c: c.truncate(ids[0], c.length(ids[0]) - 1), lambda c: c.fork(ids[1]),
                lambda c: c.add_sequence(), lambda c: c.remove_sequence(max(c.sequences)),
                lambda c: c.set_token_ids(ids[2], c.token_ids(ids[2]) + [0] * (c.length(ids[2]) - len(c.token_ids(ids[2])))),
-               cache_a_block, lambda c: c.evict_cached()]
+               cache_a_block, lambda c: c.evict_cached(),
+               lambda c: c.truncate(ids[2], 4 * ((c.length(ids[2]) - 1) // 4))]     # its last block dropped
     for change in changes:
         for c in caches:
             change(c)
-        call(expect=0)
         call(expect=1)
+        call(expect=1)
+    row = rng.standard_normal((2, hkv, 1, d), dtype=np.float32)
+
+    def other_block(c):                             # ids[1]'s last block dropped, taken by another
+        c.truncate(ids[1], 4 * ((c.length(ids[1]) - 1) // 4))      # sequence, ids[1] given the next
+        s = c.add_sequence()
+        c.append([s], *row, n_new=[1])
+        c.append([ids[1]], *row, n_new=[1])
+        c.remove_sequence(s)
+    for c in caches:
+        other_block(c)
+    call(expect=0)
+    call(expect=1)
+    real_fill = _attn.AttnPlan.fill_decode_step
+
+    def half_way(self, *a, **kw):                   # a step that raises once its aux words are written
+        real_fill(self, *a, **kw)
+        raise RuntimeError("fault (injected)")
+    monkeypatch.setattr(_attn.AttnPlan, "fill_decode_step", half_way)
+    before = fast.lengths()
+    with pytest.raises(RuntimeError, match="injected"):
+        fast.forward(ids, *_batch(rng, 4, hkv, [1] * 3, d))
+    monkeypatch.setattr(_attn.AttnPlan, "fill_decode_step", real_fill)
+    assert fast.lengths() == before
+    call(expect=0)                                  # the memo no longer trusts that aux: planned
+    call(expect=1)
     for ids_ in ([[1], [2], [3]], ([4], [5], [6]), [[7], [8], [9]]):    # each new token's id: learnt, as planned
         call(expect=1, token_ids=ids_)
         assert [fast.token_ids(s) for s in ids] == [general.token_ids(s) for s in ids]
@@ -909,7 +943,27 @@ def test_paged_steady_decode_replans_after_any_change(device, rng, monkeypatch, 
     q, k, v = _batch(rng, 6, hkv, [1] * 3, d)       # batch before the next call (as a graph's prepare does)
     fast._plans[fast._steady_next[2]].fill_batch(q, k, v, [1, 2, 3], [1, 1, 1], [[7], [8], [9]], 0.25)
     call(expect=0, hq=6)
+    last = fast._steady_next                        # a planned call's memo; steady steps taking blocks after it,
+    for _ in range(4):                              # then the aux filled with the very words that call left
+        call(expect=1, hq=6)                        # (a graph's prepare copies a family's words): its header
+    plan, attn = last[1], last[3]                   # and words the memo's by identity, the fill count not
+    attn.fill_batch(q, k, v, plan.past, plan.n_new, plan.tables, last[5], variant=last[4], words=last[8])
+    assert attn._batch_head is last[7] and attn.batch_words is last[8]
+    call(expect=0, hq=6)
     call(expect=1, hq=6)
+    for c in caches:                                # (the fork above gone: no block shared)
+        for s in set(c.sequences) - set(ids):
+            c.remove_sequence(s)
+    monkeypatch.setenv("VKATTN_CASCADE", "1")       # cascade allowed, no block shared: steady; then a fork
+    call()                                          # shares the first block of a sequence whose tables it
+    call(expect=1)                                  # leaves as they are (a whole number of blocks): the
+    while fast.length(ids[1]) % 4:                  # next call is the cascade's
+        call()
+    forks = [c.fork(ids[1]) for c in caches]
+    call(expect=0)
+    for c, f in zip(caches, forks):
+        c.remove_sequence(f)
+    monkeypatch.setenv("VKATTN_CASCADE", "0")
     for c in caches:                                # a shared first block: with cascade allowed
         c.fork(ids[0])
     call(expect=0)
@@ -972,5 +1026,33 @@ def test_paged_steady_decode_across_the_key_bound_and_after_a_failed_call(device
             assert step in (0, 1, 4, 6), step       # the first, after the failed calls, past 4096 keys
     assert len(hits) == 8 and bounds[5] == 4096 and bounds[6] > 4096, (hits, bounds)
     assert fast._steady.attn.cfg.splits > 1
+    for c in (fast, general):                       # truncated below 4096 keys: the bound of the planned
+        c.truncate(batch[0], 4090)                  # way's key (4096) is not the steady plan's: planned
+    for expect in (0, 1):
+        q, k, v = _batch(rng, 4, hkv, [1] * 3, d)
+        before = len(hits)
+        assert np.array_equal(fast.forward(batch, q, k, v), general.forward(batch, q, k, v))
+        assert len(hits) - before == expect
     fast.close()
     general.close()
+
+
+def test_paged_step_after_a_truncate_takes_the_planned_key_bound(device, rng, monkeypatch):
+    """A decode step whose sequence was truncated within its blocks (the tables unchanged) takes
+    the attention plan the planned way would -- the key bound of its lengths now -- also where
+    the last step's bound was the pool's whole size (6000 slots, 4500 keys): _Step.following
+    reused that key unexamined (a plan sized for 6000 keys where 4011 take one for 4096: on a GPU
+    another split count, other bits). Bit for bit the general path's result, and its bound."""
+    bound = lambda c: [k for k in c._plans if k[0] == "attn"][-1][7]    # the attention plan used last  # noqa: E731
+    fast, general = (vkattn.PagedKVCache(6, 1000, 1, 16, dtype="float32", device=device) for _ in range(2))
+    general._fast_forward = lambda *a, **kw: None          # the twin always takes the general path
+    (sid,) = _twin_sequences(rng, fast, general, [4500])
+    for step in range(6):
+        if step == 3:
+            for c in (fast, general):
+                c.truncate(sid, 4010)                      # 5 blocks of 1000 still: the same table
+        q, k, v = _call(rng, 2, 1, 1, 1, 16)
+        got, want = fast.forward([sid], q, k, v), general.forward([sid], q, k, v)
+        assert np.array_equal(got, want), step
+        assert bound(fast) == (6000 if step < 3 else 4096), step
+    assert fast.length(sid) == general.length(sid) == 4013

@@ -32,6 +32,37 @@ def test_bad_values_are_errors(monkeypatch, name, value, msg):
         Shape.from_env()
 
 
+def test_capacity_mult_and_torch_device_are_checked(monkeypatch):
+    """VKATTN_PERF_CAPACITY_MULT 0 or -5 ran as 1, and empty failed (empty means the default for
+    every other variable); VKATTN_PERF_TORCH_DEVICE took any string to torch (a traceback)."""
+    from perf.common import torch_device
+    from perf.decode import capacities
+    shape = Shape.from_env()
+    for bad in ("0", "-5", "x"):
+        monkeypatch.setenv("VKATTN_PERF_CAPACITY_MULT", bad)
+        with pytest.raises(PerfConfigError, match="VKATTN_PERF_CAPACITY_MULT"):
+            capacities(shape, 64)
+    monkeypatch.setenv("VKATTN_PERF_CAPACITY_MULT", "")
+    assert capacities(shape, 64) == [64, 512]
+    monkeypatch.setenv("VKATTN_PERF_CAPACITY_MULT", "1")
+    assert capacities(shape, 64) == [64]
+    for value, want in (("", "cpu"), (" cuda ", "cuda"), ("cpu", "cpu")):
+        monkeypatch.setenv("VKATTN_PERF_TORCH_DEVICE", value)
+        assert torch_device() == want
+    monkeypatch.setenv("VKATTN_PERF_TORCH_DEVICE", "gpu")
+    with pytest.raises(PerfConfigError, match="VKATTN_PERF_TORCH_DEVICE='gpu': expected cpu or cuda"):
+        torch_device()
+
+
+def test_a_case_filter_that_runs_nothing_exits_2(monkeypatch, tmp_path, capsys):
+    """No case selected is not a pass (it exited 0 with no rows, and wrote an empty results file)."""
+    from perf.__main__ import main
+    monkeypatch.setenv("VKATTN_PERF_OUT", str(tmp_path))
+    monkeypatch.setenv("VKATTN_PERF_CASE", "decoed")
+    assert main(["decode"]) == 2
+    assert "no case of decode ran" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
 def test_bad_context_list(monkeypatch):
     monkeypatch.setenv("VKATTN_PERF_CONTEXT", "512,,x")
     with pytest.raises(PerfConfigError, match="comma list"):

@@ -634,6 +634,8 @@ class AttnPlan:
     _batch_head = None              # fill_batch's last key (counts, scale, variant, rows, causal, ..), its offsets
     batch_words = None              # fill_batch's last per-sequence words (layout, records, tables, rotary rows)
     _decode_cols = None             # decode_columns': ((records' offset, B), views of record words 0, 4, 5, 6, 10)
+    fills = 0                       # how many times fill, fill_simple or fill_batch wrote the aux (vkattn.paged's
+                                    # steady memo: no other call's words there since its own)
 
     def fill_simple(self, q, k, v, past: int, scale: float, rope: RoPE | None = None,
                     variant: Variant = _PLAIN, causal: bool = True, mask: np.ndarray | None = None) -> None:
@@ -648,6 +650,7 @@ class AttnPlan:
         s, n = q.shape[1], 0 if k is None else k.shape[1]
         rows = max(s, n)
         key = (s, n, scale, rope, causal, variant.key(), None if mask is None else mask.ndim)
+        self.fills += 1
         if self._simple != key:
             seq = SeqCall(past=past, n_new=n, q_start=0, q_len=s, mask=mask, rope_pos=past + n - rows)
             self.fill(q, k, v, [seq], causal, scale, variant, rope)
@@ -673,6 +676,7 @@ class AttnPlan:
         """Write a call's inputs into the host copies of q, nk/nv, aux and the rotary table (what
         ``inputs`` uploads); returns its rows per head."""
         self._batch_head = None
+        self.fills += 1
         rows, nn = self._put_inputs(q, k, v)
         aux = self.aux.view()
         f = aux.view(np.float32)
@@ -728,6 +732,7 @@ class AttnPlan:
         ``prior``: the ``batch_words`` of a call with the same ``counts`` and ``tables`` but other
         lengths (vkattn.paged's next step of the same sequences): its block-table words are
         taken where it laid out the same configuration, the records and rotary rows computed."""
+        self.fills += 1
         rows, nn = self._put_inputs(q, k, v)
         aux = self.aux.view()
         per_head = None if masks is None else masks[0].ndim == 3

@@ -354,12 +354,11 @@ class PagedKVCache(CacheBase):
             except (TypeError, ValueError):
                 return None         # the general path raises it, or an error it checks first (the ids')
             flags = F_PAGED | variant.flags(mask is not None) | (self.rope.flags(rope_q) if self.rope is not None else 0)
-            if mask is None:        # the last fast call's step run again, where the pool is as it left it
-                version, steady = self._pool._version, self._steady
-                if steady is None or steady.version != version:
-                    last = self._steady_next
-                    steady = None if last is None or last[0] != version else _Steady.of(self, last)
-                    self._steady, self._steady_next = steady, None
+            if mask is None:        # the last fast call's step run again, where its sequences are as it left them
+                steady, last = self._steady, self._steady_next
+                if last is not None:            # a planned call since: its memo replaces the last one
+                    steady = self._steady = _Steady.of(self, last)
+                    self._steady_next = None
                 if steady is not None:
                     got = steady.step(self, seq_ids, n_new, q, k, v, hq, total, flags, variant, scale, causal, out,
                                       return_lse, token_ids)
@@ -407,7 +406,8 @@ class PagedKVCache(CacheBase):
             plan.commit()
             self._next = step               # the next call of the same sequences: _Step.following
             self._steady_next = None if split or step is None or masks is not None else \
-                (self._pool._version, plan, step.key, attn, variant, scale, causal, attn._batch_head, attn.batch_words)
+                (self._pool._version, plan, step.key, attn, variant, scale, causal, attn._batch_head, attn.batch_words,
+                 attn.fills)
             if out is not None:
                 return out
             if return_lse:                  # numpy only: out and lse copied back
@@ -812,7 +812,10 @@ class _Step:
             return step                 # other tables: their words and the plan's key computed anew
         step.prior = self.words         # fill_batch checks the layout
         key = self.key
-        if key is not None and counts == last and (key[7] == slots or sum(counts) != len(counts)
+        # the decode key bound compared, never assumed: a truncate that kept the tables may have
+        # shortened a sequence below the bound's bucket (the planned way then takes a plan of
+        # fewer splits: other bits on a GPU), also where the bound was the pool's whole size
+        if key is not None and counts == last and (sum(counts) != len(counts)
                                                    or decode_key_bound(max(map(add, plan.past, counts)), slots)
                                                    == key[7]):
             step.key, step.args = key, self.args       # _batch_plan_args: the same (its bound at index 7)
@@ -842,36 +845,43 @@ TABLE_SLACK = 4         # free words a steady step leaves after each block table
 class _Steady:
     """A batch decode a PagedKVCache's next call may take on without planning: the last fast call
     was one new token for each of the same sequences (no mask, rows fused into the dispatch), and
-    nothing has changed the pool since (its version). While the decode key bound and the choice
-    to append first hold, the blocks rows need are free and the tables fit in the aux, and the
-    attention plan is still the cache's with the aux that call left, the next step is that plan
-    run again with the words that change written (AttnPlan.fill_decode_step): no AppendPlan, no
-    _Step, no per-sequence records built (vkattn's Python of a batch decode loop). A row that
-    starts a block takes the block _take would give (the same tables as the planned way): one
-    word written after its table where the aux has one free there, else every table laid out
-    again with a few free words after each (_tables); each new token's id, where given, is learnt
-    as the planned way learns it. Anything else -- another variant, scale or head count, a pool
-    changed by anyone -- goes the planned way, which makes a new memo."""
+    its sequences are as the attention plan's aux describes them: nothing has changed the pool
+    since (its version), or, where something has (a truncate, other sequences added, removed or
+    extended, the prefix cache), each sequence's block table is still a prefix of the one the
+    aux holds (``tables``), compared, not assumed, and its length is read from the pool. While
+    the decode key bound (the planned way's for those lengths) and the choice to append first
+    hold, the blocks rows need are free and the tables fit in the aux, and the attention plan is
+    still the cache's with the aux that call left (no fill since: AttnPlan.fills), the next step
+    is that plan run again with the words that change written (AttnPlan.fill_decode_step): no
+    AppendPlan, no _Step, no per-sequence records built (vkattn's Python of a batch decode loop;
+    and of a step after a truncate, as speculative decoding's, or of a model's layers whose pools
+    changed since). A row that starts a block takes the block _take would give (the same tables
+    as the planned way): one word written after its table where the aux has one free there,
+    else every table laid out again with a few free words after each (_tables); each new token's
+    id, where given, is learnt as the planned way learns it. Anything else -- another variant,
+    scale or head count, a table the aux does not hold -- goes the planned way, which makes a
+    new memo."""
 
     __slots__ = ("pool", "version", "ids", "ids_t", "ones", "past", "bound", "hq", "flags", "variant", "scale",
-                 "causal", "key", "attn", "head", "words", "shared", "result")
+                 "causal", "key", "attn", "head", "words", "fills", "tables", "shared", "result")
 
     @classmethod
     def of(cls, cache, last: tuple):
         """The memo of the last planned fast call (PagedKVCache._steady_next: the pool's version
         after its commit, its AppendPlan, the attention plan's LRU key, the attention plan, its
-        variant, scale and causality, and the plan's fill_batch header and words that call
-        left), made at the next call, which found the pool at that version -- a call after a
-        truncate or another change pays only that test; None where its next step could not take
-        on: not a decode of one row per sequence, an output width to check."""
-        version, plan, key, attn, variant, scale, causal, head, words = last
+        variant, scale and causality, and the plan's fill_batch header, words and fill count
+        that call left), made at the next call (step() compares the pool with it); None where
+        its next step could not take on: not a decode of one row per sequence, an output width
+        to check."""
+        version, plan, key, attn, variant, scale, causal, head, words, fills = last
         counts = plan.n_new
         if key is None or attn._check_width or head is None or counts.count(1) != len(counts):
             return None
         m = object.__new__(cls)
         pool = cache._pool
         m.pool, m.version, m.key, m.attn, m.scale, m.causal = pool, version, key, attn, scale, causal
-        m.head, m.words = head, words       # step() finds them still the plan's, or plans
+        m.head, m.words, m.fills = head, words, fills       # step() finds them still the plan's, or plans
+        m.tables = plan.tables              # what the aux holds (never changed in place: replaced)
         m.ids, m.ids_t, m.ones = list(plan.seq_ids), tuple(plan.seq_ids), counts[:]
         m.past = list(map(add, plan.past, counts))          # the lengths now: the next call's past
         m.bound, m.hq, m.flags, m.variant = key[7], attn.hq, key[5], variant    # (check_variant keeps a window's)
@@ -903,13 +913,16 @@ class _Steady:
             token_ids = _one_id_each(token_ids, total)
             if token_ids is None:
                 return None
+        if pool._version != self.version and not self._resync(pool, cache.slots):
+            return None                     # a table the aux does not hold, or another key bound
         past = self.past
         if max(past) >= self.bound or cache._appends_first(1, key_bound=sum(past) + total):
             return None                     # the plan's key bound passed, or the rows go first
         if self.shared and out is None and cascade.may_share_blocks(cache):
             return None
         attn = cache._plans.get(self.key)
-        if attn is not self.attn or attn._batch_head is not self.head or attn.batch_words is not self.words:
+        if attn is not self.attn or attn._batch_head is not self.head or attn.batch_words is not self.words \
+                or attn.fills != self.fills:
             return None                     # the plan was dropped, or another call filled its aux
         grow = layout = None
         bs = cache.block_size               # a table holds ceil(length / bs) blocks (BlockPool.check)
@@ -926,8 +939,10 @@ class _Steady:
                     pool._evict(b)
         cache._plans.move_to_end(self.key)
         ends = [p + 1 for p in past]
-        tables, words = (None, None) if layout is None else layout
+        tables, words, held = (None, None, self.tables) if layout is None else layout
+        self.fills = -1                     # the aux half written, should this raise: no step takes it on
         attn.fill_decode_step(q, k, v, past, ends, cache.rope, tables, words, self.variant.window)
+        self.fills, self.tables = attn.fills, held
         if out is not None:
             rec = attn.bound(q._buf, k._buf, v._buf, out._buf, None)[1]
         else:
@@ -949,6 +964,29 @@ class _Steady:
             result = self.result = attn.out.view()[:hq * total * dv].reshape(hq, total, dv)
         return result.copy()
 
+    def _resync(self, pool, slots: int) -> bool:
+        """After a change of the pool (its version not this memo's): whether the step may take on
+        -- every sequence still there, its block table a prefix of the one the aux holds (a
+        truncated table's later words are never read: BlockPool keeps ceil(length / bs) blocks),
+        and the decode key bound of their lengths the plan's (the planned way's key: a shorter
+        batch would take a plan of fewer splits) -- with the lengths and the shared-first-block
+        test taken from the pool now. Nothing changes where it does not."""
+        ids, held = self.ids, self.tables
+        try:
+            past = list(map(pool._lengths.__getitem__, ids))
+            live = list(map(pool._tables.__getitem__, ids))
+        except KeyError:
+            return False                    # removed: the planned way raises
+        for t, h in zip(live, held):
+            if t != h[:len(t)]:
+                return False
+        if decode_key_bound(max(past) + 1, slots) != self.bound:
+            return False
+        refs = pool._refs
+        self.shared = len(ids) > 1 and any(refs[t[0]] > 1 for t in live if t)
+        self.past, self.version = past, pool._version
+        return True
+
     def _tables(self, attn, grow: list, picks: list):
         """The block-table writes of a step in which the sequences at batch indices ``grow`` take
         blocks ``picks``, read from the aux as it is (each record's word 5: its table's offset;
@@ -956,20 +994,24 @@ class _Steady:
         each of them has a free word after its table, those words ((None, [(aux index,
         block)])); else every table laid out again with TABLE_SLACK free words after each where
         the aux has room (((their words, each table's offset), None)); None where the tables no
-        longer fit. (A failed step's word is never read: its table is no longer than before.)"""
+        longer fit. (A failed step's word is never read: its table is no longer than before.)
+        Last in either tuple: the tables the aux then holds (``tables``' next value)."""
         tables, ids = self.pool._tables, self.ids
-        offs, n = attn.decode_columns(len(ids))[2], len(ids)
-        words = []
+        offs, n = attn.decode_columns(len(ids))[2].tolist(), len(ids)    # plain ints: numpy's element
+        offs.append(attn._counters)         # reads cost 4 of 8 us at B=16, every sequence taking a block
+        words, held = [], self.tables[:]
         for i, b in zip(grow, picks):
-            end = int(offs[i]) + len(tables[ids[i]])
-            if end >= (int(offs[i + 1]) if i + 1 < n else attn._counters):
+            t = tables[ids[i]]
+            end = offs[i] + len(t)
+            if end >= offs[i + 1]:
                 break
             words.append((end, b))
+            held[i] = t + [b]
         else:
-            return None, words
-        live = [tables[s] for s in ids]
+            return None, words, held
+        live = [t[:] for t in map(tables.__getitem__, ids)]     # copies: the pool's lists change
         for i, b in zip(grow, picks):
-            live[i] = live[i] + [b]
+            live[i].append(b)
         free = self.head[1][2]
         slack = min(TABLE_SLACK, (attn._counters - free - sum(map(len, live))) // n)
         if slack < 0:
@@ -978,7 +1020,7 @@ class _Steady:
         words = array("I", chain.from_iterable(chain.from_iterable(zip(live, repeat(pad)))))
         offsets = list(accumulate([len(t) + slack for t in live], initial=free))
         del offsets[-1]
-        return (words, offsets), None
+        return (words, offsets), None, live
 
 
 def _new_rows(plan, block_size: int) -> tuple:

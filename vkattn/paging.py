@@ -328,15 +328,6 @@ class BlockPool:
         picks = list(islice(reversed(self._free), n))
         return picks + list(islice(self._cached, n - len(picks)))
 
-    def _claim(self, block: int) -> None:
-        """Take a planned block (free, or cached: evicted now)."""
-        if block in self._cached:
-            self._evict(block)
-        if block not in self._free:
-            raise AssertionError(f"AppendPlan.commit: planned block {block} is not free")
-        del self._free[block]
-        self._refs[block] = 1
-
     def _evict(self, block: int) -> None:
         """An unreferenced cached block leaves the cache: unregistered, onto the free stack."""
         del self._cached[block]
@@ -653,8 +644,14 @@ class BlockPool:
         where the sequence knew the ids of all its ``past[i]`` positions (its length before).
         Every block is claimed first (a hash evicted here may be registered below); a new
         version. _apply_append's, and vkattn.paged's steady decode step's (no AppendPlan)."""
-        for _, block in grown:
-            self._claim(block)
+        free, cached, refs = self._free, self._cached, self._refs
+        for _, block in grown:              # each planned block taken (free, or cached: evicted now), inline:
+            if block in cached:             # a method call a block was half the loop's time (B=16, a block
+                self._evict(block)          # each: 2.5 of 5 us)
+            if block not in free:
+                raise AssertionError(f"AppendPlan.commit: planned block {block} is not free")
+            del free[block]
+            refs[block] = 1
         tables = self._tables
         for s, block in grown:
             tables[s].append(block)

@@ -74,6 +74,9 @@ def main(argv=None) -> int:
     except PerfConfigError as e:
         print(f"perf: {e}", file=sys.stderr)
         return 2
+    except vkattn.DeviceLimitError as e:    # a VKATTN_PERF_* shape past this device's limits: a setting, not a result
+        print(f"perf: the VKATTN_PERF_* shape is past this device's limits: {e}", file=sys.stderr)
+        return 2
     if not rows:                    # a VKATTN_PERF_CASE that matches nothing: not a pass, and no results written
         print(f"perf: no case of {', '.join(names)} ran: VKATTN_PERF_CASE="
               f"{os.environ.get('VKATTN_PERF_CASE', '')!r} matches none, or VKATTN_PERF_CONTEXT leaves none (a "

@@ -217,3 +217,14 @@ def test_peak_probe_matches_numpy(monkeypatch, device):
     assert rows[0].shape.startswith(f"4 x {wg} invocations")
     assert not np.array_equal(peak._expected(np.full((3, 4), 0.5, np.float32), b, 4 * wg, 3),
                               peak._expected(np.full((3, 4), 0.5, np.float32), b + 1, 4 * wg, 3))
+
+
+def test_a_shape_past_the_device_limits_is_a_setting_error(monkeypatch, tmp_path, capsys):
+    """VKATTN_PERF_BLOCK_SIZE past what the device can hold: exit 2 naming the limit (it was a
+    DeviceLimitError traceback, exit 1: the code of a failed check)."""
+    from perf.__main__ import main
+    monkeypatch.setenv("VKATTN_PERF_OUT", str(tmp_path))
+    monkeypatch.setenv("VKATTN_PERF_BLOCK_SIZE", "100000000")
+    monkeypatch.setenv("VKATTN_PERF_BATCH", "2")
+    assert main(["batch"]) == 2
+    assert "past this device's limits" in capsys.readouterr().err

@@ -44,23 +44,21 @@ def check_array(name: str, x, shape: tuple, finite: bool = True, fp16_range: boo
         limit, dtype = max_abs
         raise ValueError(f"{name}: values exceed the {dtype} range (|x| > {limit:.8g}) of this {dtype} cache")
     if rotary is not None:
-        check_rotated(name, x, top, rotary, FP16_MAX if fp16_range else None, max_abs)
+        limits = [max_abs or (FLT_MAX, "float32")] + ([(FP16_MAX, "float16")] if fp16_range else [])
+        check_rotated(name, x, top, rotary, *min(limits))       # (limit, dtype): the smaller limit
     return x
 
 
 FLT_MAX = float(np.finfo(np.float32).max)
 
 
-def check_rotated(name: str, x: np.ndarray, top: float, rotary: tuple, fp16_limit, max_abs) -> None:
+def check_rotated(name: str, x: np.ndarray, top: float, rotary: tuple, limit: float, dtype: str) -> None:
     """check_array's test of keys a RoPE rotates (``top``: their largest |value|): every rotated
     pair's length (float64) at most the storage's limit, less 2**-20 of it (the float32
     rotation's rounding: cos and sin rounded, two products and a sum, within 2**-22 of the
     length); no pair is measured where ``top`` times sqrt(2) is within that. Only reached where
     plainly_finite did not pass the array (then every value is below 1.9e19, and so is every
-    rotated one)."""
-    limit, dtype = max_abs or (FLT_MAX, "float32")
-    if fp16_limit is not None and fp16_limit < limit:
-        limit, dtype = fp16_limit, "float16"
+    rotated one). ``limit``: the largest |value| the storage (``dtype``) takes."""
     bound = limit * (1 - 2.0 ** -20)
     if top * 1.4142136 <= bound:        # (sqrt(2) rounded up)
         return
